@@ -1,0 +1,35 @@
+"""sglang-mamba-ext: hybrid (KV + SSM) prefix cache and deferred-update spec verify for SGLang 0.5.23."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="sglang-mamba-ext",
+    version="0.1.0",
+    description=(
+        "Plugin for stock SGLang 0.5.23: a radix prefix cache holding attention KV and "
+        "SSM state for hybrid models, and a memory-lean speculative-decoding verify."
+    ),
+    packages=find_packages(include=["sglang_mamba_ext", "sglang_mamba_ext.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "sglang==0.5.23",
+        "torch==2.14.1",
+    ],
+    extras_require={
+        "test": [
+            "pytest",
+            "hypothesis",
+            "fla-core",
+            "requests",
+        ],
+    },
+    entry_points={
+        # SGLang 0.5.23 loads general plugins from this group in every process it starts
+        # (sglang/srt/plugins/__init__.py); register() does nothing visible until
+        # --enable-mamba-radix is passed.
+        "sglang.srt.plugins": [
+            "mamba_radix = sglang_mamba_ext.sglang.plugin:register",
+        ],
+    },
+    include_package_data=True,
+)
