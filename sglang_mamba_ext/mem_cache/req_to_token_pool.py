@@ -1,0 +1,223 @@
+"""Hybrid request-to-token pool (seed §1.4, §3.4): the ``req_to_token`` map of KV slots,
+the request -> working SSM slot map, and the ping-pong checkpoint slots per request.
+
+Plays the role of SGLang's ``HybridReqToTokenPool`` (``sglang/srt/mem_cache/memory_pool.py``);
+written from the seed.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .mamba_pool import MambaPool
+from .req import CacheReq
+
+
+class HybridReqToTokenPool:
+    """Rows of KV-slot indices per request, plus each request's SSM slots.
+
+    Tensors:
+
+    - ``req_to_token``: int32 ``[size, max_context_len]``; ``req_to_token[r, pos]`` is the
+      KV slot of token ``pos`` of the request in row ``r``.
+    - ``req_index_to_mamba_index_mapping``: int64 ``[size]``; the working SSM slot of row
+      ``r`` (``-1`` when free).
+    - ``req_index_to_mamba_ping_pong_track_buffer_mapping``: int64
+      ``[size, track_slots_per_req]``; the row's checkpoint slots (``-1`` where missing).
+
+    A request holds ``1 + track_slots_per_req`` SSM slots while it runs: with the default
+    ``track_slots_per_req=2`` that is seed §1.3's "1 working + 2 ping-pong" (extra_buffer);
+    ``0`` means no tracking (SGLang's no_buffer strategy).
+
+    Args:
+        size: rows (concurrent requests), >= 1.
+        max_context_len: tokens per row, >= 1.
+        mamba_pool: the SSM pool the request slots come from (``self.mamba_pool``).
+        track_slots_per_req: 0 or 2.
+        device: device of the index tensors.
+
+    Raises:
+        ValueError: on non-positive sizes or ``track_slots_per_req`` not in (0, 2).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        max_context_len: int,
+        mamba_pool: MambaPool,
+        track_slots_per_req: int = 2,
+        device: Union[str, torch.device] = "cpu",
+    ):
+        if size < 1 or max_context_len < 1:
+            raise ValueError(
+                f"HybridReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size}, {max_context_len}"
+            )
+        if track_slots_per_req not in (0, 2):
+            raise ValueError(f"track_slots_per_req must be 0 or 2, got {track_slots_per_req}")
+        self.size = size
+        self.max_context_len = max_context_len
+        self.mamba_pool = mamba_pool
+        self.track_slots_per_req = track_slots_per_req
+        self.device = torch.device(device)
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
+        self.req_index_to_mamba_index_mapping = torch.full((size,), -1, dtype=torch.int64, device=self.device)
+        self.req_index_to_mamba_ping_pong_track_buffer_mapping = torch.full(
+            (size, max(track_slots_per_req, 1)), -1, dtype=torch.int64, device=self.device
+        )
+        self._free_rows: List[int] = list(range(size - 1, -1, -1))
+
+    # -- sizes ------------------------------------------------------------------------
+    def available_size(self) -> int:
+        """Free rows."""
+        return len(self._free_rows)
+
+    def mamba_slots_per_req(self) -> int:
+        """SSM slots a running request holds (working + checkpoints)."""
+        return 1 + self.track_slots_per_req
+
+    # -- alloc / free -----------------------------------------------------------------
+    def alloc(self, reqs: Sequence[CacheReq]) -> Optional[List[int]]:
+        """Give each request a row, a working SSM slot (unless ``match_prefix`` already
+        allocated one for copy-on-write) and its ping-pong checkpoint slots.
+
+        All or nothing: on failure nothing is taken and ``None`` is returned, so the caller
+        can evict and retry or reject the requests (which then still own only what they held
+        before, e.g. a COW slot, released by ``MambaRadixCache.release_req``).
+
+        A fresh working slot (no COW source) is zeroed.
+
+        Returns:
+            the rows (also written to ``req.req_pool_idx``), or ``None``.
+        """
+        n = len(reqs)
+        if n > len(self._free_rows):
+            return None
+        pool = self.mamba_pool
+        need = sum(self.track_slots_per_req + (1 if r.mamba_pool_idx is None else 0) for r in reqs)
+        slots = pool.alloc_list(need)
+        if slots is None:
+            return None
+        rows = [self._free_rows.pop() for _ in range(n)]
+        it = iter(slots)
+        fresh: List[int] = []
+        track = self.track_slots_per_req
+        for r, row in zip(reqs, rows):
+            if r.mamba_pool_idx is None:
+                r.mamba_pool_idx = next(it)
+                if r.mamba_cow_src_index is None:
+                    fresh.append(r.mamba_pool_idx)
+            r.req_pool_idx = row
+            r.mamba_ping_pong_track_buffer = [next(it) for _ in range(track)]
+            r.mamba_next_track_idx = 0
+            r.mamba_last_track_seqlen = None
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        self.req_index_to_mamba_index_mapping[idx] = torch.tensor(
+            [r.mamba_pool_idx for r in reqs], dtype=torch.int64, device=self.device
+        )
+        if track:
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping[idx] = torch.tensor(
+                [r.mamba_ping_pong_track_buffer for r in reqs], dtype=torch.int64, device=self.device
+            )
+        if fresh:
+            pool.clear(fresh)
+        return rows
+
+    def free(self, req: CacheReq, keep_slot: Optional[int] = None) -> None:
+        """Release the request's row and SSM slots, except ``keep_slot`` (a slot donated
+        to the radix tree at finish, seed §4.1 step 4). Idempotent on the row."""
+        slots = []
+        if req.mamba_pool_idx is not None:
+            slots.append(req.mamba_pool_idx)
+        slots.extend(s for s in req.mamba_ping_pong_track_buffer if s >= 0)
+        if keep_slot is not None:
+            slots.remove(keep_slot)
+        if slots:
+            self.mamba_pool.free(slots)
+        req.mamba_pool_idx = None
+        req.mamba_cow_src_index = None
+        req.mamba_ping_pong_track_buffer = []
+        req.mamba_last_track_seqlen = None
+        row = req.req_pool_idx
+        if row is not None:
+            self.req_index_to_mamba_index_mapping[row] = -1
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping[row] = -1
+            self._free_rows.append(row)
+            req.req_pool_idx = None
+
+    def replace_track_slot(self, req: CacheReq, entry: int, slot: int) -> None:
+        """Put ``slot`` (or ``-1``) into ping-pong entry ``entry`` of the request, after the
+        old slot there was donated to the tree."""
+        req.mamba_ping_pong_track_buffer[entry] = slot
+        if req.req_pool_idx is not None:
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping[req.req_pool_idx, entry] = slot
+
+    # -- copy-on-write (seed §3.2) ----------------------------------------------------
+    def execute_deferred_cow(self, reqs: Iterable[CacheReq]) -> int:
+        """Copy each pending COW source slot into the request's working slot, in one batched
+        copy, and clear ``mamba_cow_src_index``. Run at the start of a forward
+        (SGLang: ``_execute_deferred_mamba_cow_and_clear``).
+
+        Returns:
+            the number of states copied.
+        """
+        src: List[int] = []
+        dst: List[int] = []
+        for r in reqs:
+            if r.mamba_cow_src_index is not None:
+                if r.mamba_pool_idx is None:
+                    raise RuntimeError(f"request {r.rid!r} has a COW source but no working slot")
+                src.append(r.mamba_cow_src_index)
+                dst.append(r.mamba_pool_idx)
+                r.mamba_cow_src_index = None
+        if src:
+            self.mamba_pool.copy_from(src, dst)
+        return len(src)
+
+    # -- ping-pong checkpoints (seed §3.4, §5.1 step 3) --------------------------------
+    def plan_track(
+        self,
+        req: CacheReq,
+        seq_len_before: int,
+        num_new_tokens: int,
+        mamba_track_interval: int,
+        page_size: int = 1,
+        chunk_end: bool = False,
+    ) -> Optional[Tuple[int, int]]:
+        """Decide where this forward writes the request's next checkpoint.
+
+        A checkpoint goes at the largest position ``c`` in ``(seq_len_before,
+        seq_len_before + num_new_tokens]`` that is a multiple of ``mamba_track_interval``,
+        or, when ``chunk_end`` (the forward ends a prefill chunk the cache will insert), at
+        the last page-aligned position of the chunk, whichever is larger.
+
+        On a plan, the ping-pong entry flips and ``mamba_last_track_seqlen`` becomes ``c``
+        (the forward that runs the plan completes before the cache reads it).
+
+        Returns:
+            ``(slot, c)`` — write the state after token ``c - 1`` (i.e. after
+            ``c - seq_len_before`` of this forward's tokens) into SSM slot ``slot`` — or
+            ``None`` when no checkpoint falls in this forward or no slot is available.
+        """
+        if not self.track_slots_per_req or num_new_tokens <= 0:
+            return None
+        end = seq_len_before + num_new_tokens
+        c = (end // mamba_track_interval) * mamba_track_interval
+        if chunk_end:
+            c = max(c, (end // page_size) * page_size)
+        if c <= seq_len_before:
+            return None
+        entry = req.mamba_next_track_idx
+        slot = req.mamba_ping_pong_track_buffer[entry]
+        if slot < 0:
+            return None
+        req.mamba_next_track_idx = 1 - entry
+        req.mamba_last_track_seqlen = c
+        return slot, c
+
+    def clear(self) -> None:
+        """Forget every row (server flush); SSM slots must have been freed by the caller."""
+        self._free_rows = list(range(self.size - 1, -1, -1))
+        self.req_index_to_mamba_index_mapping.fill_(-1)
+        self.req_index_to_mamba_ping_pong_track_buffer_mapping.fill_(-1)

@@ -1,0 +1,229 @@
+"""A deterministic stand-in for a hybrid model and a scheduler, driving the real core pools
+and cache, for the core's tests (no SGLang, no neural network).
+
+The "model" writes into the real pools:
+
+- KV: slot ``s`` of the KV pool records the token id and the position written there
+  (``kv_token[s]``, ``kv_pos[s]``);
+- SSM: each linear layer's temporal state is ``[count, hash]`` of the tokens seen (int64,
+  exact), and its conv window is the last ``W - 1`` tokens (+1, 0 = empty).
+
+So every state and every KV slot can be checked exactly against the tokens it claims to
+summarise: :meth:`SimModel.check_tree` verifies that every node's KV slots hold its path's
+tokens at the right positions and that its SSM slot holds the state of exactly its
+root-to-node sequence; :meth:`SimModel.forward` verifies, before computing, that the
+request's prefix KV and working state are right (catching a missing copy-on-write, a wrong
+``req_to_token`` write-back or a state holding draft tokens).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from sglang_mamba_ext.mem_cache import (
+    CacheReq,
+    HybridReqToTokenPool,
+    KVSlotAllocator,
+    MambaPool,
+    MambaRadixCache,
+    RadixKey,
+)
+
+MOD = (1 << 31) - 1
+MUL = 1000003
+CONV_W = 3  # conv window keeps W - 1 = 2 tokens
+
+
+def state_of(tokens: List[int], layer: int = 0):
+    """(count, hash, conv window) of a token sequence, for linear layer ``layer``."""
+    h = 0
+    for t in tokens:
+        h = (h * MUL + t + 1 + layer) % MOD
+    window = [0] * (CONV_W - 1)
+    tail = [t + 1 for t in tokens[-(CONV_W - 1):]] if tokens else []
+    window[len(window) - len(tail):] = tail
+    return len(tokens), h, window
+
+
+def make_cache(
+    kv_size: int = 256,
+    mamba_size: int = 16,
+    page_size: int = 1,
+    track_slots: int = 2,
+    rows: int = 8,
+    max_context_len: int = 512,
+    mamba_track_interval: Optional[int] = None,
+    num_layers: int = 2,
+    finish_state: str = "working",
+):
+    kv = KVSlotAllocator(kv_size, page_size)
+    mp = MambaPool(mamba_size, num_layers, (CONV_W - 1,), (2,), dtype=torch.int64)
+    rp = HybridReqToTokenPool(rows, max_context_len, mp, track_slots_per_req=track_slots)
+    cache = MambaRadixCache(
+        kv, rp, page_size=page_size, mamba_track_interval=mamba_track_interval or 4 * page_size,
+        finish_state=finish_state,
+    )
+    return cache
+
+
+class SimModel:
+    """The fake model + a minimal scheduler over one :class:`MambaRadixCache`."""
+
+    def __init__(self, cache: MambaRadixCache):
+        self.cache = cache
+        kv = cache.token_to_kv_pool_allocator
+        self.kv_token = torch.full((kv.size + kv.page_size,), -1, dtype=torch.int64)
+        self.kv_pos = torch.full((kv.size + kv.page_size,), -1, dtype=torch.int64)
+        self.pool = cache.req_to_token_pool
+        self.mamba = cache.mamba_pool
+        self.page_size = cache.page_size
+
+    # ------------------------------------------------------------------ oracle checks
+    def check_state(self, slot: int, tokens: List[int], what: str = "") -> None:
+        for layer in range(self.mamba.num_layers):
+            count, h, window = state_of(tokens, layer)
+            got = self.mamba.temporal_state[layer, slot].tolist()
+            assert got == [count, h], f"{what}: SSM slot {slot} layer {layer} holds {got}, want {[count, h]}"
+            assert self.mamba.conv_state[layer, slot].tolist() == window, f"{what}: conv window of slot {slot}"
+
+    def check_kv(self, slots: torch.Tensor, tokens: List[int], start: int, what: str = "") -> None:
+        if not tokens:
+            return
+        want_tok = torch.tensor(tokens, dtype=torch.int64)
+        want_pos = torch.arange(start, start + len(tokens), dtype=torch.int64)
+        s = slots.to(torch.int64)
+        assert torch.equal(self.kv_token[s], want_tok), f"{what}: KV slots hold the wrong tokens"
+        assert torch.equal(self.kv_pos[s], want_pos), f"{what}: KV slots hold the wrong positions"
+
+    def check_tree(self) -> None:
+        """Every node's KV and SSM slots summarise exactly its root-to-node tokens."""
+        stack = [(self.cache.root_node, [])]
+        while stack:
+            node, path = stack.pop()
+            for child in node.children.values():
+                full = path + child.key
+                self.check_kv(child.value, child.key, len(path), f"node {child.id}")
+                if child.mamba_value is not None:
+                    self.check_state(child.mamba_value, full, f"node {child.id}")
+                stack.append((child, full))
+
+    # ------------------------------------------------------------------ scheduler side
+    def admit(self, req: CacheReq, cap_one: bool = True) -> bool:
+        """match_prefix (capped at len - 1) with COW, lock, alloc the row and SSM slots
+        (evicting SSM states if short). Returns False (and releases everything) when the
+        pools cannot take the request."""
+        cache = self.cache
+        n = len(req.token_ids) - (1 if cap_one else 0)
+        m = cache.match_prefix(RadixKey(req.token_ids[:n], req.extra_key), cow_mamba=True, req=req)
+        cache.inc_lock_ref(m.last_node)
+        req.last_node = m.last_node
+        p = m.prefix_len
+        rows = self.pool.alloc([req])
+        if rows is None:
+            need = self.pool.mamba_slots_per_req() - (1 if req.mamba_pool_idx is not None else 0)
+            cache.evict(mamba_num=need - self.mamba.available_size())
+            rows = self.pool.alloc([req])
+        if rows is None:
+            cache.release_req(req)
+            return False
+        self.pool.req_to_token[req.req_pool_idx, :p] = m.device_indices.to(torch.int32)
+        req.prefix_indices = m.device_indices
+        req.cache_protected_len = p
+        req.kv_allocated_len = p
+        req.kv_committed_len = p
+        return True
+
+    def extend_kv(self, req: CacheReq, new_len: int) -> bool:
+        """Give the request KV slots for positions ``[kv_allocated_len, new_len)``, page by
+        page, evicting if short. False if the pool cannot."""
+        a = req.kv_allocated_len
+        if new_len <= a:
+            return True
+        ps = self.page_size
+        row = req.req_pool_idx
+        first_new_page = -(-a // ps)
+        pages = -(-new_len // ps) - first_new_page
+        fresh = None
+        if pages:
+            fresh = self.cache.alloc_kv(pages * ps)
+            if fresh is None:
+                return False
+        pos = a
+        if a % ps:
+            base = int(self.pool.req_to_token[row, a - 1]) + 1
+            k = min(ps - a % ps, new_len - a)
+            self.pool.req_to_token[row, a : a + k] = torch.arange(base, base + k, dtype=torch.int32)
+            pos += k
+        if fresh is not None:
+            self.pool.req_to_token[row, pos:new_len] = fresh[: new_len - pos].to(torch.int32)
+        req.kv_allocated_len = new_len
+        return True
+
+    def forward(self, req: CacheReq, num_tokens: int, chunk_end: bool = False) -> None:
+        """Process ``num_tokens`` tokens from ``kv_committed_len``: check the prefix KV and
+        the working state first, then write KV and advance the state, writing the planned
+        ping-pong checkpoint."""
+        self.pool.execute_deferred_cow([req])
+        row = req.req_pool_idx
+        s = req.kv_committed_len
+        toks = req.token_ids
+        self.check_kv(self.pool.req_to_token[row, :s], toks[:s], 0, f"req {req.rid} prefix")
+        self.check_state(req.mamba_pool_idx, toks[:s], f"req {req.rid} working state")
+        assert req.kv_allocated_len >= s + num_tokens, "KV not allocated before the forward"
+        plan = self.pool.plan_track(
+            req, s, num_tokens, self.cache.mamba_track_interval, self.page_size, chunk_end=chunk_end
+        )
+        new_slots = self.pool.req_to_token[row, s : s + num_tokens].to(torch.int64)
+        self.kv_token[new_slots] = torch.tensor(toks[s : s + num_tokens], dtype=torch.int64)
+        self.kv_pos[new_slots] = torch.arange(s, s + num_tokens, dtype=torch.int64)
+        work = req.mamba_pool_idx
+        if plan is not None:
+            slot, c = plan
+            self._write_state(slot, toks[:c])
+        self._write_state(work, toks[: s + num_tokens])
+        req.kv_committed_len = s + num_tokens
+
+    def _write_state(self, slot: int, tokens: List[int]) -> None:
+        for layer in range(self.mamba.num_layers):
+            count, h, window = state_of(tokens, layer)
+            self.mamba.temporal_state[layer, slot] = torch.tensor([count, h])
+            self.mamba.conv_state[layer, slot] = torch.tensor(window)
+
+    # ------------------------------------------------------------------ whole lifecycles
+    def prefill(self, req: CacheReq, chunk: Optional[int] = None) -> bool:
+        """Prefill the prompt (``req.token_ids``) in chunks; cache_unfinished_req after every
+        chunk but the last. False if KV ran out (the request is then released)."""
+        total = len(req.token_ids)
+        while req.kv_committed_len < total:
+            k = total - req.kv_committed_len if chunk is None else min(chunk, total - req.kv_committed_len)
+            if not self.extend_kv(req, req.kv_committed_len + k):
+                self.cache.release_req(req)
+                return False
+            last = req.kv_committed_len + k == total
+            self.forward(req, k, chunk_end=not last)
+            if not last:
+                self.cache.cache_unfinished_req(req)
+        return True
+
+    def decode(self, req: CacheReq, new_tokens: List[int]) -> bool:
+        """Generate ``new_tokens`` one by one (the first is the prefill's output)."""
+        for i, t in enumerate(new_tokens):
+            req.token_ids.append(t)
+            if i == len(new_tokens) - 1:
+                break
+            if not self.extend_kv(req, req.kv_committed_len + 1):
+                self.cache.release_req(req)
+                return False
+            self.forward(req, 1)
+        return True
+
+    def run(self, tokens: List[int], output: List[int], chunk: Optional[int] = None, rid=None, extra_key=None) -> CacheReq:
+        """A whole request: admit, prefill, decode, finish. Returns the request record."""
+        req = CacheReq(rid=rid, token_ids=list(tokens), extra_key=extra_key)
+        assert self.admit(req), f"request {rid} rejected"
+        assert self.prefill(req, chunk), f"request {rid} ran out of KV"
+        assert self.decode(req, output), f"request {rid} ran out of KV in decode"
+        self.cache.cache_finished_req(req)
+        return req
