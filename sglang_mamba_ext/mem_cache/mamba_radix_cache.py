@@ -420,6 +420,15 @@ class MambaRadixCache:
             self.mamba_pool.copy_from([req.mamba_pool_idx], [slot])
         kv = pool.req_to_token[row, :n].to(torch.int64)
         res = self.insert(RadixKey(req.token_ids[:n], req.extra_key), kv, slot, prev_prefix_len=p)
+        # Lock the new node before anything can evict (the replacement slot below may).
+        self.inc_lock_ref(res.last_node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.last_node = res.last_node
+        new_indices = self._path_values(res.last_node)
+        pool.req_to_token[row, p:n] = new_indices[p:n].to(torch.int32)
+        req.prefix_indices = new_indices
+        req.cache_protected_len = n
         if tracked:
             if not res.mamba_exist:
                 fresh = self._alloc_mamba_slot()
@@ -427,14 +436,6 @@ class MambaRadixCache:
                 req.mamba_last_track_seqlen = None
         elif res.mamba_exist:
             self.mamba_pool.free([slot])
-        new_indices = self._path_values(res.last_node)
-        pool.req_to_token[row, p:n] = new_indices[p:n].to(torch.int32)
-        self.inc_lock_ref(res.last_node)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        req.last_node = res.last_node
-        req.prefix_indices = new_indices
-        req.cache_protected_len = n
 
     def cache_finished_req(self, req: CacheReq, insert: bool = True) -> None:
         """Finish (or, with ``insert=False``, abort) a request: insert its sequence with the

@@ -1,0 +1,246 @@
+"""Randomized stateful test of the core cache (issue 2): random interleavings of match /
+admit (alloc) / prefill chunk / decode / finish / abort / lock / unlock / evict on small
+pools. After every step: ``sanity_check()``, the exact content oracle of ``cache_sim``
+(every node's KV and SSM slots summarise its root path) and the exact slot accounting
+(every slot in exactly one place); at every idle point ``free + evictable + protected ==
+size`` for both pools.
+
+The number of operations is set by ``SGLANG_MAMBA_EXT_RANDOM_OPS`` (default 100,000, what CI
+runs); each configuration below gets an equal share.
+"""
+
+import os
+import unittest
+
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cache_sim import SimModel, make_cache
+from sglang_mamba_ext.mem_cache import CacheReq, RadixKey
+
+TOTAL_OPS = int(os.environ.get("SGLANG_MAMBA_EXT_RANDOM_OPS", "100000"))
+STEPS = 100
+
+# Prompts share prefixes: a few "system prompts" and small vocabularies.
+SYSTEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
+
+
+class CacheMachine(RuleBasedStateMachine):
+    page_size = 1
+    track_slots = 2
+    finish_state = "working"
+    ops = 0
+
+    def __init__(self):
+        super().__init__()
+        self.cache = make_cache(
+            kv_size=96,
+            mamba_size=10,
+            page_size=self.page_size,
+            track_slots=self.track_slots,
+            rows=4,
+            max_context_len=128,
+            mamba_track_interval=4 * self.page_size,
+            finish_state=self.finish_state,
+        )
+        self.sim = SimModel(self.cache)
+        self.live = []  # requests holding a row (or a COW slot)
+        self.prompt_len = {}
+        self.locks = []  # nodes locked by the test itself
+        self.rid = 0
+
+    # ---------------------------------------------------------------- rules
+    @rule(
+        sys_idx=st.integers(0, len(SYSTEMS)),
+        suffix=st.lists(st.integers(0, 3), min_size=0, max_size=10),
+        cont=st.booleans(),
+        ns=st.sampled_from([None, None, None, "salt"]),
+    )
+    def new_request(self, sys_idx, suffix, cont, ns):
+        """Admit a request (match with COW, lock, alloc row + SSM slots, evicting if short)."""
+        base = SYSTEMS[sys_idx] if sys_idx < len(SYSTEMS) else []
+        if cont and self.cache.root_node.children:
+            # Continue an existing cached path (a multi-turn follow-up).
+            node = next(iter(self.cache.root_node.children.values()))
+            base = list(node.key)
+            while node.children:
+                node = next(iter(node.children.values()))
+                base += node.key
+        tokens = base + suffix
+        if len(tokens) < 2:
+            tokens = tokens + [0, 1]
+        tokens = tokens[:100]
+        self.rid += 1
+        req = CacheReq(rid=self.rid, token_ids=list(tokens), extra_key=ns)
+        if self.sim.admit(req):
+            self.live.append(req)
+            self.prompt_len[req.rid] = len(tokens)
+        else:
+            self._assert_released(req)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7), chunk=st.integers(1, 9))
+    def prefill_chunk(self, i, chunk):
+        """Run one prefill chunk (cache_unfinished_req unless it was the last)."""
+        req = self.live[i % len(self.live)]
+        total = self.prompt_len[req.rid]
+        if req.kv_committed_len >= total:
+            return self.decode_step(i)
+        if self.page_size > 1:
+            chunk = max(self.page_size, chunk - chunk % self.page_size)
+        k = min(chunk, total - req.kv_committed_len)
+        if not self.sim.extend_kv(req, req.kv_committed_len + k):
+            self.cache.release_req(req)
+            self._drop(req)
+            return
+        last = req.kv_committed_len + k == total
+        self.sim.forward(req, k, chunk_end=not last)
+        if not last:
+            self.cache.cache_unfinished_req(req)
+        else:
+            req.token_ids.append(req.rid % 4)  # the prefill's output token
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7))
+    def decode_step(self, i):
+        """One decode token (after the prefill has finished)."""
+        req = self.live[i % len(self.live)]
+        if req.kv_committed_len < self.prompt_len[req.rid]:
+            return
+        if req.kv_committed_len >= 110:
+            return
+        if not self.sim.extend_kv(req, req.kv_committed_len + 1):
+            self.cache.release_req(req)
+            self._drop(req)
+            return
+        self.sim.forward(req, 1)
+        req.token_ids.append((req.rid + req.kv_committed_len) % 4)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7))
+    def finish(self, i):
+        """Finish a request at any stage (caches what it computed)."""
+        req = self.live[i % len(self.live)]
+        self.cache.cache_finished_req(req)
+        self._drop(req)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7))
+    def abort(self, i):
+        """Abort / retract a request at any stage (caches nothing)."""
+        req = self.live[i % len(self.live)]
+        self.cache.release_req(req)
+        self._drop(req)
+
+    @rule(
+        sys_idx=st.integers(0, len(SYSTEMS) - 1),
+        cut=st.integers(0, 14),
+        cow=st.booleans(),
+    )
+    def match_only(self, sys_idx, cut, cow):
+        """A bare match (splits nodes); with COW, the allocated slot is freed at once, as a
+        scheduler does when it drops a candidate."""
+        key = SYSTEMS[sys_idx][:cut]
+        if cow:
+            probe = CacheReq(rid="probe", token_ids=list(key))
+            m = self.cache.match_prefix(RadixKey(key), cow_mamba=True, req=probe)
+            self.cache.release_req(probe)
+        else:
+            m = self.cache.match_prefix(RadixKey(key))
+        assert m.prefix_len <= m.kv_match_len <= len(key)
+        assert m.last_node is self.cache.root_node or m.last_node.mamba_value is not None
+
+    @rule(depth=st.integers(0, 4))
+    def lock_node(self, depth):
+        node = self.cache.root_node
+        for _ in range(depth):
+            if not node.children:
+                break
+            node = next(iter(node.children.values()))
+        if node is not self.cache.root_node:
+            self.cache.inc_lock_ref(node)
+            self.locks.append(node)
+
+    @precondition(lambda self: self.locks)
+    @rule(i=st.integers(0, 7))
+    def unlock_node(self, i):
+        node = self.locks.pop(i % len(self.locks))
+        self.cache.dec_lock_ref(node)
+
+    @rule(tokens=st.integers(0, 40), mamba=st.integers(0, 4))
+    def evict(self, tokens, mamba):
+        before = self.cache.total_size(), self.cache.mamba_total_size()
+        res = self.cache.evict(num_tokens=tokens, mamba_num=mamba)
+        after = self.cache.total_size(), self.cache.mamba_total_size()
+        assert before[0] - after[0] == res.num_tokens_evicted
+        assert before[1] - after[1] == res.mamba_num_evicted
+
+    # ---------------------------------------------------------------- invariants
+    @invariant()
+    def check_all(self):
+        CacheMachine.ops += 1
+        cache = self.cache
+        cache.sanity_check()
+        self.sim.check_tree()
+        cache.check_slot_accounting(self.live)
+        if not self.live and not self.locks:
+            kv = cache.token_to_kv_pool_allocator
+            assert kv.available_size() + cache.full_evictable_size() + cache.full_protected_size() == kv.size
+            assert cache.full_protected_size() == 0 and cache.mamba_protected_size() == 0
+            pool = cache.mamba_pool
+            assert pool.available_size() + cache.mamba_evictable_size() + cache.mamba_protected_size() == pool.size
+
+    def teardown(self):
+        for req in list(self.live):
+            self.cache.release_req(req)
+        for node in self.locks:
+            self.cache.dec_lock_ref(node)
+        self.live, self.locks = [], []
+        self.check_all()
+
+    # ---------------------------------------------------------------- helpers
+    def _drop(self, req):
+        self.live.remove(req)
+        self._assert_released(req)
+
+    def _assert_released(self, req):
+        assert req.req_pool_idx is None and req.mamba_pool_idx is None and req.last_node is None
+        assert not req.mamba_ping_pong_track_buffer
+
+
+CONFIGS = {
+    "page1_track": dict(page_size=1, track_slots=2, finish_state="working"),
+    "page1_nobuffer": dict(page_size=1, track_slots=0, finish_state="working"),
+    "page1_checkpoint_finish": dict(page_size=1, track_slots=2, finish_state="checkpoint"),
+    "page2_track": dict(page_size=2, track_slots=2, finish_state="working"),
+}
+
+
+def _make_case(name, cfg):
+    machine = type(f"Machine_{name}", (CacheMachine,), dict(cfg))
+    examples = max(1, TOTAL_OPS // (len(CONFIGS) * STEPS))
+    machine.TestCase.settings = settings(
+        max_examples=examples,
+        stateful_step_count=STEPS,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+    class Case(machine.TestCase):
+        def runTest(self):
+            before = CacheMachine.ops
+            super().runTest()
+            # The machine really stepped (invariants run once per step).
+            self.assertGreaterEqual(CacheMachine.ops - before, examples * STEPS // 2)
+
+    Case.__name__ = Case.__qualname__ = f"TestRandomized_{name}"
+    return Case
+
+
+for _name, _cfg in CONFIGS.items():
+    globals()[f"TestRandomized_{_name}"] = _make_case(_name, _cfg)
+
+
+if __name__ == "__main__":
+    unittest.main()
