@@ -74,6 +74,7 @@ class TreeNode:
             state of the whole root-to-node sequence), or ``None`` (a tombstone).
         children: child dict keyed by the child's first page (and namespace).
         parent: parent node (``None`` for the root).
+        seq_len: tokens from the root to the end of this node (its state's position).
         full_lock_ref / mamba_lock_ref: lock counts (requests using this node).
         last_access_time: logical clock of the last touch.
     """
@@ -87,6 +88,7 @@ class TreeNode:
         "full_lock_ref",
         "mamba_lock_ref",
         "extra_key",
+        "seq_len",
         "last_access_time",
         "hit_count",
         "id",
@@ -106,6 +108,7 @@ class TreeNode:
         self.full_lock_ref = 0
         self.mamba_lock_ref = 0
         self.extra_key = extra_key
+        self.seq_len = (parent.seq_len if parent is not None else 0) + len(key)
         self.last_access_time = 0
         self.hit_count = 0
         self.id = TreeNode._next_id
@@ -344,9 +347,22 @@ class MambaRadixCache:
             raise ValueError(f"insert: {value.numel()} KV slots for a key of {n} tokens")
         if isinstance(mamba_value, torch.Tensor):
             mamba_value = int(mamba_value.reshape(-1)[0])
+        return self._insert(tokens, extra_key, value, mamba_value, prev_prefix_len, self.root_node)
+
+    def _insert(
+        self,
+        tokens: List[int],
+        extra_key: Optional[str],
+        value: torch.Tensor,
+        mamba_value: Optional[int],
+        prev_prefix_len: int,
+        node: TreeNode,
+    ) -> InsertResult:
+        """:meth:`insert` starting the walk at ``node`` (a node on the key's path, e.g. the
+        request's locked ``last_node``), which skips re-comparing the locked prefix."""
+        n = len(tokens)
         kv_free = self.token_to_kv_pool_allocator.free
-        node = self.root_node
-        pos = 0
+        pos = node.seq_len
         children_key = self._child_key
         while pos < n:
             child = node.children.get(children_key(tokens, pos, extra_key))
@@ -419,7 +435,7 @@ class MambaRadixCache:
                 return
             self.mamba_pool.copy_from([req.mamba_pool_idx], [slot])
         kv = pool.req_to_token[row, :n].to(torch.int64)
-        res = self.insert(RadixKey(req.token_ids[:n], req.extra_key), kv, slot, prev_prefix_len=p)
+        res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n))
         # Lock the new node before anything can evict (the replacement slot below may).
         self.inc_lock_ref(res.last_node)
         if req.last_node is not None:
@@ -457,7 +473,7 @@ class MambaRadixCache:
             n, slot = self._finish_state(req) if insert else (0, None)
             kv = pool.req_to_token[row, :alloc_len].to(torch.int64)
             if n > 0:
-                res = self.insert(RadixKey(req.token_ids[:n], req.extra_key), kv[:n], slot, prev_prefix_len=p)
+                res = self._insert(req.token_ids[:n], req.extra_key, kv[:n], slot, p, self._walk_start(req, n))
                 if not res.mamba_exist:
                     donated = slot
             tail = max(n, p)
@@ -595,6 +611,7 @@ class MambaRadixCache:
             node = stack.pop()
             for ck, child in node.children.items():
                 assert child.parent is node, f"{child!r} has a wrong parent"
+                assert child.seq_len == node.seq_len + len(child.key), f"{child!r} has a wrong seq_len"
                 assert not child.removed, f"removed node {child!r} still in the tree"
                 assert len(child.key) > 0, f"{child!r} has an empty key"
                 assert len(child.key) % self.page_size == 0, f"{child!r} key not page aligned"
@@ -798,6 +815,20 @@ class MambaRadixCache:
             return vals[0]
         vals.reverse()
         return torch.cat(vals)
+
+    def _walk_start(self, req: CacheReq, n: int) -> TreeNode:
+        """Where an insert of the request's first ``n`` tokens may start walking: its locked
+        ``last_node`` (its whole path is in the tree and cannot be evicted) if that lies
+        within the key, else the root."""
+        node = req.last_node
+        if node is None or node.seq_len > n:
+            return self.root_node
+        if node.seq_len != req.cache_protected_len:
+            raise RuntimeError(
+                f"request {req.rid!r}: locked node ends at {node.seq_len}, "
+                f"cache_protected_len is {req.cache_protected_len}"
+            )
+        return node
 
     def _set_state(self, node: TreeNode, slot: int) -> None:
         node.mamba_value = slot
