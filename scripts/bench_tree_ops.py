@@ -51,11 +51,13 @@ def _make_ours(args: argparse.Namespace) -> CacheDriver:
     try:
         from bench_ours_driver import make_ours_driver
     except ImportError as e:
-        raise SystemExit(
+        print(
             "bench_tree_ops.py: the driver for this project's cache is not available "
             f"({e}); it belongs in scripts/bench_ours_driver.py as "
-            "make_ours_driver(args) -> CacheDriver. Run with --only upstream meanwhile."
+            "make_ours_driver(args) -> CacheDriver. Run with --only upstream meanwhile.",
+            file=sys.stderr,
         )
+        raise SystemExit(2)
     return make_ours_driver(args)
 
 
