@@ -1,0 +1,223 @@
+"""Tests of the tree-ops benchmark's shared pieces and its SGLang (upstream) driver.
+
+CPU only. The upstream test imports SGLang (several seconds) and replays the first
+requests of the shared trace; it is skipped when SGLang or the trace is missing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+sys.path.insert(0, SCRIPTS)
+
+from bench_common import (  # noqa: E402
+    TRACE_PATH,
+    CacheDriver,
+    TraceError,
+    TraceRecord,
+    load_trace,
+    median_result,
+    run_trace,
+)
+
+
+def _write_trace(path: str, records: list[dict]) -> str:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _rec(rid, tokens, output, parent=None):
+    return {"rid": rid, "tokens": tokens, "output": output, "sys": 0, "parent": parent}
+
+
+def reference_prefix_lens(records: list[TraceRecord]) -> list[int]:
+    """Usable prefix of every request when nothing is ever evicted.
+
+    An SSM state exists only at the end of a finished ``tokens + output``; so the
+    usable prefix of request i is the longest earlier full sequence that is a prefix
+    of its prompt, no longer than ``len(tokens) - 1``.
+    """
+    seen: list[tuple[int, ...]] = []
+    out = []
+    for rec in records:
+        cap = len(rec.tokens) - 1
+        best = 0
+        for seq in seen:
+            if best < len(seq) <= cap and rec.tokens[: len(seq)] == seq:
+                best = len(seq)
+        out.append(best)
+        seen.append(rec.tokens + rec.output)
+    return out
+
+
+class TraceLoadingTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.path = os.path.join(self.tmp.name, "t.jsonl.gz")
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def test_reads_records_after_checksum(self):
+        sha = _write_trace(
+            self.path, [_rec(0, [1, 2, 3], [4]), _rec(1, [1, 2, 3, 4, 5], [6], 0)]
+        )
+        recs = load_trace(self.path, expected_sha256=sha)
+        self.assertEqual([r.rid for r in recs], [0, 1])
+        self.assertEqual(recs[1].tokens, (1, 2, 3, 4, 5))
+        self.assertEqual(recs[1].parent, 0)
+        self.assertEqual(len(load_trace(self.path, expected_sha256=sha, limit=1)), 1)
+
+    def test_checksum_mismatch_names_the_file(self):
+        _write_trace(self.path, [_rec(0, [1, 2, 3], [4])])
+        with self.assertRaisesRegex(TraceError, "sha256"):
+            load_trace(self.path, expected_sha256="0" * 64)
+
+    def test_out_of_order_rid_rejected(self):
+        sha = _write_trace(self.path, [_rec(1, [1, 2, 3], [4])])
+        with self.assertRaisesRegex(TraceError, "rid order"):
+            load_trace(self.path, expected_sha256=sha)
+
+    def test_missing_field_rejected(self):
+        sha = _write_trace(self.path, [{"rid": 0, "tokens": [1, 2]}])
+        with self.assertRaisesRegex(TraceError, "not a trace record"):
+            load_trace(self.path, expected_sha256=sha)
+
+    def test_missing_file(self):
+        with self.assertRaisesRegex(TraceError, "not found"):
+            load_trace(os.path.join(self.tmp.name, "nope.jsonl.gz"))
+
+
+class _ScriptedDriver(CacheDriver):
+    """Returns a scripted prefix length per request and logs every call."""
+
+    name = "scripted"
+
+    def __init__(self, prefix_lens):
+        self.prefix_lens = list(prefix_lens)
+        self.calls = []
+
+    def begin(self, rec):
+        self.calls.append(("begin", rec.rid))
+        return rec
+
+    def match(self, h):
+        self.calls.append(("match", h.rid))
+        return self.prefix_lens[h.rid]
+
+    def lock(self, h):
+        self.calls.append(("lock", h.rid))
+
+    def alloc_mamba(self, h):
+        self.calls.append(("alloc_mamba", h.rid))
+
+    def alloc_kv(self, h, n):
+        self.calls.append(("alloc_kv", h.rid, n))
+
+    def finish(self, h):
+        self.calls.append(("finish", h.rid))
+
+    def unlock(self, h):
+        self.calls.append(("unlock", h.rid))
+
+    def end(self, h):
+        self.calls.append(("end", h.rid))
+
+    def leak_check(self):
+        return True, "scripted"
+
+
+class RunnerTest(unittest.TestCase):
+    RECS = [
+        TraceRecord(0, (1, 2, 3, 4), (5, 6), 0, None),
+        TraceRecord(1, (1, 2, 3, 4, 5, 6, 7), (8,), 0, 0),
+    ]
+
+    def test_op_order_and_counters(self):
+        d = _ScriptedDriver([0, 6])
+        res = run_trace(d, self.RECS)
+        self.assertEqual(
+            d.calls[:9],
+            [
+                ("begin", 0),
+                ("match", 0),
+                ("lock", 0),
+                ("alloc_mamba", 0),
+                ("alloc_kv", 0, 4),  # extend: whole prompt
+                ("alloc_kv", 0, 2),  # decode: the output
+                ("finish", 0),
+                ("unlock", 0),
+                ("end", 0),
+            ],
+        )
+        self.assertIn(("alloc_kv", 1, 1), d.calls)  # 7 - 6 extend tokens
+        self.assertEqual(res.prompt_tokens, 11)
+        self.assertEqual(res.matched_tokens, 6)
+        self.assertEqual(res.hits, 1)
+        self.assertAlmostEqual(res.hit_rate, 6 / 11)
+        self.assertTrue(res.leak_ok)
+
+    def test_match_beyond_cap_rejected(self):
+        # 7 tokens: a match of 7 would leave nothing to compute.
+        with self.assertRaisesRegex(ValueError, r"\[0, len\(tokens\)-1\]"):
+            run_trace(_ScriptedDriver([0, 7]), self.RECS)
+
+    def test_median_requires_identical_matches(self):
+        a = run_trace(_ScriptedDriver([0, 6]), self.RECS)
+        b = run_trace(_ScriptedDriver([0, 5]), self.RECS)
+        with self.assertRaisesRegex(ValueError, "not deterministic"):
+            median_result([a, b])
+
+
+def _have_sglang() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+@unittest.skipUnless(_have_sglang() and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
+class UpstreamDriverTest(unittest.TestCase):
+    N = 120
+
+    @classmethod
+    def setUpClass(cls):
+        import torch
+
+        torch.set_num_threads(1)
+        cls.records = load_trace(limit=cls.N)
+
+    def test_matches_no_eviction_reference(self):
+        from bench_upstream_driver import UpstreamDriver
+
+        # Pools large enough that nothing is evicted in the first N requests.
+        driver = UpstreamDriver(kv_size=200_000, mamba_size=self.N)
+        res = run_trace(driver, self.records)
+        expected = reference_prefix_lens(self.records)
+        self.assertEqual(res.prefix_lens, expected)
+        self.assertGreater(res.matched_tokens, 0)
+        self.assertTrue(res.leak_ok, res.leak_details)
+
+    def test_small_pools_evict_without_leak(self):
+        from bench_upstream_driver import UpstreamDriver
+
+        driver = UpstreamDriver(kv_size=8192, mamba_size=4, cow_copy=True)
+        res = run_trace(driver, self.records)
+        self.assertTrue(res.leak_ok, res.leak_details)
+        # Eviction can only lose hits relative to the no-eviction reference.
+        for got, ref in zip(res.prefix_lens, reference_prefix_lens(self.records)):
+            self.assertLessEqual(got, ref)
+        # All 4 SSM slots end up in the tree (the last finished states).
+        self.assertEqual(driver.cache.mamba_evictable_size(), 4)
+
+
+if __name__ == "__main__":
+    unittest.main()
