@@ -27,7 +27,13 @@ import os
 import time
 from typing import Any, Iterator, Optional, Sequence
 
-TRACE_PATH = "/work/shared/bench/multiturn-trace-v1.jsonl.gz"
+# The shared trace lives beside the checkout: <repo>/../shared/bench/ (see its README).
+TRACE_PATH = os.environ.get(
+    "SGLANG_MAMBA_EXT_TRACE",
+    os.path.normpath(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "bench", "multiturn-trace-v1.jsonl.gz")
+    ),
+)
 # sha256 of the gzip file's bytes, as given in /work/shared/bench/README.md.
 TRACE_SHA256 = "53e130852c0eef6ec9a2e1ecddc3dd613ff3752cd4a576c6abdb8dbcd50e21f0"
 
@@ -346,7 +352,7 @@ def format_comparison(ours: BenchResult, upstream: BenchResult) -> str:
     hit_ratio = (
         ours.hit_rate / upstream.hit_rate if upstream.hit_rate > 0 else float("inf")
     )
-    return f"speedup={speedup:.3f} hit_ratio={hit_ratio:.3f}"
+    return f"speedup={speedup:.3f} hit_ratio={hit_ratio:.4f}"
 
 
 def median_result(runs: Sequence[BenchResult]) -> BenchResult:

@@ -312,6 +312,7 @@ class MambaRadixCache:
             if req is not None:
                 req.mamba_pool_idx = result.mamba_pool_idx
                 req.mamba_cow_src_index = result.mamba_cow_src_index
+                req.mamba_needs_clear = False
         return result
 
     def insert(
@@ -788,6 +789,11 @@ class MambaRadixCache:
         child.value = child.value[m:]
         child.parent = new
         new.children[self._child_key(child.key, 0, child.extra_key)] = child
+        # A split is an access through the old node: both halves become recent (the new
+        # parent just ahead of the child, so parents stay more recent than children).
+        self._clock += 1
+        child.last_access_time = self._clock
+        self.full_lru_list.push_front(child.full_link)
         self.full_lru_list.insert_before(new.full_link, child.full_link)
         return new
 
@@ -916,6 +922,7 @@ class MambaRadixCache:
             and done % self.page_size == 0
             and req.mamba_pool_idx is not None
             and req.mamba_cow_src_index is None
+            and not req.mamba_needs_clear
         ):
             return done, req.mamba_pool_idx
         c = req.mamba_last_track_seqlen

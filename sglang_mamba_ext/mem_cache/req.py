@@ -35,6 +35,7 @@ class CacheReq:
         mamba_pool_idx: the working SSM slot (seed §3.4 ``mamba_pool_idx``), or ``None``.
         mamba_cow_src_index: tree slot to copy into ``mamba_pool_idx`` at forward start
             (seed §3.2), or ``None``.
+        mamba_needs_clear: the working slot is fresh and must be zeroed at forward start.
         mamba_ping_pong_track_buffer: the request's checkpoint slots (seed §3.4), ``-1``
             where a slot could not be (re)allocated; empty without tracking.
         mamba_next_track_idx: which ping-pong entry the next checkpoint goes to (0/1).
@@ -54,6 +55,7 @@ class CacheReq:
     cache_protected_len: int = 0
     mamba_pool_idx: Optional[int] = None
     mamba_cow_src_index: Optional[int] = None
+    mamba_needs_clear: bool = False
     mamba_ping_pong_track_buffer: List[int] = dataclasses.field(default_factory=list)
     mamba_next_track_idx: int = 0
     mamba_last_track_seqlen: Optional[int] = None

@@ -86,7 +86,8 @@ class HybridReqToTokenPool:
         can evict and retry or reject the requests (which then still own only what they held
         before, e.g. a COW slot, released by ``MambaRadixCache.release_req``).
 
-        A fresh working slot (no COW source) is zeroed.
+        A fresh working slot (no COW source) is marked ``mamba_needs_clear``; it is zeroed
+        by :meth:`execute_deferred_cow` at forward start, batched with the copies.
 
         Returns:
             the rows (also written to ``req.req_pool_idx``), or ``None``.
@@ -101,13 +102,11 @@ class HybridReqToTokenPool:
             return None
         rows = [self._free_rows.pop() for _ in range(n)]
         it = iter(slots)
-        fresh: List[int] = []
         track = self.track_slots_per_req
         for r, row in zip(reqs, rows):
             if r.mamba_pool_idx is None:
                 r.mamba_pool_idx = next(it)
-                if r.mamba_cow_src_index is None:
-                    fresh.append(r.mamba_pool_idx)
+                r.mamba_needs_clear = r.mamba_cow_src_index is None
             r.req_pool_idx = row
             r.mamba_ping_pong_track_buffer = [next(it) for _ in range(track)]
             r.mamba_next_track_idx = 0
@@ -120,8 +119,6 @@ class HybridReqToTokenPool:
             self.req_index_to_mamba_ping_pong_track_buffer_mapping[idx] = torch.tensor(
                 [r.mamba_ping_pong_track_buffer for r in reqs], dtype=torch.int64, device=self.device
             )
-        if fresh:
-            pool.clear(fresh)
         return rows
 
     def free(self, req: CacheReq, keep_slot: Optional[int] = None) -> None:
@@ -137,6 +134,7 @@ class HybridReqToTokenPool:
             self.mamba_pool.free(slots)
         req.mamba_pool_idx = None
         req.mamba_cow_src_index = None
+        req.mamba_needs_clear = False
         req.mamba_ping_pong_track_buffer = []
         req.mamba_last_track_seqlen = None
         row = req.req_pool_idx
@@ -155,15 +153,20 @@ class HybridReqToTokenPool:
 
     # -- copy-on-write (seed §3.2) ----------------------------------------------------
     def execute_deferred_cow(self, reqs: Iterable[CacheReq]) -> int:
-        """Copy each pending COW source slot into the request's working slot, in one batched
-        copy, and clear ``mamba_cow_src_index``. Run at the start of a forward
-        (SGLang: ``_execute_deferred_mamba_cow_and_clear``).
+        """At forward start (SGLang: ``_execute_deferred_mamba_cow_and_clear``): copy each
+        pending COW source slot into the request's working slot and zero each fresh
+        working slot, one batched copy and one batched clear; reset
+        ``mamba_cow_src_index`` / ``mamba_needs_clear``.
 
         Returns:
             the number of states copied.
+
+        Raises:
+            RuntimeError: a request has a COW source but no working slot.
         """
         src: List[int] = []
         dst: List[int] = []
+        clear: List[int] = []
         for r in reqs:
             if r.mamba_cow_src_index is not None:
                 if r.mamba_pool_idx is None:
@@ -171,8 +174,13 @@ class HybridReqToTokenPool:
                 src.append(r.mamba_cow_src_index)
                 dst.append(r.mamba_pool_idx)
                 r.mamba_cow_src_index = None
+            elif r.mamba_needs_clear:
+                clear.append(r.mamba_pool_idx)
+            r.mamba_needs_clear = False
         if src:
             self.mamba_pool.copy_from(src, dst)
+        if clear:
+            self.mamba_pool.clear(clear)
         return len(src)
 
     # -- ping-pong checkpoints (seed §3.4, §5.1 step 3) --------------------------------
