@@ -1,8 +1,8 @@
 """Shared pieces of the tree-ops benchmark (``scripts/bench_tree_ops.py``).
 
 The benchmark replays the shared multi-turn trace
-(``/work/shared/bench/multiturn-trace-v1.jsonl.gz``, format and op list in
-``/work/shared/bench/README.md``) through one or more prefix caches and times only
+(``../shared/bench/multiturn-trace-v1.jsonl.gz``, format and op list in
+``../shared/bench/README.md``) through one or more prefix caches and times only
 the cache cycle of every request:
 
     match -> lock -> alloc mamba slot -> alloc extend KV -> alloc decode KV
@@ -34,7 +34,7 @@ TRACE_PATH = os.environ.get(
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "bench", "multiturn-trace-v1.jsonl.gz")
     ),
 )
-# sha256 of the gzip file's bytes, as given in /work/shared/bench/README.md.
+# sha256 of the gzip file's bytes, as given in ../shared/bench/README.md.
 TRACE_SHA256 = "53e130852c0eef6ec9a2e1ecddc3dd613ff3752cd4a576c6abdb8dbcd50e21f0"
 
 # Pool sizes the README's reference numbers were measured with.
@@ -99,7 +99,7 @@ def iter_trace(path: str = TRACE_PATH) -> Iterator[TraceRecord]:
                 raise TraceError(
                     f"{path}:{lineno}: not a trace record ({e!r}); expected "
                     '{"rid","tokens","output","sys","parent"} as in '
-                    "/work/shared/bench/README.md"
+                    "../shared/bench/README.md"
                 ) from e
             if len(rec.tokens) < 2:
                 raise TraceError(
@@ -129,7 +129,7 @@ def load_trace(
     if not os.path.isfile(path):
         raise TraceError(
             f"trace file {path!r} not found; pass --trace with the path of "
-            "multiturn-trace-v1.jsonl.gz (see /work/shared/bench/README.md)"
+            "multiturn-trace-v1.jsonl.gz (see ../shared/bench/README.md)"
         )
     if expected_sha256 is not None:
         got = file_sha256(path)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Tree-ops benchmark: this project's MambaRadixCache vs SGLang 0.5.23's own.
 
-Replays the shared multi-turn trace (/work/shared/bench/README.md) request by request
+Replays the shared multi-turn trace (../shared/bench/README.md) request by request
 through each cache with identical operations and equal pool sizes, and prints per
 cache: requests per second of the cache cycle, hit rate (matched / prompt tokens) and
 the leak check. With both caches the last line is
