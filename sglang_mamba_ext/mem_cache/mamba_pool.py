@@ -41,8 +41,9 @@ class MambaPool:
     - ``temporal_state``: ``[L, size + 1, *temporal_shape]`` (``(HV, K, V)`` for a
       gated-delta-rule layer), dtype ``dtype``.
 
-    Slots ``0 .. size - 1`` are allocatable; slot ``size`` is a padding slot that dummy rows
-    of a padded batch may write to (never handed out).
+    Slots ``1 .. size`` are allocatable; slot ``0`` is a padding slot that dummy rows of a
+    padded batch may write to (never handed out) — SGLang's convention
+    (``sglang/srt/mem_cache/allocator/mamba.py``), so the same tensors can back both.
 
     Args:
         size: allocatable slots (states). Must be >= 1.
@@ -52,9 +53,13 @@ class MambaPool:
         dtype: dtype of ``temporal_state`` (default float32).
         conv_dtype: dtype of ``conv_state`` (default: ``dtype``).
         device: tensor device.
+        conv_state / temporal_state: existing tensors to use instead of allocating (e.g.
+            SGLang's ``MambaPool.mamba_cache.conv[0]`` / ``.temporal``); their shapes must be
+            ``[num_layers, size + 1, *shape]``.
 
     Raises:
-        ValueError: on a non-positive size or layer count, or an empty shape.
+        ValueError: on a non-positive size or layer count, an empty shape, or given tensors
+            of the wrong shape.
     """
 
     def __init__(
@@ -66,6 +71,8 @@ class MambaPool:
         dtype: torch.dtype = torch.float32,
         conv_dtype: Optional[torch.dtype] = None,
         device: Union[str, torch.device] = "cpu",
+        conv_state: Optional[torch.Tensor] = None,
+        temporal_state: Optional[torch.Tensor] = None,
     ):
         if size < 1:
             raise ValueError(f"MambaPool size must be >= 1 slot, got {size}")
@@ -80,16 +87,29 @@ class MambaPool:
         self.dtype = dtype
         self.conv_dtype = conv_dtype or dtype
         self.device = torch.device(device)
-        self.conv_state = torch.zeros(
-            (num_layers, size + 1, *self.conv_shape), dtype=self.conv_dtype, device=self.device
-        )
-        self.temporal_state = torch.zeros(
-            (num_layers, size + 1, *self.temporal_shape), dtype=self.dtype, device=self.device
-        )
-        self.padding_slot = size
-        # LIFO stack of free slots; ``_is_free`` catches double frees.
-        self._free: List[int] = list(range(size - 1, -1, -1))
-        self._is_free = bytearray(b"\x01") * size
+        for name, given, shape in (
+            ("conv_state", conv_state, self.conv_shape),
+            ("temporal_state", temporal_state, self.temporal_shape),
+        ):
+            if given is not None and tuple(given.shape) != (num_layers, size + 1, *shape):
+                raise ValueError(
+                    f"MambaPool: {name} has shape {tuple(given.shape)}, expected "
+                    f"{(num_layers, size + 1, *shape)}"
+                )
+        if conv_state is None:
+            conv_state = torch.zeros(
+                (num_layers, size + 1, *self.conv_shape), dtype=self.conv_dtype, device=self.device
+            )
+        if temporal_state is None:
+            temporal_state = torch.zeros(
+                (num_layers, size + 1, *self.temporal_shape), dtype=self.dtype, device=self.device
+            )
+        self.conv_state = conv_state
+        self.temporal_state = temporal_state
+        self.conv_dtype = conv_state.dtype
+        self.dtype = temporal_state.dtype
+        self.padding_slot = 0
+        self.clear_all()
 
     # -- sizes ------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -128,6 +148,7 @@ class MambaPool:
             return None
         out = free[len(free) - need_size :] if need_size else []
         del free[len(free) - need_size :]
+        out.reverse()
         is_free = self._is_free
         for s in out:
             is_free[s] = 0
@@ -142,14 +163,15 @@ class MambaPool:
         lst = _as_list(slots)
         is_free = self._is_free
         for s in lst:
-            if s < 0 or s >= self.size:
-                raise ValueError(f"MambaPool.free: slot {s} out of range [0, {self.size})")
+            if s < 1 or s > self.size:
+                raise ValueError(f"MambaPool.free: slot {s} out of range [1, {self.size}]")
             if is_free[s]:
                 raise ValueError(f"MambaPool.free: slot {s} is already free (double free)")
             is_free[s] = 1
         self._free.extend(lst)
 
     def is_free(self, slot: int) -> bool:
+        """Whether allocatable slot ``slot`` is on the free list."""
         return bool(self._is_free[slot])
 
     # -- data movement ----------------------------------------------------------------
@@ -185,5 +207,7 @@ class MambaPool:
 
     def clear_all(self) -> None:
         """Free every slot (server flush); states are left as they are."""
-        self._free = list(range(self.size - 1, -1, -1))
-        self._is_free = bytearray(b"\x01") * self.size
+        # LIFO stack of free slots (slot 1 handed out first); ``_is_free`` catches double
+        # frees and never marks the padding slot 0 free.
+        self._free = list(range(self.size, 0, -1))
+        self._is_free = bytearray(b"\x00") + bytearray(b"\x01") * self.size

@@ -1,0 +1,146 @@
+"""Unit tests of the core pools: KVSlotAllocator, MambaPool, HybridReqToTokenPool."""
+
+import sys
+import subprocess
+import unittest
+
+import torch
+
+from sglang_mamba_ext.mem_cache import CacheReq, HybridReqToTokenPool, KVSlotAllocator, MambaPool
+
+
+class TestKVSlotAllocator(unittest.TestCase):
+    def test_alloc_free_page1(self):
+        kv = KVSlotAllocator(10)
+        a = kv.alloc(4)
+        self.assertEqual(a.tolist(), [1, 2, 3, 4])  # slot 0 is reserved
+        self.assertEqual(kv.available_size(), 6)
+        self.assertIsNone(kv.alloc(7))
+        self.assertEqual(kv.available_size(), 6)  # a failed alloc takes nothing
+        kv.free(a[:2])
+        self.assertEqual(kv.available_size(), 8)
+        b = kv.alloc(8)
+        self.assertEqual(sorted(b.tolist()), [1, 2, 5, 6, 7, 8, 9, 10])
+        self.assertEqual(kv.free_slots().tolist(), [])
+
+    def test_paged(self):
+        kv = KVSlotAllocator(16, page_size=4)
+        a = kv.alloc(8)
+        self.assertEqual(a.tolist(), [4, 5, 6, 7, 8, 9, 10, 11])  # pages 1 and 2
+        with self.assertRaises(ValueError):
+            kv.alloc(3)
+        kv.free(a[4:6])  # any slot of a page frees the whole page
+        self.assertEqual(kv.available_size(), 12)
+        self.assertEqual(kv.free_slots().tolist()[:4], [8, 9, 10, 11])
+
+    def test_bad_sizes(self):
+        with self.assertRaises(ValueError):
+            KVSlotAllocator(10, page_size=4)
+        with self.assertRaises(ValueError):
+            KVSlotAllocator(0)
+
+
+class TestMambaPool(unittest.TestCase):
+    def test_alloc_free_copy_clear(self):
+        pool = MambaPool(4, num_layers=2, conv_shape=(3, 2), temporal_shape=(2, 3, 3))
+        self.assertEqual(pool.conv_state.shape, (2, 5, 3, 2))
+        self.assertEqual(pool.temporal_state.shape, (2, 5, 2, 3, 3))
+        self.assertEqual(pool.slot_bytes(), 2 * (6 + 18) * 4)
+        slots = pool.alloc(3)
+        self.assertEqual(slots.tolist(), [1, 2, 3])
+        self.assertNotIn(0, slots.tolist())  # padding slot never handed out
+        self.assertIsNone(pool.alloc(2))
+        pool.temporal_state[:, 1] = 7.0
+        pool.conv_state[:, 1] = 3.0
+        pool.copy_from([1], [2])
+        self.assertTrue(torch.equal(pool.temporal_state[:, 2], pool.temporal_state[:, 1]))
+        self.assertTrue(torch.equal(pool.conv_state[:, 2], pool.conv_state[:, 1]))
+        pool.clear([2])
+        self.assertEqual(float(pool.temporal_state[:, 2].abs().sum()), 0.0)
+        self.assertEqual(float(pool.temporal_state[:, 1].sum()), 7.0 * 2 * 18)
+        pool.free(slots)
+        self.assertEqual(pool.available_size(), 4)
+        with self.assertRaises(ValueError):
+            pool.free([2])  # double free
+        with self.assertRaises(ValueError):
+            pool.free([0])  # the padding slot
+
+    def test_external_tensors(self):
+        conv = torch.zeros(1, 3, 4, 2)
+        temporal = torch.zeros(1, 3, 1, 2, 2)
+        pool = MambaPool(2, 1, (4, 2), (1, 2, 2), conv_state=conv, temporal_state=temporal)
+        self.assertIs(pool.conv_state, conv)
+        with self.assertRaises(ValueError):
+            MambaPool(3, 1, (4, 2), (1, 2, 2), conv_state=conv)
+
+
+class TestHybridReqToTokenPool(unittest.TestCase):
+    def _pool(self, mamba_size=6, rows=3, track=2):
+        mp = MambaPool(mamba_size, 1, (2, 1), (1,))
+        return HybridReqToTokenPool(rows, 32, mp, track_slots_per_req=track), mp
+
+    def test_alloc_all_or_nothing(self):
+        pool, mp = self._pool(mamba_size=5)
+        a, b = CacheReq("a", [1]), CacheReq("b", [2])
+        self.assertEqual(pool.alloc([a]), [0])
+        self.assertEqual(mp.available_size(), 2)  # 1 working + 2 ping-pong
+        self.assertTrue(a.mamba_needs_clear)
+        self.assertIsNone(pool.alloc([b]))  # needs 3, 2 free: nothing taken
+        self.assertEqual(mp.available_size(), 2)
+        self.assertIsNone(b.req_pool_idx)
+        self.assertEqual(int(pool.req_index_to_mamba_index_mapping[0]), a.mamba_pool_idx)
+        self.assertEqual(
+            pool.req_index_to_mamba_ping_pong_track_buffer_mapping[0].tolist(), a.mamba_ping_pong_track_buffer
+        )
+        pool.free(a, keep_slot=a.mamba_pool_idx)  # donate the working slot
+        self.assertEqual(mp.available_size(), 4)
+        self.assertEqual(pool.available_size(), 3)
+
+    def test_cow_and_clear_at_forward_start(self):
+        pool, mp = self._pool(track=0)
+        src = mp.alloc_list(1)[0]
+        mp.temporal_state[:, src] = 5.0
+        a = CacheReq("a", [1], mamba_cow_src_index=src)
+        a.mamba_pool_idx = mp.alloc_list(1)[0]
+        b = CacheReq("b", [2])
+        pool.alloc([a, b])
+        mp.temporal_state[:, b.mamba_pool_idx] = 9.0  # garbage from an earlier user
+        self.assertEqual(pool.execute_deferred_cow([a, b]), 1)
+        self.assertEqual(float(mp.temporal_state[0, a.mamba_pool_idx, 0]), 5.0)
+        self.assertEqual(float(mp.temporal_state[0, b.mamba_pool_idx, 0]), 0.0)
+        self.assertIsNone(a.mamba_cow_src_index)
+        self.assertFalse(b.mamba_needs_clear)
+
+    def test_plan_track(self):
+        pool, mp = self._pool()
+        r = CacheReq("r", list(range(40)))
+        pool.alloc([r])
+        first, second = r.mamba_ping_pong_track_buffer
+        # A 10-token chunk ending a prefill chunk: checkpoint at its end.
+        self.assertEqual(pool.plan_track(r, 0, 10, 8, chunk_end=True), (first, 10))
+        self.assertEqual(r.last_track_slot(), first)
+        # Decode tokens 11..15: no multiple of 8 crossed.
+        self.assertIsNone(pool.plan_track(r, 10, 5, 8))
+        # Decode crossing 16: checkpoint at 16 into the other slot (ping-pong).
+        self.assertEqual(pool.plan_track(r, 15, 1, 8), (second, 16))
+        self.assertEqual(r.mamba_last_track_seqlen, 16)
+        self.assertEqual(r.last_track_slot(), second)
+
+
+class TestNoSGLangImport(unittest.TestCase):
+    def test_core_imports_without_sglang(self):
+        """The core (and spec) layers import in an environment where sglang cannot be
+        imported at all."""
+        code = (
+            "import sys; sys.modules['sglang'] = None\n"
+            "import sglang_mamba_ext, sglang_mamba_ext.mem_cache, sglang_mamba_ext.spec\n"
+            "assert not [m for m in sys.modules if m.startswith('sglang.')]\n"
+            "print('ok')"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "ok")
+
+
+if __name__ == "__main__":
+    unittest.main()
