@@ -57,18 +57,40 @@ class OursDriver(CacheDriver):
 
     name = "ours"
 
-    def __init__(self, kv_size: int, mamba_size: int, *, max_context_len: int = 4096, cow_copy: bool = False):
+    def __init__(
+        self,
+        kv_size: int,
+        mamba_size: int,
+        *,
+        max_context_len: int = 4096,
+        cow_copy: bool = False,
+        branch_checkpoints: bool = False,
+        eviction_policy: str = "lru",
+        recompute_weight: float = 0.5,
+        name: str = "ours",
+    ):
+        self.name = name
         self.kv = KVSlotAllocator(kv_size)
         self.mamba_pool = MambaPool(mamba_size, _NUM_LINEAR_LAYERS, _CONV_SHAPE, _TEMPORAL_SHAPE)
         self.req_to_token_pool = HybridReqToTokenPool(4, max_context_len, self.mamba_pool, track_slots_per_req=0)
-        self.cache = MambaRadixCache(self.kv, self.req_to_token_pool, page_size=1)
+        self.cache = MambaRadixCache(
+            self.kv,
+            self.req_to_token_pool,
+            page_size=1,
+            branch_checkpoints=branch_checkpoints,
+            eviction_policy=eviction_policy,
+            recompute_weight=recompute_weight,
+        )
+        self.checkpoints_planned = 0
         self.max_context_len = max_context_len
         self.cow_copy = cow_copy
 
     def describe(self) -> str:
+        c = self.cache
         return (
-            f"ours: sglang_mamba_ext MambaRadixCache kv_size={self.kv.size} "
-            f"mamba_size={self.mamba_pool.size} page_size=1 cow_copy={self.cow_copy}"
+            f"{self.name}: sglang_mamba_ext MambaRadixCache kv_size={self.kv.size} "
+            f"mamba_size={self.mamba_pool.size} page_size=1 cow_copy={self.cow_copy} "
+            f"branch_checkpoints={c.branch_checkpoints} eviction_policy={c.eviction_policy}"
         )
 
     def begin(self, rec: TraceRecord) -> _Handle:
@@ -93,6 +115,12 @@ class OursDriver(CacheDriver):
             self.cache.evict(mamba_num=need - self.mamba_pool.available_size())
             if pool.alloc([req]) is None:
                 raise RuntimeError(f"rid {req.rid}: no SSM slot even after eviction")
+        if self.cache.branch_checkpoints:
+            # Branch-point / prompt-end checkpoints: slots taken now, states written by the
+            # prefill (not simulated here), inserted at finish.
+            self.checkpoints_planned += len(
+                self.cache.plan_prefix_checkpoints(req, len(h.tokens), h.match.mamba_branching_seqlen)
+            )
         if self.cow_copy:
             pool.execute_deferred_cow([req])
         req.mamba_cow_src_index = None  # the forward ran (or its copy is not measured)

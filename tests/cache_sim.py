@@ -57,6 +57,7 @@ def make_cache(
     mamba_track_interval: Optional[int] = None,
     num_layers: int = 2,
     finish_state: str = "working",
+    **cache_kwargs,
 ):
     kv = KVSlotAllocator(kv_size, page_size)
     mp = MambaPool(mamba_size, num_layers, (CONV_W - 1,), (2,), dtype=torch.int64)
@@ -64,6 +65,7 @@ def make_cache(
     cache = MambaRadixCache(
         kv, rp, page_size=page_size, mamba_track_interval=mamba_track_interval or 4 * page_size,
         finish_state=finish_state,
+        **cache_kwargs,
     )
     return cache
 
@@ -110,10 +112,10 @@ class SimModel:
                 stack.append((child, full))
 
     # ------------------------------------------------------------------ scheduler side
-    def admit(self, req: CacheReq, cap_one: bool = True) -> bool:
+    def admit(self, req: CacheReq, cap_one: bool = True, prompt_len: Optional[int] = None) -> bool:
         """match_prefix (capped at len - 1) with COW, lock, alloc the row and SSM slots
-        (evicting SSM states if short). Returns False (and releases everything) when the
-        pools cannot take the request."""
+        (evicting SSM states if short), then plan the branch / prompt-end checkpoints.
+        Returns False (and releases everything) when the pools cannot take the request."""
         cache = self.cache
         n = len(req.token_ids) - (1 if cap_one else 0)
         m = cache.match_prefix(RadixKey(req.token_ids[:n], req.extra_key), cow_mamba=True, req=req)
@@ -133,6 +135,10 @@ class SimModel:
         req.cache_protected_len = p
         req.kv_allocated_len = p
         req.kv_committed_len = p
+        self.last_match = m
+        cache.plan_prefix_checkpoints(
+            req, len(req.token_ids) if prompt_len is None else prompt_len, m.mamba_branching_seqlen
+        )
         return True
 
     def extend_kv(self, req: CacheReq, new_len: int) -> bool:
@@ -181,6 +187,8 @@ class SimModel:
         work = req.mamba_pool_idx
         if plan is not None:
             slot, c = plan
+            self._write_state(slot, toks[:c])
+        for slot, c in self.pool.prefix_checkpoints_in(req, s, num_tokens):
             self._write_state(slot, toks[:c])
         self._write_state(work, toks[: s + num_tokens])
         req.kv_committed_len = s + num_tokens

@@ -29,6 +29,7 @@ class CacheMachine(RuleBasedStateMachine):
     page_size = 1
     track_slots = 2
     finish_state = "working"
+    cache_kwargs: dict = {}
     ops = 0
 
     def __init__(self):
@@ -42,6 +43,7 @@ class CacheMachine(RuleBasedStateMachine):
             max_context_len=128,
             mamba_track_interval=4 * self.page_size,
             finish_state=self.finish_state,
+            **self.cache_kwargs,
         )
         self.sim = SimModel(self.cache)
         self.live = []  # requests holding a row (or a COW slot)
@@ -72,7 +74,7 @@ class CacheMachine(RuleBasedStateMachine):
         tokens = tokens[:100]
         self.rid += 1
         req = CacheReq(rid=self.rid, token_ids=list(tokens), extra_key=ns)
-        if self.sim.admit(req):
+        if self.sim.admit(req, prompt_len=len(tokens)):
             self.live.append(req)
             self.prompt_len[req.rid] = len(tokens)
         else:
@@ -205,7 +207,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _assert_released(self, req):
         assert req.req_pool_idx is None and req.mamba_pool_idx is None and req.last_node is None
-        assert not req.mamba_ping_pong_track_buffer
+        assert not req.mamba_ping_pong_track_buffer and not req.mamba_prefix_checkpoints
 
 
 CONFIGS = {
@@ -213,6 +215,13 @@ CONFIGS = {
     "page1_nobuffer": dict(page_size=1, track_slots=0, finish_state="working"),
     "page1_checkpoint_finish": dict(page_size=1, track_slots=2, finish_state="checkpoint"),
     "page2_track": dict(page_size=2, track_slots=2, finish_state="working"),
+    "page1_branch_recompute": dict(
+        page_size=1, track_slots=2, finish_state="working", cache_kwargs=dict(
+            branch_checkpoints=True, eviction_policy="recompute", max_states_per_path=3, kv_bytes_per_token=64)
+    ),
+    "page2_branch_lru_nobuffer": dict(
+        page_size=2, track_slots=0, finish_state="working", cache_kwargs=dict(branch_checkpoints=True)
+    ),
 }
 
 

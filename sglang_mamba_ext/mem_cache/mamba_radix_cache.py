@@ -44,6 +44,9 @@ from .req_to_token_pool import HybridReqToTokenPool
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
+#: Eviction policies of :class:`MambaRadixCache`.
+EVICTION_POLICIES = ("lru", "recompute")
+
 
 class RadixKey:
     """Token ids plus a namespace (SGLang ``RadixKey``: ``token_ids``, ``extra_key``)."""
@@ -153,6 +156,13 @@ class MatchResult:
     def prefix_len(self) -> int:
         return int(self.device_indices.numel())
 
+    @property
+    def mamba_branching_seqlen(self) -> Optional[int]:
+        """Where the KV match runs deeper than the usable match (a branch point or
+        tombstones): a position worth checkpointing during this request's prefill
+        (SGLang's ``MatchResult.mamba_branching_seqlen``); ``None`` if there is none."""
+        return self.kv_match_len if self.kv_match_len > self.prefix_len else None
+
 
 @dataclasses.dataclass
 class InsertResult:
@@ -193,9 +203,21 @@ class MambaRadixCache:
             request's working slot, exact at the sequence end; safe when no forward can
             still be writing it, i.e. without overlap scheduling) or ``"checkpoint"`` (the
             newest ping-pong checkpoint, seed §4.1 step 4; safe under overlap scheduling).
+        branch_checkpoints: save extra SSM checkpoints during prefill where they pay off
+            (see :meth:`plan_prefix_checkpoints`): at the branch point ``match_prefix``
+            reports, and at prompt length - 1.
+        max_states_per_path: with ``branch_checkpoints``, plan no checkpoint for a request
+            whose matched path already holds this many states (0: no bound).
+        eviction_policy: ``"lru"`` (seed §3.3) or ``"recompute"`` (recency blended with
+            recompute saved per byte, see :meth:`_recompute_victim`).
+        recompute_weight: with ``"recompute"``, the weight ``w`` of the recompute term
+            (0 = pure LRU order, 1 = recompute saved per byte only).
+        kv_bytes_per_token: bytes of one token's KV over all attention layers, so the
+            recompute policy can weigh KV freed by removing a leaf (0: SSM bytes only).
 
     Raises:
-        ValueError: on a bad ``page_size``, ``mamba_track_interval`` or ``finish_state``.
+        ValueError: on a bad ``page_size``, ``mamba_track_interval``, ``finish_state``,
+            ``eviction_policy`` or ``recompute_weight``.
     """
 
     def __init__(
@@ -205,6 +227,11 @@ class MambaRadixCache:
         page_size: int = 1,
         mamba_track_interval: int = 256,
         finish_state: str = "working",
+        branch_checkpoints: bool = False,
+        max_states_per_path: int = 0,
+        eviction_policy: str = "lru",
+        recompute_weight: float = 0.5,
+        kv_bytes_per_token: int = 0,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -215,12 +242,23 @@ class MambaRadixCache:
             )
         if finish_state not in ("working", "checkpoint"):
             raise ValueError(f"finish_state must be 'working' or 'checkpoint', got {finish_state!r}")
+        if eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}"
+            )
+        if not 0.0 <= recompute_weight <= 1.0:
+            raise ValueError(f"recompute_weight must be in [0, 1], got {recompute_weight}")
         self.token_to_kv_pool_allocator = kv_allocator
         self.req_to_token_pool = req_to_token_pool
         self.mamba_pool = req_to_token_pool.mamba_pool
         self.page_size = page_size
         self.mamba_track_interval = mamba_track_interval
         self.finish_state = finish_state
+        self.branch_checkpoints = branch_checkpoints
+        self.max_states_per_path = max_states_per_path
+        self.eviction_policy = eviction_policy
+        self.recompute_weight = recompute_weight
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.device = getattr(kv_allocator, "device", torch.device("cpu"))
         self.full_lru_list = LRUList()
         self.mamba_lru_list = LRUList()
@@ -418,6 +456,7 @@ class MambaRadixCache:
         row = req.req_pool_idx
         if row is None:
             raise ValueError(f"cache_unfinished_req: request {req.rid!r} has no req_pool_idx")
+        self._commit_prefix_checkpoints(req)
         p = req.cache_protected_len
         pool = self.req_to_token_pool
         tracked = pool.track_slots_per_req > 0
@@ -435,9 +474,28 @@ class MambaRadixCache:
             if slot is None:
                 return
             self.mamba_pool.copy_from([req.mamba_pool_idx], [slot])
+        res = self._adopt_prefix(req, n, slot)
+        if tracked:
+            if not res.mamba_exist:
+                fresh = self._alloc_mamba_slot()
+                pool.replace_track_slot(req, entry, -1 if fresh is None else fresh)
+                req.mamba_last_track_seqlen = None
+        elif res.mamba_exist:
+            self.mamba_pool.free([slot])
+
+    def _adopt_prefix(self, req: CacheReq, n: int, slot: int) -> InsertResult:
+        """Insert the request's first ``n`` tokens with SSM slot ``slot`` (the state after
+        them). When ``n`` passes ``cache_protected_len``, the tree's KV indices are written
+        back into ``req_to_token`` (seed §4.3) and the request's lock moves to the new node;
+        the caller still owns ``slot`` when the result says ``mamba_exist``."""
+        pool = self.req_to_token_pool
+        row = req.req_pool_idx
+        p = req.cache_protected_len
         kv = pool.req_to_token[row, :n].to(torch.int64)
         res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n))
-        # Lock the new node before anything can evict (the replacement slot below may).
+        if n <= p:
+            return res
+        # Lock the new node before anything can evict (a replacement slot may).
         self.inc_lock_ref(res.last_node)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
@@ -446,13 +504,79 @@ class MambaRadixCache:
         pool.req_to_token[row, p:n] = new_indices[p:n].to(torch.int32)
         req.prefix_indices = new_indices
         req.cache_protected_len = n
-        if tracked:
-            if not res.mamba_exist:
-                fresh = self._alloc_mamba_slot()
-                pool.replace_track_slot(req, entry, -1 if fresh is None else fresh)
-                req.mamba_last_track_seqlen = None
-        elif res.mamba_exist:
-            self.mamba_pool.free([slot])
+        return res
+
+    # ------------------------------------------------------------ branch checkpoints
+    def plan_prefix_checkpoints(
+        self, req: CacheReq, prompt_len: int, branching_seqlen: Optional[int] = None
+    ) -> List[Tuple[int, int]]:
+        """Plan the extra SSM checkpoints this request's prefill saves (Marconi-style
+        admission; issue 6), after ``match_prefix``, the lock and the row allocation:
+
+        - at ``branching_seqlen`` (``MatchResult.mamba_branching_seqlen``): the KV of the
+          prompt is cached deeper than any usable state — where sequences branch, e.g. at
+          the end of a shared system prompt. A state saved there serves every later request
+          that shares the prefix;
+        - at ``prompt_len - 1``: the state before the last prompt token, so a resent
+          identical prompt (whose match is capped at ``len - 1``) hits all but one token.
+
+        Positions are floored to whole pages and kept only inside ``(cache_protected_len,
+        prompt_len)``. Each gets an SSM slot now (evicting one state if the pool is full:
+        the slot is counted against the SSM pool like any other); a position whose slot
+        cannot be had is dropped. With ``max_states_per_path``, no checkpoint is planned
+        beyond that many states on the matched path. The forward writes the states
+        (``HybridReqToTokenPool.prefix_checkpoints_in``); ``cache_unfinished_req`` /
+        ``cache_finished_req`` insert them; ``release_req`` frees unused ones.
+
+        Returns:
+            the planned ``(seqlen, slot)`` pairs (also stored on the request).
+        """
+        if not self.branch_checkpoints:
+            return []
+        ps = self.page_size
+        p = req.cache_protected_len
+        wanted = set()
+        if branching_seqlen is not None:
+            wanted.add(branching_seqlen - branching_seqlen % ps)
+        last = prompt_len - 1
+        wanted.add(last - last % ps)
+        positions = sorted(c for c in wanted if p < c < prompt_len)
+        if self.max_states_per_path > 0:
+            room = self.max_states_per_path - self._states_on_path(req.last_node)
+            positions = positions[: max(room, 0)]
+        planned: List[Tuple[int, int]] = []
+        for c in positions:
+            slot = self._alloc_mamba_slot()
+            if slot is None:
+                break
+            planned.append((c, slot))
+        req.mamba_prefix_checkpoints = planned + req.mamba_prefix_checkpoints
+        req.mamba_prefix_checkpoints.sort()
+        return planned
+
+    def _commit_prefix_checkpoints(self, req: CacheReq) -> None:
+        """Insert every planned checkpoint the forward has passed (``seqlen <=
+        kv_committed_len``), in order; free the slot where the tree already had a state."""
+        cps = req.mamba_prefix_checkpoints
+        if not cps:
+            return
+        keep = []
+        for c, slot in cps:
+            if c > req.kv_committed_len:
+                keep.append((c, slot))
+                continue
+            res = self._adopt_prefix(req, c, slot)
+            if res.mamba_exist:
+                self.mamba_pool.free([slot])
+        req.mamba_prefix_checkpoints = keep
+
+    def _states_on_path(self, node: Optional[TreeNode]) -> int:
+        n = 0
+        root = self.root_node
+        while node is not None and node is not root:
+            n += node.mamba_value is not None
+            node = node.parent
+        return n
 
     def cache_finished_req(self, req: CacheReq, insert: bool = True) -> None:
         """Finish (or, with ``insert=False``, abort) a request: insert its sequence with the
@@ -469,6 +593,8 @@ class MambaRadixCache:
         row = req.req_pool_idx
         donated = None
         if row is not None:
+            if insert:
+                self._commit_prefix_checkpoints(req)
             p = req.cache_protected_len
             alloc_len = req.kv_allocated_len
             n, slot = self._finish_state(req) if insert else (0, None)
@@ -701,6 +827,7 @@ class MambaRadixCache:
             if r.mamba_pool_idx is not None:
                 req_mamba.append(r.mamba_pool_idx)
             req_mamba.extend(s for s in r.mamba_ping_pong_track_buffer if s >= 0)
+            req_mamba.extend(slot for _, slot in r.mamba_prefix_checkpoints)
         allkv = torch.cat(places)
         if self.page_size > 1:
             allkv = torch.unique(allkv // self.page_size)
@@ -873,6 +1000,18 @@ class MambaRadixCache:
             node = parent
 
     def _evict_mamba(self, num: int, res: EvictResult) -> None:
+        if self.eviction_policy == "recompute":
+            target = res.mamba_num_evicted + num
+            while res.mamba_num_evicted < target:
+                node = self._recompute_victim(leaf_only=False)
+                if node is None:
+                    return
+                if node.children:
+                    self._drop_state(node)
+                    res.mamba_num_evicted += 1
+                else:
+                    self._delete_leaf(node, res)
+            return
         lru = self.mamba_lru_list
         link = lru.lru()
         target = res.mamba_num_evicted + num
@@ -888,6 +1027,15 @@ class MambaRadixCache:
             link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
 
     def _evict_full(self, num_tokens: int, res: EvictResult) -> None:
+        if self.eviction_policy == "recompute":
+            while res.num_tokens_evicted < num_tokens:
+                node = self._recompute_victim(leaf_only=True)
+                if node is None:
+                    break
+                self._delete_leaf(node, res)
+            if res.num_tokens_evicted >= num_tokens:
+                return
+            # Only locked or stateless leaves are left: fall through to the LRU scan.
         lru = self.full_lru_list
         link = lru.lru()
         while link is not None and res.num_tokens_evicted < num_tokens:
@@ -896,6 +1044,59 @@ class MambaRadixCache:
             if not node.children and node.full_lock_ref == 0:
                 self._delete_leaf(node, res)
             link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
+
+    def _recompute_victim(self, leaf_only: bool) -> Optional[TreeNode]:
+        """The state to evict under ``eviction_policy="recompute"``.
+
+        Candidates: unlocked nodes holding a state (with ``leaf_only``, only leaves whose
+        KV is unlocked, for KV eviction). For each candidate ``n``:
+
+        - ``saved(n) = n.seq_len - a(n)``: tokens a request reaching ``n`` would have to
+          recompute if ``n``'s state were gone, ``a(n)`` being the end of the deepest
+          ancestor that holds a state (the fallback of seed §6.4);
+        - ``bytes(n)``: the SSM slot, plus the node's KV (``kv_bytes_per_token`` each) when
+          evicting removes the node (a leaf);
+        - ``efficiency(n) = saved(n) / bytes(n)`` (tokens of recompute saved per byte);
+        - ``recency(n)`` = its last access (logical clock).
+
+        Both are min-max normalised over the candidates and blended,
+        ``score = (1 - w) * recency + w * efficiency`` with ``w = recompute_weight``; the
+        lowest score is evicted (ties: least recently used). This is the utility of
+        Marconi (Pan et al., "Marconi: Prefix Caching for the Era of Hybrid LLMs",
+        MLSys 2025, §4.2: recency plus FLOP efficiency of a prefix), with recompute counted
+        in tokens rather than FLOPs. O(states) per victim; the SSM pool is small.
+        """
+        slot_bytes = self.mamba_pool.slot_bytes() or 1
+        kv_bytes = self.kv_bytes_per_token
+        root = self.root_node
+        cands = []
+        for link in self.mamba_lru_list:
+            node = link.owner
+            if node.mamba_lock_ref:
+                continue
+            leaf = not node.children
+            if leaf_only and not leaf:
+                continue
+            if leaf and node.full_lock_ref:
+                continue
+            anc = node.parent
+            while anc is not root and anc.mamba_value is None:
+                anc = anc.parent
+            saved = node.seq_len - anc.seq_len
+            nbytes = slot_bytes + (kv_bytes * len(node.key) if leaf else 0)
+            cands.append((node, node.last_access_time, saved / nbytes))
+        if not cands:
+            return None
+        w = self.recompute_weight
+        r_lo = min(c[1] for c in cands)
+        r_span = (max(c[1] for c in cands) - r_lo) or 1
+        e_lo = min(c[2] for c in cands)
+        e_span = (max(c[2] for c in cands) - e_lo) or 1.0
+        best = min(
+            cands,
+            key=lambda c: ((1 - w) * (c[1] - r_lo) / r_span + w * (c[2] - e_lo) / e_span, c[1]),
+        )
+        return best[0]
 
     def _alloc_mamba_slot(self, protect: Optional[TreeNode] = None) -> Optional[int]:
         """One SSM slot, evicting one unlocked state if the pool is empty (``protect`` is

@@ -8,7 +8,7 @@ the results back. The core never sees SGLang's objects.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -41,6 +41,8 @@ class CacheReq:
         mamba_next_track_idx: which ping-pong entry the next checkpoint goes to (0/1).
         mamba_last_track_seqlen: sequence length (tokens) of the state in the other entry,
             ``None`` if no checkpoint is held.
+        mamba_prefix_checkpoints: extra checkpoints planned for this prefill as sorted
+            ``(seqlen, slot)`` pairs (branch point, prompt end - 1), not yet in the tree.
         user: free slot for the adapter (e.g. SGLang's ``Req``).
     """
 
@@ -59,6 +61,7 @@ class CacheReq:
     mamba_ping_pong_track_buffer: List[int] = dataclasses.field(default_factory=list)
     mamba_next_track_idx: int = 0
     mamba_last_track_seqlen: Optional[int] = None
+    mamba_prefix_checkpoints: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
     user: Any = None
 
     def last_track_slot(self) -> Optional[int]:

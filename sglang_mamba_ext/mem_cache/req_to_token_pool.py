@@ -128,6 +128,7 @@ class HybridReqToTokenPool:
         if req.mamba_pool_idx is not None:
             slots.append(req.mamba_pool_idx)
         slots.extend(s for s in req.mamba_ping_pong_track_buffer if s >= 0)
+        slots.extend(slot for _, slot in req.mamba_prefix_checkpoints)
         if keep_slot is not None:
             slots.remove(keep_slot)
         if slots:
@@ -137,6 +138,7 @@ class HybridReqToTokenPool:
         req.mamba_needs_clear = False
         req.mamba_ping_pong_track_buffer = []
         req.mamba_last_track_seqlen = None
+        req.mamba_prefix_checkpoints = []
         row = req.req_pool_idx
         if row is not None:
             self.req_index_to_mamba_index_mapping[row] = -1
@@ -223,6 +225,15 @@ class HybridReqToTokenPool:
         req.mamba_next_track_idx = 1 - entry
         req.mamba_last_track_seqlen = c
         return slot, c
+
+    @staticmethod
+    def prefix_checkpoints_in(req: CacheReq, seq_len_before: int, num_new_tokens: int) -> List[Tuple[int, int]]:
+        """The planned extra checkpoints (``MambaRadixCache.plan_prefix_checkpoints``) that
+        fall inside this forward: ``(slot, c)`` pairs with ``seq_len_before < c <=
+        seq_len_before + num_new_tokens`` — write the state after token ``c - 1`` into
+        ``slot``, as for :meth:`plan_track`."""
+        end = seq_len_before + num_new_tokens
+        return [(slot, c) for c, slot in req.mamba_prefix_checkpoints if seq_len_before < c <= end]
 
     def clear(self) -> None:
         """Forget every row (server flush); SSM slots must have been freed by the caller."""
