@@ -66,7 +66,6 @@ class OursDriver(CacheDriver):
         cow_copy: bool = False,
         branch_checkpoints: bool = False,
         eviction_policy: str = "lru",
-        recompute_weight: float = 0.5,
         name: str = "ours",
     ):
         self.name = name
@@ -79,7 +78,6 @@ class OursDriver(CacheDriver):
             page_size=1,
             branch_checkpoints=branch_checkpoints,
             eviction_policy=eviction_policy,
-            recompute_weight=recompute_weight,
         )
         self.checkpoints_planned = 0
         self.max_context_len = max_context_len

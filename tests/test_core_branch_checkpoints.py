@@ -110,7 +110,7 @@ class TestRecomputePolicy(unittest.TestCase):
         """A deep shared-prefix state (the system prompt branch point, used long ago) and
         several newer short leaves; then pressure for one SSM slot."""
         cache = make_cache(
-            kv_size=1024, mamba_size=16, branch_checkpoints=True, eviction_policy=policy, recompute_weight=0.5
+            kv_size=1024, mamba_size=16, branch_checkpoints=True, eviction_policy=policy
         )
         sim = SimModel(cache)
         sim.run(SYS + user(0), [1], rid="a")
@@ -144,8 +144,6 @@ class TestRecomputePolicy(unittest.TestCase):
     def test_bad_policy(self):
         with self.assertRaises(ValueError):
             make_cache(eviction_policy="lfu")
-        with self.assertRaises(ValueError):
-            make_cache(eviction_policy="recompute", recompute_weight=2.0)
 
 
 if __name__ == "__main__":

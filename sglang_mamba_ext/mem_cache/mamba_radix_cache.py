@@ -93,7 +93,8 @@ class TreeNode:
         "extra_key",
         "seq_len",
         "last_access_time",
-        "hit_count",
+        "priority",
+        "hits",
         "id",
         "full_link",
         "mamba_link",
@@ -113,7 +114,8 @@ class TreeNode:
         self.extra_key = extra_key
         self.seq_len = (parent.seq_len if parent is not None else 0) + len(key)
         self.last_access_time = 0
-        self.hit_count = 0
+        self.priority = 0.0
+        self.hits = 0
         self.id = TreeNode._next_id
         TreeNode._next_id += 1
         self.full_link = LRULink(self)
@@ -210,14 +212,12 @@ class MambaRadixCache:
             whose matched path already holds this many states (0: no bound).
         eviction_policy: ``"lru"`` (seed §3.3) or ``"recompute"`` (recency blended with
             recompute saved per byte, see :meth:`_recompute_victim`).
-        recompute_weight: with ``"recompute"``, the weight ``w`` of the recompute term
-            (0 = pure LRU order, 1 = recompute saved per byte only).
         kv_bytes_per_token: bytes of one token's KV over all attention layers, so the
             recompute policy can weigh KV freed by removing a leaf (0: SSM bytes only).
 
     Raises:
-        ValueError: on a bad ``page_size``, ``mamba_track_interval``, ``finish_state``,
-            ``eviction_policy`` or ``recompute_weight``.
+        ValueError: on a bad ``page_size``, ``mamba_track_interval``, ``finish_state`` or
+            ``eviction_policy``.
     """
 
     def __init__(
@@ -230,7 +230,6 @@ class MambaRadixCache:
         branch_checkpoints: bool = False,
         max_states_per_path: int = 0,
         eviction_policy: str = "lru",
-        recompute_weight: float = 0.5,
         kv_bytes_per_token: int = 0,
     ):
         if page_size < 1:
@@ -246,8 +245,6 @@ class MambaRadixCache:
             raise ValueError(
                 f"eviction_policy must be one of {EVICTION_POLICIES}, got {eviction_policy!r}"
             )
-        if not 0.0 <= recompute_weight <= 1.0:
-            raise ValueError(f"recompute_weight must be in [0, 1], got {recompute_weight}")
         self.token_to_kv_pool_allocator = kv_allocator
         self.req_to_token_pool = req_to_token_pool
         self.mamba_pool = req_to_token_pool.mamba_pool
@@ -257,7 +254,6 @@ class MambaRadixCache:
         self.branch_checkpoints = branch_checkpoints
         self.max_states_per_path = max_states_per_path
         self.eviction_policy = eviction_policy
-        self.recompute_weight = recompute_weight
         self.kv_bytes_per_token = kv_bytes_per_token
         self.device = getattr(kv_allocator, "device", torch.device("cpu"))
         self.full_lru_list = LRUList()
@@ -273,6 +269,7 @@ class MambaRadixCache:
         self.full_lru_list = LRUList()
         self.mamba_lru_list = LRUList()
         self._clock = 0
+        self._inflation = 0.0
         self._full_evictable = 0
         self._full_protected = 0
         self._mamba_evictable = 0
@@ -331,8 +328,7 @@ class MambaRadixCache:
 
         self._touch_path(node)
         if best_node is not self.root_node:
-            self.mamba_lru_list.push_front(best_node.mamba_link)
-            best_node.hit_count += 1
+            self._touch_state(best_node)
         if best_nvals == 0:
             device_indices = _EMPTY
         elif best_nvals == 1:
@@ -432,7 +428,7 @@ class MambaRadixCache:
             new.mamba_value = mamba_value
             self._full_evictable += n - pos
             self._mamba_evictable += 1
-            self.mamba_lru_list.push_front(new.mamba_link)
+            self._touch_state(new)
             node = new
             mamba_exist = False
         elif mamba_value is not None and node is not self.root_node and node.mamba_value is None:
@@ -969,7 +965,7 @@ class MambaRadixCache:
             self._mamba_protected += 1
         else:
             self._mamba_evictable += 1
-        self.mamba_lru_list.push_front(node.mamba_link)
+        self._touch_state(node)
 
     def _drop_state(self, node: TreeNode) -> None:
         """Tombstone ``node``: free its SSM slot (caller checked it is unlocked)."""
@@ -1045,58 +1041,60 @@ class MambaRadixCache:
                 self._delete_leaf(node, res)
             link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
 
-    def _recompute_victim(self, leaf_only: bool) -> Optional[TreeNode]:
-        """The state to evict under ``eviction_policy="recompute"``.
+    def _touch_state(self, node: TreeNode) -> None:
+        """A state was stored or used: most recent in the SSM LRU list; under the
+        recompute policy its priority is refreshed (see :meth:`_recompute_victim`)."""
+        self.mamba_lru_list.push_front(node.mamba_link)
+        if self.eviction_policy == "recompute":
+            node.hits += 1
+            node.priority = self._inflation + node.hits * self._recompute_per_byte(node)
 
-        Candidates: unlocked nodes holding a state (with ``leaf_only``, only leaves whose
-        KV is unlocked, for KV eviction). For each candidate ``n``:
+    def _recompute_per_byte(self, node: TreeNode) -> float:
+        """Tokens of recompute the state of ``node`` saves, per SSM slot's worth of bytes.
 
-        - ``saved(n) = n.seq_len - a(n)``: tokens a request reaching ``n`` would have to
-          recompute if ``n``'s state were gone, ``a(n)`` being the end of the deepest
-          ancestor that holds a state (the fallback of seed §6.4);
-        - ``bytes(n)``: the SSM slot, plus the node's KV (``kv_bytes_per_token`` each) when
-          evicting removes the node (a leaf);
-        - ``efficiency(n) = saved(n) / bytes(n)`` (tokens of recompute saved per byte);
-        - ``recency(n)`` = its last access (logical clock).
-
-        Both are min-max normalised over the candidates and blended,
-        ``score = (1 - w) * recency + w * efficiency`` with ``w = recompute_weight``; the
-        lowest score is evicted (ties: least recently used). This is the utility of
-        Marconi (Pan et al., "Marconi: Prefix Caching for the Era of Hybrid LLMs",
-        MLSys 2025, §4.2: recency plus FLOP efficiency of a prefix), with recompute counted
-        in tokens rather than FLOPs. O(states) per victim; the SSM pool is small.
-        """
-        slot_bytes = self.mamba_pool.slot_bytes() or 1
-        kv_bytes = self.kv_bytes_per_token
+        ``saved = node.seq_len - a``, ``a`` the end of the deepest ancestor holding a state:
+        without this state a request reaching ``node`` falls back to ``a`` (seed §6.4) and
+        recomputes the difference. The bytes are one SSM slot, plus the node's KV
+        (``kv_bytes_per_token`` per token) when the node is a leaf, whose eviction frees
+        both."""
         root = self.root_node
-        cands = []
+        anc = node.parent
+        while anc is not root and anc.mamba_value is None:
+            anc = anc.parent
+        size = 1.0
+        if not node.children and self.kv_bytes_per_token:
+            size += self.kv_bytes_per_token * len(node.key) / (self.mamba_pool.slot_bytes() or 1)
+        return (node.seq_len - anc.seq_len) / size
+
+    def _recompute_victim(self, leaf_only: bool) -> Optional[TreeNode]:
+        """The state to evict under ``eviction_policy="recompute"``: GreedyDual-Size-
+        Frequency (Cherkasova, HP Labs TR HPL-98-69, 1998, after Cao & Irani's GreedyDual-
+        Size, USITS 1997) with the cost of a miss taken as tokens of recompute:
+
+            priority(n) = L + hits(n) * saved(n) / bytes(n)
+
+        set whenever ``n``'s state is stored or used; ``L`` (the inflation value) is the
+        priority of the last victim, so entries not used since age relative to new ones —
+        recency blended with recompute saved per byte (:meth:`_recompute_per_byte`), the
+        utility idea of Marconi (Pan et al., MLSys 2025, §4.2), without a tuned weight.
+
+        Candidates: unlocked nodes holding a state; with ``leaf_only`` (KV eviction) only
+        leaves whose KV is unlocked. The lowest priority goes (ties: the least recently
+        used). O(states) per victim; the SSM pool is small.
+        """
+        best = None
         for link in self.mamba_lru_list:
             node = link.owner
             if node.mamba_lock_ref:
                 continue
             leaf = not node.children
-            if leaf_only and not leaf:
+            if (leaf_only and not leaf) or (leaf and node.full_lock_ref):
                 continue
-            if leaf and node.full_lock_ref:
-                continue
-            anc = node.parent
-            while anc is not root and anc.mamba_value is None:
-                anc = anc.parent
-            saved = node.seq_len - anc.seq_len
-            nbytes = slot_bytes + (kv_bytes * len(node.key) if leaf else 0)
-            cands.append((node, node.last_access_time, saved / nbytes))
-        if not cands:
-            return None
-        w = self.recompute_weight
-        r_lo = min(c[1] for c in cands)
-        r_span = (max(c[1] for c in cands) - r_lo) or 1
-        e_lo = min(c[2] for c in cands)
-        e_span = (max(c[2] for c in cands) - e_lo) or 1.0
-        best = min(
-            cands,
-            key=lambda c: ((1 - w) * (c[1] - r_lo) / r_span + w * (c[2] - e_lo) / e_span, c[1]),
-        )
-        return best[0]
+            if best is None or node.priority <= best.priority:
+                best = node
+        if best is not None:
+            self._inflation = best.priority
+        return best
 
     def _alloc_mamba_slot(self, protect: Optional[TreeNode] = None) -> Optional[int]:
         """One SSM slot, evicting one unlocked state if the pool is empty (``protect`` is
