@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The main job (README.md): stock SGLang 0.5.23 serving the tiny hybrid model on CPU with
+# this plugin. Does all its own set-up: ./.venv (scripts/setup_env.sh), the tiny model in
+# ./.tiny_model (built once by scripts/make_tiny_model.py, no download), then
+#
+#   python -m sglang.launch_server --model-path .tiny_model --device cpu --enable-mamba-radix \
+#       --warmups kda_cache --warmup-prompts-file examples/warmup_prompts.jsonl --host H --port P
+#
+# Environment: HOST (default 127.0.0.1), PORT (default 30000), TINY_MODEL_DIR, WARMUP_FILE.
+# Extra arguments are passed to sglang.launch_server (an explicit flag always wins over the
+# plugin's CPU defaults). Stop the server with Ctrl-C.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+vpy="$("$root/scripts/setup_env.sh" | tail -n 1)"
+cd "$root"
+model="${TINY_MODEL_DIR:-$root/.tiny_model}"
+if [ ! -f "$model/config.json" ]; then
+  echo "[serve] building the tiny hybrid model in $model" >&2
+  "$vpy" scripts/make_tiny_model.py --out "$model"
+fi
+exec "$vpy" -m sglang.launch_server \
+  --model-path "$model" \
+  --device cpu \
+  --enable-mamba-radix \
+  --warmups kda_cache \
+  --warmup-prompts-file "${WARMUP_FILE:-$root/examples/warmup_prompts.jsonl}" \
+  --host "${HOST:-127.0.0.1}" \
+  --port "${PORT:-30000}" \
+  "$@"
