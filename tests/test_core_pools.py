@@ -82,19 +82,62 @@ class TestHybridReqToTokenPool(unittest.TestCase):
     def test_alloc_all_or_nothing(self):
         pool, mp = self._pool(mamba_size=5)
         a, b = CacheReq("a", [1]), CacheReq("b", [2])
-        self.assertEqual(pool.alloc([a]), [0])
+        self.assertEqual(pool.alloc([a]), [1])  # row 0 is the padding row
         self.assertEqual(mp.available_size(), 2)  # 1 working + 2 ping-pong
         self.assertTrue(a.mamba_needs_clear)
         self.assertIsNone(pool.alloc([b]))  # needs 3, 2 free: nothing taken
         self.assertEqual(mp.available_size(), 2)
         self.assertIsNone(b.req_pool_idx)
-        self.assertEqual(int(pool.req_index_to_mamba_index_mapping[0]), a.mamba_pool_idx)
+        self.assertEqual(int(pool.req_index_to_mamba_index_mapping[1]), a.mamba_pool_idx)
         self.assertEqual(
-            pool.req_index_to_mamba_ping_pong_track_buffer_mapping[0].tolist(), a.mamba_ping_pong_track_buffer
+            pool.req_index_to_mamba_ping_pong_track_buffer_mapping[1].tolist(), a.mamba_ping_pong_track_buffer
         )
         pool.free(a, keep_slot=a.mamba_pool_idx)  # donate the working slot
         self.assertEqual(mp.available_size(), 4)
         self.assertEqual(pool.available_size(), 3)
+
+    def test_padding_row_and_external_tensors(self):
+        """SGLang's layout: row 0 is padding (maps to SSM padding slot 0, never handed out);
+        given tensors (int32 map, wider ping-pong map) are used in place."""
+        mp = MambaPool(9, 1, (2, 1), (1,))
+        r2t = torch.zeros(4, 16, dtype=torch.int32)
+        mapping = torch.zeros(4, dtype=torch.int32)
+        pp = torch.zeros(4, 2, dtype=torch.int64)
+        pool = HybridReqToTokenPool(
+            3, 16, mp, track_slots_per_req=2, req_to_token=r2t,
+            req_index_to_mamba_index_mapping=mapping,
+            req_index_to_mamba_ping_pong_track_buffer_mapping=pp,
+        )
+        self.assertIs(pool.req_to_token, r2t)
+        reqs = [CacheReq(i, [i]) for i in range(3)]
+        self.assertEqual(sorted(pool.alloc(reqs)), [1, 2, 3])
+        self.assertEqual(int(mapping[0]), 0)
+        self.assertEqual(pp[0].tolist(), [0, 0])
+        self.assertEqual(mapping[1:].tolist(), [r.mamba_pool_idx for r in reqs])
+        self.assertEqual(pp[reqs[2].req_pool_idx].tolist(), reqs[2].mamba_ping_pong_track_buffer)
+        self.assertIsNone(pool.alloc_rows(1))
+        pool.free(reqs[1])
+        self.assertEqual(int(mapping[reqs[0].req_pool_idx]), reqs[0].mamba_pool_idx)
+        self.assertEqual(pool.free_row_ids(), [2])
+        with self.assertRaises(ValueError):
+            HybridReqToTokenPool(3, 16, mp, req_to_token=torch.zeros(3, 16, dtype=torch.int32))
+        with self.assertRaises(ValueError):
+            pool.free_rows([0])
+
+    def test_free_mamba_slots_keeps_row_and_donated_slot(self):
+        pool, mp = self._pool(mamba_size=6)
+        a = CacheReq("a", [1])
+        pool.alloc([a])
+        row, keep = a.req_pool_idx, a.mamba_ping_pong_track_buffer[1]
+        pool.free_mamba_slots(a, keep_slot=keep)
+        self.assertEqual(mp.available_size(), 5)  # working + one ping-pong back, one kept
+        self.assertFalse(mp.is_free(keep))
+        self.assertEqual(a.req_pool_idx, row)
+        self.assertIsNone(a.mamba_pool_idx)
+        self.assertEqual(a.mamba_ping_pong_track_buffer, [])
+        pool.free(a)  # the row only now
+        self.assertEqual(pool.available_size(), 3)
+        self.assertEqual(mp.available_size(), 5)
 
     def test_cow_and_clear_at_forward_start(self):
         pool, mp = self._pool(track=0)

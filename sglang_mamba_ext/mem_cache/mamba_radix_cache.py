@@ -489,17 +489,8 @@ class MambaRadixCache:
         p = req.cache_protected_len
         kv = pool.req_to_token[row, :n].to(torch.int64)
         res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n))
-        if n <= p:
-            return res
-        # Lock the new node before anything can evict (a replacement slot may).
-        self.inc_lock_ref(res.last_node)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        req.last_node = res.last_node
-        new_indices = self._path_values(res.last_node)
-        pool.req_to_token[row, p:n] = new_indices[p:n].to(torch.int32)
-        req.prefix_indices = new_indices
-        req.cache_protected_len = n
+        if n > p:
+            self._adopt_inserted_prefix(req, res.last_node, n)
         return res
 
     # ------------------------------------------------------------ branch checkpoints
@@ -550,15 +541,17 @@ class MambaRadixCache:
         req.mamba_prefix_checkpoints.sort()
         return planned
 
-    def _commit_prefix_checkpoints(self, req: CacheReq) -> None:
+    def _commit_prefix_checkpoints(self, req: CacheReq, up_to: Optional[int] = None) -> None:
         """Insert every planned checkpoint the forward has passed (``seqlen <=
-        kv_committed_len``), in order; free the slot where the tree already had a state."""
+        kv_committed_len`` and ``<= up_to``), in order; free the slot where the tree already
+        had a state."""
         cps = req.mamba_prefix_checkpoints
         if not cps:
             return
+        limit = req.kv_committed_len if up_to is None else min(up_to, req.kv_committed_len)
         keep = []
         for c, slot in cps:
-            if c > req.kv_committed_len:
+            if c > limit:
                 keep.append((c, slot))
                 continue
             res = self._adopt_prefix(req, c, slot)
@@ -574,9 +567,50 @@ class MambaRadixCache:
             node = node.parent
         return n
 
+    def insert_finished_req(self, req: CacheReq, up_to: Optional[int] = None) -> int:
+        """The insert half of :meth:`cache_finished_req` (seed §4.1 step 4, §5.1 step 4),
+        for callers that release the row themselves (SGLang 0.5.23's ``checkpoint`` of a
+        finished request, followed by its ``release_kv_cache``).
+
+        Inserts the request's sequence with its final state — the working slot when it
+        holds exactly ``up_to`` tokens (``finish_state="working"``), else the newest
+        ping-pong checkpoint not past ``up_to``, the key cut at the state's length — frees
+        the KV slots the tree already had, writes the tree's KV indices back into
+        ``req_to_token``, moves the request's lock to the new node and advances
+        ``cache_protected_len``; then frees every SSM slot of the request the tree did not
+        take (:meth:`HybridReqToTokenPool.free_mamba_slots`). KV slots at and above the
+        new ``cache_protected_len`` and the row stay the caller's to free.
+
+        Args:
+            req: a request holding a row.
+            up_to: tokens of ``req.token_ids`` that may be inserted (the request's valid
+                length, e.g. cut at a stop); default ``req.kv_committed_len``.
+
+        Returns:
+            the new ``req.cache_protected_len`` (tokens now owned by the tree).
+        """
+        pool = self.req_to_token_pool
+        row = req.req_pool_idx
+        if row is None:
+            pool.free_mamba_slots(req)
+            return req.cache_protected_len
+        self._commit_prefix_checkpoints(req, up_to)
+        p = req.cache_protected_len
+        n, slot = self._finish_state(req, up_to)
+        donated = None
+        if n > 0:
+            kv = pool.req_to_token[row, :n].to(torch.int64)
+            res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n))
+            if not res.mamba_exist:
+                donated = slot
+            if n > p:
+                self._adopt_inserted_prefix(req, res.last_node, n)
+        pool.free_mamba_slots(req, keep_slot=donated)
+        return req.cache_protected_len
+
     def cache_finished_req(self, req: CacheReq, insert: bool = True) -> None:
         """Finish (or, with ``insert=False``, abort) a request: insert its sequence with the
-        final state (seed §4.1 step 4, §5.1 step 4), free every slot the tree did not take,
+        final state (:meth:`insert_finished_req`), free every slot the tree did not take,
         release its row and its lock.
 
         The state donated is the working slot (``finish_state="working"``, exact at
@@ -587,22 +621,14 @@ class MambaRadixCache:
         """
         pool = self.req_to_token_pool
         row = req.req_pool_idx
-        donated = None
         if row is not None:
             if insert:
-                self._commit_prefix_checkpoints(req)
+                self.insert_finished_req(req)
             p = req.cache_protected_len
             alloc_len = req.kv_allocated_len
-            n, slot = self._finish_state(req) if insert else (0, None)
-            kv = pool.req_to_token[row, :alloc_len].to(torch.int64)
-            if n > 0:
-                res = self._insert(req.token_ids[:n], req.extra_key, kv[:n], slot, p, self._walk_start(req, n))
-                if not res.mamba_exist:
-                    donated = slot
-            tail = max(n, p)
-            if alloc_len > tail:
-                self.token_to_kv_pool_allocator.free(kv[tail:alloc_len])
-        pool.free(req, keep_slot=donated)
+            if alloc_len > p:
+                self.token_to_kv_pool_allocator.free(pool.req_to_token[row, p:alloc_len].to(torch.int64))
+        pool.free(req)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
         req.last_node = None
@@ -610,6 +636,21 @@ class MambaRadixCache:
         req.cache_protected_len = 0
         req.kv_allocated_len = 0
         req.kv_committed_len = 0
+
+    def _adopt_inserted_prefix(self, req: CacheReq, node: TreeNode, n: int) -> None:
+        """After inserting the request's first ``n`` tokens (ending at ``node``): lock
+        ``node`` in place of the request's old lock, point ``req_to_token[row, p:n]`` at the
+        tree's KV slots and set ``cache_protected_len = n`` (seed §4.2 step 4)."""
+        # Lock the new node before anything can evict (a replacement slot may).
+        self.inc_lock_ref(node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.last_node = node
+        p = req.cache_protected_len
+        new_indices = self._path_values(node)
+        self.req_to_token_pool.req_to_token[req.req_pool_idx, p:n] = new_indices[p:n].to(torch.int32)
+        req.prefix_indices = new_indices
+        req.cache_protected_len = n
 
     def release_req(self, req: CacheReq) -> None:
         """Abort / admission rejection / retraction without caching: frees every slot the
@@ -699,6 +740,31 @@ class MambaRadixCache:
     def mamba_protected_size(self) -> int:
         """SSM states (slots) in locked nodes."""
         return self._mamba_protected
+
+    def path_device_indices(self, node: TreeNode) -> torch.Tensor:
+        """int64 KV slots of the tokens from the root to the end of ``node``."""
+        return self._path_values(node)
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """int64 KV slots of every node (leak diagnostics; O(tree size))."""
+        vals = [n.value for n in self._nodes()]
+        return torch.cat(vals) if vals else _EMPTY
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        """int64 SSM slots held by the tree (leak diagnostics; O(tree size))."""
+        return torch.tensor(
+            [n.mamba_value for n in self._nodes() if n.mamba_value is not None], dtype=torch.int64
+        )
+
+    def _nodes(self) -> List[TreeNode]:
+        out: List[TreeNode] = []
+        stack = [self.root_node]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                out.append(child)
+                stack.append(child)
+        return out
 
     def total_size(self) -> int:
         """KV tokens in the tree."""
@@ -1112,11 +1178,15 @@ class MambaRadixCache:
                 return None
         return got[0]
 
-    def _finish_state(self, req: CacheReq) -> Tuple[int, Optional[int]]:
-        """(tokens, slot) of the state :meth:`cache_finished_req` inserts."""
+    def _finish_state(self, req: CacheReq, up_to: Optional[int] = None) -> Tuple[int, Optional[int]]:
+        """(tokens, slot) of the state :meth:`insert_finished_req` inserts: the working
+        slot if it holds exactly ``up_to`` tokens, else the newest checkpoint not past
+        ``up_to``; ``(0, None)`` if neither."""
         done = req.kv_committed_len
+        limit = done if up_to is None else min(up_to, len(req.token_ids))
         if (
             self.finish_state == "working"
+            and done == limit
             and done > 0
             and done % self.page_size == 0
             and req.mamba_pool_idx is not None
@@ -1126,6 +1196,6 @@ class MambaRadixCache:
             return done, req.mamba_pool_idx
         c = req.mamba_last_track_seqlen
         slot = req.last_track_slot()
-        if c is not None and slot is not None and 0 < c <= done:
+        if c is not None and slot is not None and 0 < c <= min(done, limit):
             return c, slot
         return 0, None

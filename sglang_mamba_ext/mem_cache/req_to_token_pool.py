@@ -18,28 +18,36 @@ from .req import CacheReq
 class HybridReqToTokenPool:
     """Rows of KV-slot indices per request, plus each request's SSM slots.
 
-    Tensors:
+    Tensors (``size + 1`` rows: row 0 is a padding row that is never handed out, SGLang's
+    convention in ``ReqToTokenPool`` — padded batch rows point at it — so the same tensors
+    can back both; usable rows are ``1 .. size``):
 
-    - ``req_to_token``: int32 ``[size, max_context_len]``; ``req_to_token[r, pos]`` is the
-      KV slot of token ``pos`` of the request in row ``r``.
-    - ``req_index_to_mamba_index_mapping``: int64 ``[size]``; the working SSM slot of row
-      ``r`` (``-1`` when free).
+    - ``req_to_token``: int32 ``[size + 1, max_context_len]``; ``req_to_token[r, pos]`` is
+      the KV slot of token ``pos`` of the request in row ``r``.
+    - ``req_index_to_mamba_index_mapping``: int ``[size + 1]``; the working SSM slot of row
+      ``r`` (``-1`` when free; the padding row maps to the padding SSM slot 0).
     - ``req_index_to_mamba_ping_pong_track_buffer_mapping``: int64
-      ``[size, track_slots_per_req]``; the row's checkpoint slots (``-1`` where missing).
+      ``[size + 1, track_slots_per_req]``; the row's checkpoint slots (``-1`` where missing).
 
     A request holds ``1 + track_slots_per_req`` SSM slots while it runs: with the default
     ``track_slots_per_req=2`` that is seed §1.3's "1 working + 2 ping-pong" (extra_buffer);
     ``0`` means no tracking (SGLang's no_buffer strategy).
 
     Args:
-        size: rows (concurrent requests), >= 1.
+        size: usable rows (concurrent requests), >= 1.
         max_context_len: tokens per row, >= 1.
         mamba_pool: the SSM pool the request slots come from (``self.mamba_pool``).
         track_slots_per_req: 0 or 2.
         device: device of the index tensors.
+        req_to_token / req_index_to_mamba_index_mapping /
+        req_index_to_mamba_ping_pong_track_buffer_mapping: existing tensors to use instead
+            of allocating (e.g. SGLang's ``HybridReqToTokenPool`` tensors, so SGLang's
+            backends and this pool read the same maps); shapes as above (the ping-pong map
+            only needs ``>= track_slots_per_req`` columns).
 
     Raises:
-        ValueError: on non-positive sizes or ``track_slots_per_req`` not in (0, 2).
+        ValueError: on non-positive sizes, ``track_slots_per_req`` not in (0, 2), or given
+            tensors of the wrong shape.
     """
 
     def __init__(
@@ -49,6 +57,10 @@ class HybridReqToTokenPool:
         mamba_pool: MambaPool,
         track_slots_per_req: int = 2,
         device: Union[str, torch.device] = "cpu",
+        *,
+        req_to_token: Optional[torch.Tensor] = None,
+        req_index_to_mamba_index_mapping: Optional[torch.Tensor] = None,
+        req_index_to_mamba_ping_pong_track_buffer_mapping: Optional[torch.Tensor] = None,
     ):
         if size < 1 or max_context_len < 1:
             raise ValueError(
@@ -61,17 +73,43 @@ class HybridReqToTokenPool:
         self.mamba_pool = mamba_pool
         self.track_slots_per_req = track_slots_per_req
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
-        self.req_index_to_mamba_index_mapping = torch.full((size,), -1, dtype=torch.int64, device=self.device)
-        self.req_index_to_mamba_ping_pong_track_buffer_mapping = torch.full(
-            (size, max(track_slots_per_req, 1)), -1, dtype=torch.int64, device=self.device
-        )
-        self._free_rows: List[int] = list(range(size - 1, -1, -1))
+        rows = size + 1
+        if req_to_token is None:
+            req_to_token = torch.zeros((rows, max_context_len), dtype=torch.int32, device=self.device)
+        elif tuple(req_to_token.shape) != (rows, max_context_len):
+            raise ValueError(
+                f"HybridReqToTokenPool: req_to_token has shape {tuple(req_to_token.shape)}, "
+                f"expected {(rows, max_context_len)}"
+            )
+        if req_index_to_mamba_index_mapping is None:
+            req_index_to_mamba_index_mapping = torch.empty((rows,), dtype=torch.int64, device=self.device)
+        elif tuple(req_index_to_mamba_index_mapping.shape) != (rows,):
+            raise ValueError(
+                "HybridReqToTokenPool: req_index_to_mamba_index_mapping has shape "
+                f"{tuple(req_index_to_mamba_index_mapping.shape)}, expected {(rows,)}"
+            )
+        track_cols = max(track_slots_per_req, 1)
+        pp = req_index_to_mamba_ping_pong_track_buffer_mapping
+        if pp is None:
+            pp = torch.empty((rows, track_cols), dtype=torch.int64, device=self.device)
+        elif pp.dim() != 2 or pp.shape[0] != rows or pp.shape[1] < track_slots_per_req:
+            raise ValueError(
+                "HybridReqToTokenPool: req_index_to_mamba_ping_pong_track_buffer_mapping has shape "
+                f"{tuple(pp.shape)}, expected ({rows}, >= {track_slots_per_req})"
+            )
+        self.req_to_token = req_to_token
+        self.req_index_to_mamba_index_mapping = req_index_to_mamba_index_mapping
+        self.req_index_to_mamba_ping_pong_track_buffer_mapping = pp
+        self.clear()
 
     # -- sizes ------------------------------------------------------------------------
     def available_size(self) -> int:
         """Free rows."""
         return len(self._free_rows)
+
+    def free_row_ids(self) -> List[int]:
+        """The free rows (a copy), for leak checks: ``len(...) == size`` at idle."""
+        return list(self._free_rows)
 
     def mamba_slots_per_req(self) -> int:
         """SSM slots a running request holds (working + checkpoints)."""
@@ -100,7 +138,7 @@ class HybridReqToTokenPool:
         slots = pool.alloc_list(need)
         if slots is None:
             return None
-        rows = [self._free_rows.pop() for _ in range(n)]
+        rows = self.alloc_rows(n)
         it = iter(slots)
         track = self.track_slots_per_req
         for r, row in zip(reqs, rows):
@@ -112,18 +150,35 @@ class HybridReqToTokenPool:
             r.mamba_next_track_idx = 0
             r.mamba_last_track_seqlen = None
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        self.req_index_to_mamba_index_mapping[idx] = torch.tensor(
-            [r.mamba_pool_idx for r in reqs], dtype=torch.int64, device=self.device
-        )
+        mapping = self.req_index_to_mamba_index_mapping
+        mapping[idx] = torch.tensor([r.mamba_pool_idx for r in reqs], dtype=mapping.dtype, device=self.device)
         if track:
-            self.req_index_to_mamba_ping_pong_track_buffer_mapping[idx] = torch.tensor(
-                [r.mamba_ping_pong_track_buffer for r in reqs], dtype=torch.int64, device=self.device
+            pp = self.req_index_to_mamba_ping_pong_track_buffer_mapping
+            pp[idx, :track] = torch.tensor(
+                [r.mamba_ping_pong_track_buffer for r in reqs], dtype=pp.dtype, device=self.device
             )
         return rows
 
-    def free(self, req: CacheReq, keep_slot: Optional[int] = None) -> None:
-        """Release the request's row and SSM slots, except ``keep_slot`` (a slot donated
-        to the radix tree at finish, seed §4.1 step 4). Idempotent on the row."""
+    def alloc_rows(self, need_size: int) -> Optional[List[int]]:
+        """Take ``need_size`` rows with no SSM slots (e.g. SGLang's beam-search member
+        rows); ``None`` if fewer are free."""
+        if need_size > len(self._free_rows):
+            return None
+        return [self._free_rows.pop() for _ in range(need_size)]
+
+    def free_rows(self, rows: Iterable[int]) -> None:
+        """Return rows taken by :meth:`alloc_rows` (their SSM maps are reset)."""
+        for row in rows:
+            if row < 1 or row > self.size:
+                raise ValueError(f"free_rows: row {row} out of range [1, {self.size}]")
+            self.req_index_to_mamba_index_mapping[row] = -1
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping[row] = -1
+            self._free_rows.append(row)
+
+    def free_mamba_slots(self, req: CacheReq, keep_slot: Optional[int] = None) -> None:
+        """Release the request's working and checkpoint SSM slots, except ``keep_slot``
+        (a slot donated to the radix tree, seed §4.1 step 4); keep its row. Clears the
+        request's SSM fields. Idempotent."""
         slots = []
         if req.mamba_pool_idx is not None:
             slots.append(req.mamba_pool_idx)
@@ -139,11 +194,14 @@ class HybridReqToTokenPool:
         req.mamba_ping_pong_track_buffer = []
         req.mamba_last_track_seqlen = None
         req.mamba_prefix_checkpoints = []
+
+    def free(self, req: CacheReq, keep_slot: Optional[int] = None) -> None:
+        """Release the request's row and SSM slots, except ``keep_slot`` (see
+        :meth:`free_mamba_slots`). Idempotent on the row."""
+        self.free_mamba_slots(req, keep_slot)
         row = req.req_pool_idx
         if row is not None:
-            self.req_index_to_mamba_index_mapping[row] = -1
-            self.req_index_to_mamba_ping_pong_track_buffer_mapping[row] = -1
-            self._free_rows.append(row)
+            self.free_rows([row])
             req.req_pool_idx = None
 
     def replace_track_slot(self, req: CacheReq, entry: int, slot: int) -> None:
@@ -237,6 +295,10 @@ class HybridReqToTokenPool:
 
     def clear(self) -> None:
         """Forget every row (server flush); SSM slots must have been freed by the caller."""
-        self._free_rows = list(range(self.size - 1, -1, -1))
+        self._free_rows = list(range(self.size, 0, -1))
         self.req_index_to_mamba_index_mapping.fill_(-1)
         self.req_index_to_mamba_ping_pong_track_buffer_mapping.fill_(-1)
+        # The padding row points at the padding SSM slot (SGLang: padded batch rows carry
+        # row 0, which must map to a harmless slot).
+        self.req_index_to_mamba_index_mapping[0] = self.mamba_pool.padding_slot
+        self.req_index_to_mamba_ping_pong_track_buffer_mapping[0] = self.mamba_pool.padding_slot
