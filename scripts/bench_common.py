@@ -216,6 +216,30 @@ class CacheDriver(abc.ABC):
     def end(self, h: Any) -> None:
         """Drop per-request objects (untimed)."""
 
+    # ---- optional hooks of the hit-rate benchmark (scripts/bench_hit_rate.py) ----
+    # ``run_trace`` (the tree-ops benchmark) never calls them, so the README's op list
+    # stays exactly what it times. The hit-rate runner calls them in this order:
+    # match, kv_match_len, lock, alloc_mamba, alloc_kv(extend), after_prefill,
+    # alloc_kv(decode), after_decode, finish, unlock.
+
+    #: SSM state snapshots written by the strategy beyond the live state of the
+    #: running request (a post-prefill checkpoint copy, a ping-pong track write).
+    #: A copy-on-write into a hit request's own slot is not counted here.
+    state_copies: int = 0
+
+    def kv_match_len(self, h: Any) -> int:
+        """Tokens of the prompt the last ``match`` found as KV, SSM state or not
+        (capped like the match at ``len(tokens) - 1``). Default: the usable match."""
+        raise NotImplementedError
+
+    def after_prefill(self, h: Any) -> None:
+        """What the scheduler does once the prompt's forward ran (e.g. SGLang's
+        ``checkpoint_kv_cache``). Default: nothing (the README's op list)."""
+
+    def after_decode(self, h: Any) -> None:
+        """What the scheduler does during decode besides the KV allocation (e.g.
+        SGLang's extra_buffer track boundaries). Default: nothing."""
+
     @abc.abstractmethod
     def leak_check(self) -> tuple[bool, str]:
         """``free + evictable + protected == size`` for the KV and the SSM pool.

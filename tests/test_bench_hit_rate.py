@@ -1,0 +1,363 @@
+"""Tests of the hit-rate benchmark (scripts/bench_hit_rate.py) and of the SGLang
+(upstream) drivers it runs.
+
+CPU only. The runner and report tests need nothing; the driver tests import SGLang
+(several seconds) and replay the first requests of the shared trace, and are skipped
+when SGLang or the trace is missing. Each upstream driver's hits are checked request
+by request against an independent model (:func:`reference_model`) of what its
+strategy can hit when nothing is evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import math
+import os
+import sys
+import unittest
+from unittest import mock
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import bench_hit_rate  # noqa: E402
+from bench_common import TRACE_PATH, CacheDriver, TraceRecord, load_trace  # noqa: E402
+from bench_hit_rate import (  # noqa: E402
+    HitResult,
+    Variant,
+    VariantUnavailable,
+    best_of,
+    comparison,
+    run_config,
+    run_hit_trace,
+)
+
+
+def _lcp(a, b) -> int:
+    import numpy as np
+
+    m = min(len(a), len(b))
+    if m == 0:
+        return 0
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m
+
+
+def reference_model(records, strategy: str, *, grid: int = 64, interval: int = 256):
+    """What each SGLang strategy can hit when no pool ever runs short.
+
+    The tree is modelled as a set of inserted keys (token prefixes), some ending in an
+    SSM state. Per request, with ``cap = tokens[:-1]``: the KV-only match is the longest
+    common prefix of ``cap`` with any key; the usable prefix ``P`` is the longest key
+    with a state that is a prefix of ``cap``. Then, by strategy:
+
+    * ``nobuf``: finish inserts ``tokens + output`` with a state at its end.
+    * ``nobuf-ckpt``: the prompt is also inserted with a state (a copy) after prefill.
+    * ``xbuf``: prefill tracks one state: at the branch point
+      ``B = floor(kv_match / grid) * grid`` if ``B > P`` and ``(B - P) % grid == 0``,
+      else at ``P + floor((n - P) / grid) * grid``, and only if ``n - P >= grid``; the
+      prompt checkpoint inserts ``tokens[:T]`` with it. Decode tracks at every
+      multiple of ``interval`` in ``(n, n + len(output)]``; finish inserts
+      ``(tokens + output)[:last]`` with the last one, or nothing.
+
+    Returns ``(prefix_lens, kv_lens, state_copies)``.
+    """
+    import numpy as np
+
+    keys, states = [], []
+    prefix_lens, kv_lens, copies = [], [], 0
+    for rec in records:
+        toks = np.asarray(rec.tokens, dtype=np.int64)
+        seq = np.asarray(rec.tokens + rec.output, dtype=np.int64)
+        n = len(toks)
+        cap = toks[: n - 1]
+        kv = max((_lcp(cap, k) for k in keys), default=0)
+        p = max(
+            (len(s) for s in states if len(s) <= n - 1 and _lcp(cap, s) == len(s)),
+            default=0,
+        )
+        prefix_lens.append(p)
+        kv_lens.append(kv)
+        if strategy in ("nobuf", "nobuf-ckpt"):
+            keys.append(seq)
+            states.append(seq)
+            if strategy == "nobuf-ckpt":
+                states.append(toks)
+                copies += 1
+            continue
+        assert strategy == "xbuf", strategy
+        if n - p >= grid:
+            t = p + (n - p) // grid * grid
+            b = kv // grid * grid
+            if p < b < n and (b - p) % grid == 0:
+                t = b
+            keys.append(toks[:t])
+            states.append(toks[:t])
+            copies += 1
+        bounds = list(range((n // interval + 1) * interval, len(seq) + 1, interval))
+        if bounds:
+            copies += len(bounds)
+            keys.append(seq[: bounds[-1]])
+            states.append(seq[: bounds[-1]])
+    return prefix_lens, kv_lens, copies
+
+
+class ReferenceModelTest(unittest.TestCase):
+    """The model itself, on hand-made requests (grid 4, interval 8 for short keys)."""
+
+    def test_xbuf_branch_point_then_hit(self):
+        sys_prompt = tuple(range(100, 110))  # 10 tokens
+        recs = [
+            TraceRecord(0, sys_prompt + (1, 2), (3,), 0, None),
+            TraceRecord(1, sys_prompt + (4, 5), (6,), 0, None),
+            TraceRecord(2, sys_prompt + (7, 8), (9,), 0, None),
+        ]
+        p, kv, copies = reference_model(recs, "xbuf", grid=4, interval=8)
+        # r0 tracks at 12; r1 sees 10 KV tokens, branches at 8; r2 hits the state at 8.
+        self.assertEqual(kv, [0, 10, 10])
+        self.assertEqual(p, [0, 0, 8])
+        # r0: prefill 12 + none in (12, 13]; r1: prefill at 8; r2: prefill at 12.
+        self.assertEqual(copies, 3)
+
+    def test_nobuf_only_sequence_ends(self):
+        recs = [
+            TraceRecord(0, (1, 2, 3, 4), (5, 6), 0, None),
+            TraceRecord(1, (1, 2, 3, 4, 5, 6, 7), (8,), 0, 0),
+            TraceRecord(2, (1, 2, 3, 9), (8,), 0, None),
+        ]
+        p, kv, _ = reference_model(recs, "nobuf")
+        self.assertEqual(p, [0, 6, 0])
+        self.assertEqual(kv, [0, 6, 3])
+        p, _, copies = reference_model(recs, "nobuf-ckpt")
+        self.assertEqual(p, [0, 6, 0])
+        self.assertEqual(copies, 3)
+
+
+class _ScriptedDriver(CacheDriver):
+    """Scripted prefix / KV lengths; logs every call."""
+
+    name = "scripted"
+
+    def __init__(self, prefix_lens, kv_lens=None):
+        self.prefix_lens = list(prefix_lens)
+        self.kv_lens = kv_lens
+        self.calls = []
+        self.state_copies = 0
+
+    def begin(self, rec):
+        return rec
+
+    def match(self, h):
+        self.calls.append(("match", h.rid))
+        return self.prefix_lens[h.rid]
+
+    def kv_match_len(self, h):
+        if self.kv_lens is None:
+            raise NotImplementedError
+        return self.kv_lens[h.rid]
+
+    def lock(self, h):
+        self.calls.append(("lock", h.rid))
+
+    def alloc_mamba(self, h):
+        self.calls.append(("alloc_mamba", h.rid))
+
+    def alloc_kv(self, h, n):
+        self.calls.append(("alloc_kv", h.rid, n))
+
+    def after_prefill(self, h):
+        self.calls.append(("after_prefill", h.rid))
+        self.state_copies += 1
+
+    def after_decode(self, h):
+        self.calls.append(("after_decode", h.rid))
+
+    def finish(self, h):
+        self.calls.append(("finish", h.rid))
+
+    def unlock(self, h):
+        self.calls.append(("unlock", h.rid))
+
+    def leak_check(self):
+        return True, "scripted"
+
+
+class RunnerTest(unittest.TestCase):
+    RECS = [
+        TraceRecord(0, (1, 2, 3, 4), (5, 6), 0, None),
+        TraceRecord(1, (1, 2, 3, 4, 5, 6, 7), (8,), 0, 0),
+        TraceRecord(2, (1, 2, 9, 9, 9), (8,), 0, None),
+    ]
+
+    def test_arithmetic_and_op_order(self):
+        d = _ScriptedDriver([0, 6, 0], kv_lens=[0, 6, 2])
+        res = run_hit_trace(d, self.RECS, side="ours")
+        self.assertEqual(
+            d.calls[:9],
+            [
+                ("match", 0),
+                ("lock", 0),
+                ("alloc_mamba", 0),
+                ("alloc_kv", 0, 4),
+                ("after_prefill", 0),
+                ("alloc_kv", 0, 2),
+                ("after_decode", 0),
+                ("finish", 0),
+                ("unlock", 0),
+            ],
+        )
+        self.assertEqual(res.prompt_tokens, 16)
+        self.assertEqual(res.matched_tokens, 6)
+        # recompute = prompt - hit, per request and in total
+        self.assertEqual(res.recomputed_tokens, 4 + 1 + 5)
+        self.assertEqual(res.recomputed_tokens, res.prompt_tokens - res.matched_tokens)
+        self.assertEqual(res.hits, 1)
+        self.assertEqual(res.kv_matched_tokens, 8)
+        self.assertAlmostEqual(res.kv_ceiling, 8 / 16)
+        self.assertAlmostEqual(res.hit_rate, 6 / 16)
+        self.assertEqual(res.state_copies, 3)
+        self.assertTrue(res.leak_ok)
+
+    def test_kv_unknown_reported_as_none(self):
+        res = run_hit_trace(_ScriptedDriver([0, 6, 0]), self.RECS)
+        self.assertIsNone(res.kv_matched_tokens)
+        self.assertIsNone(res.kv_ceiling)
+
+    def test_bad_lengths_rejected(self):
+        with self.assertRaisesRegex(ValueError, r"\[0, len\(tokens\)-1\]"):
+            run_hit_trace(_ScriptedDriver([0, 7, 0]), self.RECS)
+        with self.assertRaisesRegex(ValueError, "KV-only match"):
+            run_hit_trace(_ScriptedDriver([0, 6, 0], kv_lens=[0, 5, 0]), self.RECS)
+
+
+def _result(name, side, matched, recomputed, prompt=100):
+    return HitResult(
+        name=name,
+        side=side,
+        prompt_tokens=prompt,
+        matched_tokens=matched,
+        recomputed_tokens=recomputed,
+    )
+
+
+class ComparisonTest(unittest.TestCase):
+    def test_best_is_highest_hit_rate_and_uses_its_recompute(self):
+        rs = [
+            _result("u1", "upstream", 20, 80),
+            _result("u2", "upstream", 50, 50),
+            _result("o1", "ours", 60, 40),
+            _result("o2", "ours", 40, 10),  # less recompute, but not the best hit rate
+        ]
+        self.assertEqual(best_of(rs, "upstream").name, "u2")
+        h, r, o, u = comparison(rs)
+        self.assertEqual((o, u), ("o1", "u2"))
+        self.assertAlmostEqual(h, 60 / 50)
+        self.assertAlmostEqual(r, 40 / 50)
+
+    def test_missing_side_gives_nan(self):
+        h, r, o, u = comparison([_result("u", "upstream", 20, 80)])
+        self.assertTrue(math.isnan(h) and math.isnan(r))
+        self.assertEqual((o, u), ("-", "u"))
+
+    def test_unavailable_variant_is_reported_not_run(self):
+        def broken(kv, m):
+            raise VariantUnavailable("not built")
+
+        def scripted(kv, m):
+            return _ScriptedDriver([0, 6, 0], kv_lens=[0, 6, 2])
+
+        fake = {
+            "a": Variant("upstream", scripted, "a"),
+            "b": Variant("ours", broken, "b"),
+        }
+        with mock.patch.dict(bench_hit_rate.VARIANTS, fake, clear=True):
+            results, unavailable = run_config(["a", "b"], 10_000, 8, RunnerTest.RECS)
+        self.assertEqual([r.name for r in results], ["a"])
+        self.assertEqual(results[0].side, "upstream")
+        self.assertEqual(unavailable, {"b": "not built"})
+
+
+def _have_sglang() -> bool:
+    return importlib.util.find_spec("sglang") is not None
+
+
+@unittest.skipUnless(_have_sglang() and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
+class UpstreamDriversTest(unittest.TestCase):
+    N = 150
+
+    @classmethod
+    def setUpClass(cls):
+        import torch
+
+        torch.set_num_threads(1)
+        cls.records = load_trace(limit=cls.N)
+
+    def _check_against_model(self, variant: str, strategy: str):
+        # Pools large enough that nothing is evicted in the first N requests.
+        driver = bench_hit_rate.VARIANTS[variant].factory(400_000, 2 * self.N + 8)
+        res = run_hit_trace(driver, self.records, side="upstream")
+        prefix, kv, copies = reference_model(self.records, strategy)
+        self.assertEqual(res.prefix_lens, prefix)
+        self.assertEqual(res.kv_prefix_lens, kv)
+        self.assertEqual(res.state_copies, copies)
+        self.assertTrue(res.leak_ok, res.leak_details)
+        self.assertEqual(
+            res.recomputed_tokens, sum(len(r.tokens) for r in self.records) - sum(prefix)
+        )
+        return res
+
+    def test_no_buffer_readme_ops(self):
+        res = self._check_against_model("upstream-nobuf", "nobuf")
+        self.assertGreater(res.matched_tokens, 0)
+        self.assertEqual(res.state_copies, 0)
+
+    def test_no_buffer_with_prompt_checkpoint(self):
+        res = self._check_against_model("upstream-nobuf-ckpt", "nobuf-ckpt")
+        self.assertEqual(res.state_copies, self.N)  # one copy per prompt
+
+    def test_extra_buffer(self):
+        res = self._check_against_model("upstream-xbuf", "xbuf")
+        nobuf, _, _ = reference_model(self.records, "nobuf")
+        # Branch-point tracking hits system prompts that no_buffer cannot.
+        self.assertGreater(res.matched_tokens, 1.5 * sum(nobuf))
+
+    def test_extra_buffer_one_ping_pong_slot(self):
+        self._check_against_model("upstream-xbuf-1pp", "xbuf")
+
+    def test_small_pools_evict_without_leak(self):
+        for name in ("upstream-nobuf", "upstream-nobuf-ckpt", "upstream-xbuf", "upstream-xbuf-1pp"):
+            with self.subTest(variant=name):
+                driver = bench_hit_rate.VARIANTS[name].factory(8192, 6)
+                res = run_hit_trace(driver, self.records, side="upstream")
+                self.assertTrue(res.leak_ok, res.leak_details)
+                self.assertGreater(res.hits, 0)
+                # Every SSM slot is back in the tree or free at the end.
+                pool = driver.req_to_token_pool
+                self.assertEqual(
+                    pool.mamba_allocator.available_size()
+                    + driver.cache.mamba_evictable_size(),
+                    6,
+                )
+
+    def test_main_prints_comparison_last(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = bench_hit_rate.main(
+                [
+                    "--limit", "40",
+                    "--mamba-sizes", "8,6",
+                    "--only", "upstream-nobuf",
+                    "--only", "upstream-xbuf",
+                ]
+            )
+        self.assertEqual(rc, 0)
+        lines = out.getvalue().strip().splitlines()
+        self.assertRegex(lines[-2], r"^mamba_size=6 hit_ratio=nan recompute_ratio=nan$")
+        self.assertRegex(lines[-1], r"^hit_ratio=nan recompute_ratio=nan$")
+        self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
+
+
+if __name__ == "__main__":
+    unittest.main()
