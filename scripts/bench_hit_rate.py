@@ -14,9 +14,10 @@ size 1, and reports per variant:
   (``free + evictable + protected == size`` for KV and SSM at the end).
 
 The last two lines compare the best variant of each side (best = highest hit rate;
-recompute of that same variant; upstream's best over all its variants, extra_buffer
-included, unless ``--upstream-best-of no_buffer``), first at 16 SSM slots, then, as
-the very last line, at 64:
+recompute of that same variant; upstream's best over the strategies SGLang 0.5.23 serves
+on a CPU device -- no_buffer -- unless ``--upstream-best-of all``; the comparison with
+extra_buffer, SGLang's GPU default, is printed just before), first at 16 SSM slots, then,
+as the very last line, at 64:
 
     mamba_size=16 hit_ratio=<ours/upstream> recompute_ratio=<ours/upstream>
     hit_ratio=<ours best / upstream best> recompute_ratio=<ours best / upstream best>
@@ -47,9 +48,9 @@ Variants (``--only`` names; see VARIANTS below):
   (``arg_groups/mamba_hook.py:101-118``), the tree bookkeeping runs here anyway.
 * ``upstream-xbuf-1pp``: the same with --disable-overlap-schedule (1 track slot).
 * ``ours-lru``: this project's MambaRadixCache, LRU, no branch checkpoints.
-* ``ours-branch-lru``, ``ours-branch-recompute``: slots for the lead (see
-  ``_ours_branch_lru`` / ``_ours_branch_recompute``); reported as not available
-  until they return a driver.
+* ``ours-branch-lru``: branch-point + prompt-end checkpoints, LRU eviction.
+* ``ours-branch-recompute``: branch-point + prompt-end checkpoints, recompute-aware
+  eviction (GreedyDual-Size-Frequency over tokens of recompute saved per byte).
 
 Usage:
     python scripts/bench_hit_rate.py
@@ -239,21 +240,33 @@ def _ours_lru(kv_size: int, mamba_size: int) -> CacheDriver:
     return d
 
 
-# LEAD: the two slots below. Return a CacheDriver (e.g. an OursDriver subclass whose
-# __init__ builds MambaRadixCache(..., eviction_policy=...) with branch checkpoints on).
-# The runner calls after_prefill(h) once the prompt's KV is allocated (write the
-# branch-point checkpoint there if the scheme snapshots it during prefill) and
-# after_decode(h) after the decode KV; count every state snapshot the strategy writes
-# in driver.state_copies (COW copies into a hit request's own slot excluded), and
-# implement kv_match_len(h) (MatchResult.kv_match_len) for the ceiling column.
+def _ours_branch(kv_size: int, mamba_size: int, policy: str, name: str) -> CacheDriver:
+    from bench_ours_driver import OursDriver
+
+    class OursBranchDriver(OursDriver):
+        """bench_ours_driver.OursDriver with branch-point + prompt-end checkpoints
+        (``MambaRadixCache.plan_prefix_checkpoints`` after the row allocation; the prefill
+        writes the states, ``cache_finished_req`` inserts them). Every planned checkpoint
+        is one state snapshot written by the prefill: counted in ``state_copies``."""
+
+        def kv_match_len(self, h) -> int:
+            return h.match.kv_match_len
+
+        @property
+        def state_copies(self) -> int:
+            return self.checkpoints_planned
+
+    d = OursBranchDriver(kv_size, mamba_size, branch_checkpoints=True, eviction_policy=policy)
+    d.name = name
+    return d
+
+
 def _ours_branch_lru(kv_size: int, mamba_size: int) -> CacheDriver:
-    raise VariantUnavailable("branch-point checkpoints + LRU: driver not written yet")
+    return _ours_branch(kv_size, mamba_size, "lru", "ours-branch-lru")
 
 
 def _ours_branch_recompute(kv_size: int, mamba_size: int) -> CacheDriver:
-    raise VariantUnavailable(
-        "branch-point checkpoints + recompute-aware eviction: driver not written yet"
-    )
+    return _ours_branch(kv_size, mamba_size, "recompute", "ours-branch-recompute")
 
 
 #: upstream variants SGLang can serve on a CPU device (no_buffer); see the docstring.
@@ -400,10 +413,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--upstream-best-of",
         choices=("all", "no_buffer"),
-        default="all",
-        help="upstream variants the comparison lines take the best of: all (default; "
-        "extra_buffer included, SGLang's default on GPU) or no_buffer (the only "
-        "strategy SGLang serves on a CPU device)",
+        default="no_buffer",
+        help="upstream variants the last lines take the best of: no_buffer (default: the "
+        "only strategy SGLang 0.5.23 serves on a CPU device, the issue's 'best strategy "
+        "that runs on CPU') or all (extra_buffer included: SGLang's default on GPU, whose "
+        "tree bookkeeping runs here although SGLang refuses it on CPU); the other set is "
+        "always printed just before",
     )
     p.add_argument("--verbose", action="store_true", help="print each driver's describe() and leak details")
     args = p.parse_args(argv)
