@@ -567,7 +567,7 @@ class MambaRadixCache:
             node = node.parent
         return n
 
-    def insert_finished_req(self, req: CacheReq, up_to: Optional[int] = None) -> int:
+    def insert_finished_req(self, req: CacheReq, up_to: Optional[int] = None, adopt: bool = True) -> int:
         """The insert half of :meth:`cache_finished_req` (seed §4.1 step 4, §5.1 step 4),
         for callers that release the row themselves (SGLang 0.5.23's ``checkpoint`` of a
         finished request, followed by its ``release_kv_cache``).
@@ -585,6 +585,8 @@ class MambaRadixCache:
             req: a request holding a row.
             up_to: tokens of ``req.token_ids`` that may be inserted (the request's valid
                 length, e.g. cut at a stop); default ``req.kv_committed_len``.
+            adopt: write the tree's KV indices back and move the lock (needed when the
+                caller keeps using the row); ``cache_finished_req`` skips it.
 
         Returns:
             the new ``req.cache_protected_len`` (tokens now owned by the tree).
@@ -604,7 +606,13 @@ class MambaRadixCache:
             if not res.mamba_exist:
                 donated = slot
             if n > p:
-                self._adopt_inserted_prefix(req, res.last_node, n)
+                if adopt:
+                    self._adopt_inserted_prefix(req, res.last_node, n)
+                else:
+                    # The row is released right after (cache_finished_req): the tree now
+                    # owns [p, n) (duplicates were freed by the insert); no write-back or
+                    # lock move is needed.
+                    req.cache_protected_len = n
         pool.free_mamba_slots(req, keep_slot=donated)
         return req.cache_protected_len
 
@@ -623,7 +631,7 @@ class MambaRadixCache:
         row = req.req_pool_idx
         if row is not None:
             if insert:
-                self.insert_finished_req(req)
+                self.insert_finished_req(req, adopt=False)
             p = req.cache_protected_len
             alloc_len = req.kv_allocated_len
             if alloc_len > p:

@@ -149,11 +149,17 @@ class HybridReqToTokenPool:
             r.mamba_ping_pong_track_buffer = [next(it) for _ in range(track)]
             r.mamba_next_track_idx = 0
             r.mamba_last_track_seqlen = None
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         mapping = self.req_index_to_mamba_index_mapping
+        pp = self.req_index_to_mamba_ping_pong_track_buffer_mapping
+        if n == 1:  # the scheduler's common case: scalar writes, no index tensors
+            r, row = reqs[0], rows[0]
+            mapping[row] = r.mamba_pool_idx
+            if track:
+                pp[row, :track] = torch.tensor(r.mamba_ping_pong_track_buffer, dtype=pp.dtype, device=self.device)
+            return rows
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         mapping[idx] = torch.tensor([r.mamba_pool_idx for r in reqs], dtype=mapping.dtype, device=self.device)
         if track:
-            pp = self.req_index_to_mamba_ping_pong_track_buffer_mapping
             pp[idx, :track] = torch.tensor(
                 [r.mamba_ping_pong_track_buffer for r in reqs], dtype=pp.dtype, device=self.device
             )
@@ -172,7 +178,8 @@ class HybridReqToTokenPool:
             if row < 1 or row > self.size:
                 raise ValueError(f"free_rows: row {row} out of range [1, {self.size}]")
             self.req_index_to_mamba_index_mapping[row] = -1
-            self.req_index_to_mamba_ping_pong_track_buffer_mapping[row] = -1
+            if self.track_slots_per_req:
+                self.req_index_to_mamba_ping_pong_track_buffer_mapping[row] = -1
             self._free_rows.append(row)
 
     def free_mamba_slots(self, req: CacheReq, keep_slot: Optional[int] = None) -> None:
