@@ -1,0 +1,1 @@
+"""Test and benchmark utilities (no SGLang import): launching SGLang servers as subprocesses."""

@@ -1,0 +1,152 @@
+"""Start and stop ``python -m sglang.launch_server`` as a subprocess, for end-to-end tests and
+the serving benchmark. Imports nothing from SGLang (it runs SGLang in a child process).
+
+The server runs in its own process group and is always killed as a group (SGLang's
+scheduler and detokenizer children rename themselves, so killing by name misses them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_model_dir(path: Optional[str] = None, seed: int = 0) -> str:
+    """The tiny hybrid model directory, built on first use (no download).
+
+    Args:
+        path: where to keep it (default ``<repo>/.tiny_model``, or ``$TINY_MODEL_DIR``).
+        seed: weight seed when it has to be built.
+    """
+    from sglang_mamba_ext.models.tiny_builder import build_tiny_model
+
+    path = path or os.environ.get("TINY_MODEL_DIR") or os.path.join(REPO, ".tiny_model")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        build_tiny_model(path, seed=seed)
+    return path
+
+
+class ServerProcess:
+    """One SGLang server subprocess.
+
+    Args:
+        model_path: ``--model-path``.
+        flags: extra launch flags (after ``--model-path --host --port``).
+        env: environment overrides (a ``None`` value removes the variable).
+        start_timeout_s: seconds to wait for ``/health``.
+        log_path: where the server's stdout/stderr go (default: a temp file).
+
+    Use as a context manager, or call :meth:`start` / :meth:`stop`.
+
+    Raises:
+        RuntimeError (from :meth:`start`): the server exited or was not healthy in time;
+            the message carries the end of its log.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        flags: Sequence[str] = (),
+        env: Optional[Dict[str, Optional[str]]] = None,
+        start_timeout_s: float = 300.0,
+        log_path: Optional[str] = None,
+    ):
+        self.model_path = model_path
+        self.flags = list(flags)
+        self.env_overrides = dict(env or {})
+        self.start_timeout_s = start_timeout_s
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self.proc: Optional[subprocess.Popen] = None
+        self.startup_s: Optional[float] = None
+
+    def command(self) -> list:
+        return [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            *self.flags,
+        ]
+
+    def start(self) -> "ServerProcess":
+        import requests
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        for key, value in self.env_overrides.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        t0 = time.time()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = t0 + self.start_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    self.startup_s = time.time() - t0
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """Kill the server's process group (SIGTERM, then SIGKILL); idempotent."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Children that outlived the leader (same group): make sure none is left.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_text()[-n:]
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
