@@ -289,3 +289,32 @@ class TestReferenceModel(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestSaveStatesInsideChunk(unittest.TestCase):
+    """Issue 6, forward side: a checkpoint requested at position p inside a prefill chunk
+    holds the state of an unchunked prefill of the first p tokens."""
+
+    def test_saved_state_equals_prefix_prefill(self):
+        import tempfile
+
+        from sglang_mamba_ext.models.tiny_builder import build_tiny_model
+        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
+
+        with tempfile.TemporaryDirectory() as d:
+            model = TinyHybridReference.from_pretrained(build_tiny_model(d, seed=3))
+        ids = list(range(5, 45))
+        _, head = model.prefill(ids[:10])
+        logits_plain, full = model.forward_tokens(ids[10:], head)
+        logits, full2, saved = model.forward_tokens(ids[10:], head, save_states_at=[17, 33, 40])
+        torch.testing.assert_close(logits, logits_plain, rtol=0, atol=1e-5)
+        self.assertEqual(sorted(saved), [17, 33, 40])
+        for p in (17, 33):
+            _, ref = model.prefill(ids[:p])
+            for i in model.config.linear_layer_ids:
+                torch.testing.assert_close(saved[p].temporal[i], ref.temporal[i], rtol=0, atol=1e-5)
+                torch.testing.assert_close(saved[p].conv[i], ref.conv[i], rtol=0, atol=1e-5)
+        for i in model.config.linear_layer_ids:
+            torch.testing.assert_close(saved[40].temporal[i], full.temporal[i], rtol=0, atol=1e-6)
+        with self.assertRaises(ValueError):
+            model.forward_tokens(ids[10:], head, save_states_at=[5])

@@ -461,39 +461,64 @@ class TinyHybridReference(nn.Module):
         token_ids: Union[Sequence[int], torch.Tensor],
         cache: Optional[TinyHybridCache] = None,
         return_hidden: bool = False,
+        save_states_at: Sequence[int] = (),
     ):
         """Run ``T`` new tokens of one sequence after ``cache`` (None = empty prefix).
 
         Args:
             token_ids: ``[T]`` ints (T >= 1).
             cache: the sequence's state; not modified.
+            save_states_at: sequence positions ``p`` (tokens, ``cache.seq_len < p <=
+                cache.seq_len + T``) at which to also return the linear layers' states
+                after token ``p - 1`` — a checkpoint inside the chunk (issue 6): the mixer
+                runs the chunk in pieces split at those positions, which is the same
+                recurrence.
 
         Returns:
             ``(logits [T, vocab] float32, new_cache)`` — plus ``hidden [T, hidden]`` (the
-            last layer's output, before the final norm) when ``return_hidden``.
+            last layer's output, before the final norm) when ``return_hidden``, plus
+            ``{p: TinyHybridCache(seq_len=p, conv, temporal)}`` (no KV) when
+            ``save_states_at`` is given.
+
+        Raises:
+            ValueError: on an empty token list or a save position outside the chunk.
         """
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.lm_head.weight.device).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("forward_tokens: empty token list")
         cache = cache if cache is not None else TinyHybridCache()
         T = ids.numel()
-        positions = torch.arange(cache.seq_len, cache.seq_len + T, device=ids.device)
-        new = TinyHybridCache(seq_len=cache.seq_len + T)
+        start = cache.seq_len
+        cuts = sorted(set(int(p) for p in save_states_at))
+        if cuts and not (start < cuts[0] and cuts[-1] <= start + T):
+            raise ValueError(f"save_states_at {cuts} outside the chunk ({start}, {start + T}]")
+        saved = {p: TinyHybridCache(seq_len=p) for p in cuts}
+        bounds = [p - start for p in cuts if p - start < T] + [T]
+        positions = torch.arange(start, start + T, device=ids.device)
+        new = TinyHybridCache(seq_len=start + T)
         h = self.embed(ids)
         for layer in self.layers:
             x = layer.input_layernorm(h)
             i = layer.layer_id
             if layer.is_linear:
-                y, new.conv[i], new.temporal[i] = layer.linear_attn(
-                    x, cache.conv.get(i), cache.temporal.get(i)
-                )
+                conv, temporal = cache.conv.get(i), cache.temporal.get(i)
+                pieces, a = [], 0
+                for b in bounds:
+                    y_part, conv, temporal = layer.linear_attn(x[a:b], conv, temporal)
+                    pieces.append(y_part)
+                    if start + b in saved:
+                        saved[start + b].conv[i], saved[start + b].temporal[i] = conv, temporal
+                    a = b
+                y = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                new.conv[i], new.temporal[i] = conv, temporal
             else:
                 past_k, past_v = cache.kv.get(i, (None, None))
                 y, k_all, v_all = layer.self_attn(x, positions, past_k, past_v)
                 new.kv[i] = (k_all, v_all)
             h = layer.mlp_block(h + y)
         logits = self.logits(h)
-        return (logits, new, h) if return_hidden else (logits, new)
+        out = (logits, new, h) if return_hidden else (logits, new)
+        return out + (saved,) if cuts else out
 
     def prefill(
         self, token_ids: Union[Sequence[int], torch.Tensor], cache: Optional[TinyHybridCache] = None
