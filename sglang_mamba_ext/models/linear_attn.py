@@ -383,6 +383,21 @@ class GatedDeltaRuleMixer(nn.Module):
         new_state [HV, K, V] float32)``."""
         return gated_delta_rule(q, k, v, g, beta, state, scale=self.shape.head_k_dim**-0.5)
 
+    def recurrence_step(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One token for ``N`` independent states (batched decode rows, draft-tree nodes):
+        :func:`gated_delta_rule_step` with ``q, k`` ``[N, H, K]``, ``v`` ``[N, HV, V]``,
+        ``g`` ``[N, HV, K]``, ``beta`` ``[N, HV]``, ``state`` ``[N, HV, K, V]``.
+        Returns ``(o [N, HV, V] float32, new_state [N, HV, K, V] float32)``."""
+        return gated_delta_rule_step(q, k, v, g, beta, state, scale=self.shape.head_k_dim**-0.5)
+
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gated output norm and projection: ``out_proj(RMSNorm_V(o) * sigmoid(g_proj(x)))``.
 

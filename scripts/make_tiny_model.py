@@ -1,0 +1,31 @@
+#!/usr/bin/env python
+"""Write the tiny hybrid test model (config, seeded weights, local tokenizer) to a directory.
+
+Usage: python scripts/make_tiny_model.py --out DIR [--seed N]
+
+No downloads; deterministic for a seed. Serve it on CPU with
+``python -m sglang.launch_server --model-path DIR --device cpu ...`` once this package is
+installed (its SGLang plugin registers the model).
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sglang_mamba_ext.models.tiny_builder import build_tiny_model  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output model directory (created)")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    args = parser.parse_args(argv)
+    out = build_tiny_model(args.out, seed=args.seed)
+    print(f"wrote tiny hybrid model to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

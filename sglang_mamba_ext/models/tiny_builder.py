@@ -1,0 +1,213 @@
+"""Build the tiny hybrid test model: config, seeded random weights, a local byte-level BPE.
+
+Used by ``scripts/make_tiny_model.py`` and by tests that need a model directory. Nothing is
+downloaded: the tokenizer is trained with the ``tokenizers`` library on the small corpus
+below, so any text encodes (byte-level, round-trips exactly). The output is deterministic
+for a given seed (same bytes in every file).
+
+Output files in ``out_dir``: ``config.json`` (``architectures: ["TinyHybridForCausalLM"]``,
+``model_type: "tiny_hybrid"``, ``torch_dtype: "float32"``, ``layer_types``),
+``model.safetensors`` (float32), ``tokenizer.json``, ``tokenizer_config.json`` (with a chat
+template), ``special_tokens_map.json``, ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Dict, Optional
+
+import torch
+
+from sglang_mamba_ext.models.tiny_hybrid import (
+    ARCHITECTURE,
+    TinyHybridConfig,
+    TinyHybridReference,
+)
+
+__all__ = ["build_tiny_model", "build_tokenizer", "DEFAULT_CONFIG", "CHAT_TEMPLATE", "SPECIAL_TOKENS"]
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # ids 0..4
+
+# A ChatML-style template: one block per message, then the assistant header.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TOKENIZER_VOCAB_SIZE = 768
+
+# Model sizes: small enough for fast CPU serving. K != V on purpose so that a transposed SSM
+# state layout cannot go unnoticed.
+DEFAULT_CONFIG: Dict = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    linear_gate_rank=16,
+    tie_word_embeddings=False,
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A hybrid language model mixes full attention
+layers with linear attention layers; the linear layers keep a fixed-size state per request
+instead of a key-value cache that grows with the sequence. A prefix cache stores both the
+attention keys and values and the state of every linear layer, so a request that shares a
+system prompt with an earlier one can skip the shared part of the prefill.
+Once upon a time there was a small model that lived on a CPU. Every morning it read the
+tokens of the day, one by one, and wrote down what it thought would come next. Some days it
+was right, most days it was wrong, but it was always quick.
+def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+for (int i = 0; i < n; ++i) { sum += values[i] * weights[i]; }
+SELECT name, count(*) FROM requests WHERE cached_tokens > 0 GROUP BY name;
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 256 1024 3.14159 2.71828 1e-6
+Le renard brun saute par-dessus le chien paresseux. Der schnelle braune Fuchs springt.
+El zorro marrón salta sobre el perro perezoso. Быстрая коричневая лиса прыгает.
+敏捷的棕色狐狸跳过了懒狗。 素早い茶色の狐がのろまな犬を飛び越える。 빠른 갈색 여우.
+Emoji and symbols: 🙂 🚀 ✓ → ← ∑ ∫ ≤ ≥ ≠ ± × ÷ € £ ¥ © ®
+User: Hello! Who are you?
+Assistant: I am a tiny test model. I answer in random tokens, but I answer quickly.
+User: What is the capital of France?
+Assistant: Paris is the capital of France.
+"""
+
+
+def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
+    """Train a byte-level BPE on the built-in corpus.
+
+    Returns a ``tokenizers.Tokenizer`` whose first ids are ``SPECIAL_TOKENS`` (pad 0, bos 1,
+    eos 2, im_start 3, im_end 4), then the 256 byte symbols, then merges. Any text encodes
+    and decodes back exactly (byte-level pre-tokenizer and decoder, no normaliser)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    return tok
+
+
+def _init_weights(model: TinyHybridReference, generator: torch.Generator) -> None:
+    """Seeded random init chosen so greedy decoding varies with context: unit-variance
+    embeddings, ``N(0, 1/fan_in)`` linears (so every block moves the residual stream), an
+    untied LM head, KDA-style decay parameters (A in [1, 16], dt in [1e-3, 1e-1])."""
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=generator))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=generator).log())
+            elif name.endswith("dt_bias"):
+                lo, hi = math.log(1e-3), math.log(1e-1)
+                dt = torch.exp(torch.empty(p.shape).uniform_(lo, hi, generator=generator))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+            elif name.endswith("conv_weight"):
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[-1]))
+            elif p.dim() == 2:  # nn.Linear weights [out, in]
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(p.shape[1]))
+            elif name.endswith("weight"):  # norm weights
+                p.fill_(1.0)
+            else:
+                raise AssertionError(f"no init rule for {name}")
+
+
+def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dict] = None) -> str:
+    """Write a complete tiny model directory (see module docstring); returns ``out_dir``.
+
+    Args:
+        out_dir: created if missing; existing files of the same names are overwritten.
+        seed: weights seed (the tokenizer does not depend on it).
+        config_overrides: optional changes to :data:`DEFAULT_CONFIG`.
+    """
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_tokenizer()
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    vocab_size = tok.get_vocab_size()
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+    cfg = dict(DEFAULT_CONFIG)
+    cfg.update(config_overrides or {})
+    config = TinyHybridConfig(
+        vocab_size=vocab_size,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+        architectures=[ARCHITECTURE],
+        **cfg,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    model = TinyHybridReference(config)
+    _init_weights(model, generator)
+    state = {k: v.detach().contiguous().float() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+    config_json = dict(
+        cfg,
+        architectures=[ARCHITECTURE],
+        model_type=config.model_type,
+        torch_dtype="float32",
+        vocab_size=vocab_size,
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
+    )
+    _write_json(os.path.join(out_dir, "config.json"), config_json)
+
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+               "additional_special_tokens": [IM_START, IM_END]}
+    _write_json(
+        os.path.join(out_dir, "tokenizer_config.json"),
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": cfg["max_position_embeddings"],
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+            **special,
+        },
+    )
+    _write_json(os.path.join(out_dir, "special_tokens_map.json"), special)
+    _write_json(
+        os.path.join(out_dir, "generation_config.json"),
+        {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]},
+    )
+    return out_dir
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")

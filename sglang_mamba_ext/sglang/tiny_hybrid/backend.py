@@ -1,0 +1,220 @@
+"""Pure-torch linear-attention backend for the tiny hybrid model on SGLang 0.5.23.
+
+SGLang wraps it with the full-attention backend in ``HybridLinearAttnBackend``
+(``sglang/srt/layers/attention/hybrid_linear_attn_backend.py``); ``RadixLinearAttention``
+hands it each linear layer's ``mixed_qkv`` (pre-conv, ``[T, conv_dim]``), ``a`` = the decay
+gate ``g`` flattened to ``[T, HV*K]`` float32 and ``b`` = ``beta`` ``[T, HV]`` float32 — the
+outputs of :meth:`GatedDeltaRuleMixer.project`. The backend owns the per-request states:
+for batch row ``i`` it reads pool slot ``forward_metadata.mamba_cache_indices[i]`` of
+``req_to_token_pool.mamba2_layer_cache(layer_id)`` (``.conv[0]`` ``[slots, conv_dim, W-1]``,
+``.temporal`` ``[slots, HV, K, V]``), runs the layer's own mixer math
+(``layer.mixer.conv / split_qkv / recurrence``, the same code as the reference model) over
+the row's tokens ``query_start_loc[i]:query_start_loc[i+1]``, and writes the states back.
+An extend row continues from the slot's state when ``extend_prefix_lens[i] > 0`` (chunked
+prefill, or a prefix-cache hit whose state SGLang copied into the slot) and starts from zeros
+otherwise. Metadata (slots, ``query_start_loc``) is built by the inherited
+``MambaAttnBackendBase._forward_metadata``.
+
+Checkpoint hook (for the mamba-radix cache's ping-pong tracking, seed §6): before each
+forward, :meth:`checkpoint_plan` may return, per batch row, ``(offset, dst_slot)`` pairs:
+"after the first ``offset`` new tokens of this row in this forward, also copy the row's
+working conv + temporal state into pool slot ``dst_slot``" (``0 <= offset <= new tokens``;
+``offset == 0`` copies the state the row starts from). Every linear layer applies the same
+plan. The default plan is empty; set :attr:`checkpoint_plan_fn` or override the method.
+
+Not supported: target-verify / draft modes (speculative decoding), tensor parallelism,
+CUDA graphs (CPU serving never captures).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
+
+# (offset in tokens within this forward's new tokens of the row, destination pool slot)
+Checkpoint = Tuple[int, int]
+CheckpointPlan = Dict[int, List[Checkpoint]]
+
+
+class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
+    """Linear-attention backend (gated delta rule + short conv) in plain torch."""
+
+    #: Optional ``fn(backend, forward_batch) -> {row: [(offset, dst_slot), ...]}`` used by
+    #: the default :meth:`checkpoint_plan`. Class attribute so a plugin can install it
+    #: without subclassing; ``None`` = no checkpoints.
+    checkpoint_plan_fn: Optional[Callable[["TinyHybridLinearAttnBackend", object], CheckpointPlan]] = None
+
+    def __init__(self, model_runner) -> None:
+        super().__init__(model_runner)
+        self._plan: CheckpointPlan = {}
+
+    # -- metadata ------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        super().init_forward_metadata(forward_batch)
+        self._plan = self._validated_plan(forward_batch)
+
+    def checkpoint_plan(self, forward_batch) -> CheckpointPlan:
+        """Hook: extra state copies for this forward, ``{row: [(offset, dst_slot), ...]}``.
+
+        Rows are batch rows (the order of ``forward_batch.req_pool_indices``); offsets are
+        token counts into the row's new tokens of this forward (1 for a decode row).
+        Default: :attr:`checkpoint_plan_fn` if set, else no checkpoints."""
+        fn = type(self).checkpoint_plan_fn
+        return fn(self, forward_batch) if fn is not None else {}
+
+    def _validated_plan(self, forward_batch) -> CheckpointPlan:
+        plan = self.checkpoint_plan(forward_batch) or {}
+        if not plan:
+            return {}
+        lens = self._new_token_counts(forward_batch)
+        out: CheckpointPlan = {}
+        for row, items in plan.items():
+            if not 0 <= row < len(lens):
+                raise ValueError(f"checkpoint_plan: row {row} outside batch of {len(lens)}")
+            items = sorted((int(o), int(s)) for o, s in items)
+            for off, _ in items:
+                if not 0 <= off <= lens[row]:
+                    raise ValueError(
+                        f"checkpoint_plan: offset {off} outside row {row}'s {lens[row]} new tokens"
+                    )
+            out[row] = items
+        return out
+
+    def _new_token_counts(self, forward_batch) -> List[int]:
+        qsl = self.forward_metadata.query_start_loc
+        if qsl is None:
+            return []
+        q = qsl.tolist()
+        return [q[i + 1] - q[i] for i in range(len(q) - 1)]
+
+    # -- state I/O -----------------------------------------------------------------------
+
+    def _layer_pools(self, layer_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        cache = self.req_to_token_pool.mamba2_layer_cache(layer_id)
+        return cache.conv[0], cache.temporal
+
+    @staticmethod
+    def write_state(
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        slot: int,
+        conv_state: torch.Tensor,
+        temporal_state: torch.Tensor,
+    ) -> None:
+        """Store one row's states into pool ``slot`` (casting to the pool dtypes)."""
+        conv_pool[slot].copy_(conv_state)
+        ssm_pool[slot].copy_(temporal_state)
+
+    # -- forward -------------------------------------------------------------------------
+
+    def forward_extend(
+        self,
+        q=None,
+        k=None,
+        v=None,
+        layer=None,
+        forward_batch=None,
+        save_kv_cache: bool = True,
+        mixed_qkv: Optional[torch.Tensor] = None,
+        a: Optional[torch.Tensor] = None,
+        b: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Extend (prefill / chunked prefill / mixed) for every row of the batch.
+
+        Returns ``[1, T, HV, V]`` in ``mixed_qkv.dtype``."""
+        mode = forward_batch.forward_mode
+        if mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError(
+                "TinyHybridLinearAttnBackend: speculative target-verify / draft-extend is not "
+                "supported by the tiny hybrid model's SGLang backend"
+            )
+        mixer = layer.mixer
+        s = mixer.shape
+        T = mixed_qkv.shape[0]
+        g = a.view(T, s.num_v_heads, s.head_k_dim)
+        out = mixed_qkv.new_zeros(T, s.num_v_heads, s.head_v_dim)
+        conv_pool, ssm_pool = self._layer_pools(layer.layer_id)
+        md = self.forward_metadata
+        qsl = md.query_start_loc.tolist()
+        slots = md.mamba_cache_indices.tolist()
+        prefix_lens = forward_batch.extend_prefix_lens_cpu
+        if prefix_lens is None or len(prefix_lens) != len(qsl) - 1:
+            prefix_lens = forward_batch.extend_prefix_lens.tolist()
+        for row in range(len(qsl) - 1):
+            start, end, slot = qsl[row], qsl[row + 1], slots[row]
+            if end <= start or slot < 0:
+                continue
+            has_state = int(prefix_lens[row]) > 0
+            conv_state = conv_pool[slot] if has_state else None
+            ssm_state = ssm_pool[slot] if has_state else None
+            cuts = self._plan.get(row, [])
+            bounds = sorted({0, end - start, *(off for off, _ in cuts)})
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                for off, dst in cuts:
+                    if off == lo:
+                        self._checkpoint(conv_pool, ssm_pool, dst, conv_state, ssm_state, mixer)
+                a_, b_ = start + lo, start + hi
+                y, conv_state = mixer.conv(mixed_qkv[a_:b_], conv_state)
+                qh, kh, vh = mixer.split_qkv(y)
+                o, ssm_state = mixer.recurrence(qh, kh, vh, g[a_:b_], b[a_:b_], ssm_state)
+                out[a_:b_] = o.to(out.dtype)
+            for off, dst in cuts:
+                if off == end - start:
+                    self._checkpoint(conv_pool, ssm_pool, dst, conv_state, ssm_state, mixer)
+            self.write_state(conv_pool, ssm_pool, slot, conv_state, ssm_state)
+        return out.unsqueeze(0)
+
+    def forward_decode(
+        self,
+        q=None,
+        k=None,
+        v=None,
+        layer=None,
+        forward_batch=None,
+        save_kv_cache: bool = True,
+        mixed_qkv: Optional[torch.Tensor] = None,
+        a: Optional[torch.Tensor] = None,
+        b: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """One token per row, all rows at once (batched conv + recurrence step).
+
+        Returns ``[1, bs, HV, V]`` in ``mixed_qkv.dtype``."""
+        mixer = layer.mixer
+        s = mixer.shape
+        bs = mixed_qkv.shape[0]
+        conv_pool, ssm_pool = self._layer_pools(layer.layer_id)
+        slots = self.forward_metadata.mamba_cache_indices[:bs].to(torch.long)
+        valid = slots >= 0
+        safe = torch.where(valid, slots, torch.zeros_like(slots))
+        y, new_conv = mixer.conv(mixed_qkv[:, None, :], conv_pool[safe])  # [bs, 1, D]
+        qh, kh, vh = mixer.split_qkv(y[:, 0])
+        o, new_ssm = mixer.recurrence_step(
+            qh, kh, vh, a.view(bs, s.num_v_heads, s.head_k_dim), b, ssm_pool[safe]
+        )
+        if self._plan:
+            for row, cuts in self._plan.items():
+                for off, dst in cuts:
+                    src_conv = conv_pool[safe[row]] if off == 0 else new_conv[row]
+                    src_ssm = ssm_pool[safe[row]] if off == 0 else new_ssm[row]
+                    self._checkpoint(conv_pool, ssm_pool, dst, src_conv, src_ssm, mixer)
+        if bool(valid.all()):
+            conv_pool[slots] = new_conv.to(conv_pool.dtype)
+            ssm_pool[slots] = new_ssm.to(ssm_pool.dtype)
+        else:
+            conv_pool[slots[valid]] = new_conv[valid].to(conv_pool.dtype)
+            ssm_pool[slots[valid]] = new_ssm[valid].to(ssm_pool.dtype)
+        return o.to(mixed_qkv.dtype).unsqueeze(0)
+
+    def _checkpoint(self, conv_pool, ssm_pool, dst, conv_state, ssm_state, mixer) -> None:
+        """Copy a row's state at a plan offset into ``dst`` (zeros for a fresh row)."""
+        if conv_state is None:
+            conv_pool[dst].zero_()
+            ssm_pool[dst].zero_()
+        else:
+            self.write_state(conv_pool, ssm_pool, dst, conv_state, ssm_state)
