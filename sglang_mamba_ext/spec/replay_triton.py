@@ -5,7 +5,7 @@ Two launches cover all linear layers and all requests of a batch:
 
 1. ``_replay_recurrent_kernel``, grid ``(N * L, HV, cdiv(V, BV))``: one program owns one
    ``[K, BV]`` tile of one value head's SSM state. For each pending token (at most ``A``, a
-   compile-time bound, masked by the row's count) it recomputes the post-conv ``q, k`` of the
+   compile-time bound, masked by the row's count) it recomputes the post-conv ``k`` of the
    head's key channels and the ``BV`` value channels from the *old* conv window and the stashed
    pre-conv ``mixed_qkv`` (depthwise conv, bias, SiLU, rounding to the activation dtype as the
    forward does, per-head L2 norm), activates the stashed raw gates
@@ -49,7 +49,7 @@ def _replay_recurrent_kernel(
     GD: tl.constexpr, BD_: tl.constexpr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATE_PER_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     i_nl = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -67,7 +67,6 @@ def _replay_recurrent_kernel(
         offs_v = i_v * BV + tl.arange(0, BV)
         mk = offs_k < K
         mv = offs_v < V
-        cq = i_h * K + offs_k
         ck = H * K + i_h * K + offs_k
         cv = 2 * H * K + i_hv * V + offs_v
 
@@ -85,45 +84,32 @@ def _replay_recurrent_kernel(
         for t in tl.static_range(A):
             if t < c:
                 # conv input column m = t + j: old window for m < W-1, else stashed token m-(W-1)
-                yq = tl.zeros([BK], dtype=tl.float32)
                 yk = tl.zeros([BK], dtype=tl.float32)
                 yv = tl.zeros([BV], dtype=tl.float32)
                 for j in tl.static_range(W):
                     m = t + j
                     if m < W - 1:
-                        xq = tl.load(conv_base + cq * s_cd + m * s_cw, mask=mk, other=0.0).to(tl.float32)
                         xk = tl.load(conv_base + ck * s_cd + m * s_cw, mask=mk, other=0.0).to(tl.float32)
                         xv = tl.load(conv_base + cv * s_cd + m * s_cw, mask=mv, other=0.0).to(tl.float32)
                     else:
                         tok = mixed_ptr + (row + (m - (W - 1))) * D
-                        xq = tl.load(tok + cq, mask=mk, other=0.0).to(tl.float32)
                         xk = tl.load(tok + ck, mask=mk, other=0.0).to(tl.float32)
                         xv = tl.load(tok + cv, mask=mv, other=0.0).to(tl.float32)
-                    yq += tl.load(cw_base + cq * W + j, mask=mk, other=0.0).to(tl.float32) * xq
                     yk += tl.load(cw_base + ck * W + j, mask=mk, other=0.0).to(tl.float32) * xk
                     yv += tl.load(cw_base + cv * W + j, mask=mv, other=0.0).to(tl.float32) * xv
                 if HAS_BIAS:
-                    yq += tl.load(cb_base + cq, mask=mk, other=0.0).to(tl.float32)
                     yk += tl.load(cb_base + ck, mask=mk, other=0.0).to(tl.float32)
                     yv += tl.load(cb_base + cv, mask=mv, other=0.0).to(tl.float32)
                 # SiLU, then the forward's rounding to the activation dtype
-                yq = (yq * tl.sigmoid(yq)).to(act_ty).to(tl.float32)
                 yk = (yk * tl.sigmoid(yk)).to(act_ty).to(tl.float32)
                 yv = (yv * tl.sigmoid(yv)).to(act_ty).to(tl.float32)
-                yq = tl.where(mk, yq, 0.0)
                 yk = tl.where(mk, yk, 0.0)
-                # per-head L2 norm of q (unused: no output) and k
+                # per-head L2 norm of k (q is not needed: replay produces no output)
                 kn = (yk * (1.0 / tl.sqrt(tl.sum(yk * yk, axis=0) + EPS))).to(act_ty).to(tl.float32)
-                # gates
-                if GATE_PER_K:
-                    graw = tl.load(graw_ptr + (row + t) * GD + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-                    dtb = tl.load(dtb_ptr + i_l * HV * K + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-                    g = neg_a * _softplus(graw + dtb)
-                    decay = tl.exp(g)[:, None]
-                else:
-                    graw = tl.load(graw_ptr + (row + t) * GD + i_hv).to(tl.float32)
-                    dtb = tl.load(dtb_ptr + i_l * HV + i_hv).to(tl.float32)
-                    decay = tl.exp(neg_a * _softplus(graw + dtb))
+                # gates (KDA: per key channel)
+                graw = tl.load(graw_ptr + (row + t) * GD + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+                dtb = tl.load(dtb_ptr + i_l * HV * K + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+                decay = tl.exp(neg_a * _softplus(graw + dtb))[:, None]
                 beta = tl.sigmoid(tl.load(braw_ptr + (row + t) * BD_ + i_hv).to(tl.float32))
                 S = S * decay
                 pred = tl.sum(kn[:, None] * S, axis=0)
@@ -213,8 +199,11 @@ def replay_triton(
             f"{tuple(conv_state.shape)}, temporal_state {tuple(temporal_state.shape)}"
         )
     GD = g_raw.shape[-1]
-    if GD not in (HV * K, HV):
-        raise ValueError(f"replay_triton: g_raw width {GD} must be HV*K={HV*K} (KDA) or HV={HV} (GDN)")
+    if GD != HV * K:
+        raise ValueError(
+            f"replay_triton: g_raw width {GD} != HV*K={HV * K}; only the per-channel (KDA) gate "
+            "is implemented (a per-head GDN gate needs its own activation)"
+        )
     N = rows.shape[0]
     if N == 0:
         return
@@ -229,7 +218,7 @@ def replay_triton(
         temporal_state, *temporal_state.stride(),
         weights.conv_weight, cb, weights.A_log, weights.dt_bias,
         L=L, R=R, A=A, D=D, GD=GD, BD_=b_raw.shape[-1], H=H, HV=HV, K=K, V=V, W=W,
-        BK=BK, BV=BVv, EPS=1e-6, HAS_BIAS=has_bias, GATE_PER_K=(GD == HV * K and K > 1),
+        BK=BK, BV=BVv, EPS=1e-6, HAS_BIAS=has_bias,
     )
     BDv = min(BD, triton.next_power_of_2(D))
     _replay_conv_window_kernel[(N * L, triton.cdiv(D, BDv))](

@@ -1,0 +1,67 @@
+"""Seeded tiny target + draft-head pair for the speculative-decoding tests and scripts.
+
+The target is :class:`~sglang_mamba_ext.models.tiny_hybrid.TinyHybridReference` with random
+weights; the mixers' residual contributions are scaled by ``mix_scale`` so that the next token
+depends mostly on the current one (a "bigram" backbone) plus a state-dependent perturbation
+(attention KV and the linear layers' conv/SSM state). The draft head starts from the same
+bigram (its ``fc`` passes the token embedding through) with small random attention/MLP weights,
+so drafts are often but not always right: accept lengths vary from 0 to ``steps`` — what the
+equivalence tests need. No trained weights are involved.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig, TinyHybridReference
+from sglang_mamba_ext.spec.draft_head import FrozenKVDraftHead
+
+__all__ = ["tiny_spec_pair"]
+
+
+def tiny_spec_pair(
+    seed: int = 0,
+    vocab_size: int = 48,
+    mix_scale: float = 0.3,
+    draft_noise: float = 0.05,
+    conv_bias: bool = False,
+    embed_scale: float = 3.0,
+) -> Tuple[TinyHybridReference, FrozenKVDraftHead]:
+    """Build ``(target, draft)`` in fp32, eval mode, deterministic for ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = TinyHybridConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, linear_gate_rank=8,
+    )
+    target = TinyHybridReference(cfg)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5 - 1.0)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+        target.model.embed_tokens.weight.mul_(embed_scale)
+        for layer in target.layers:
+            mixer_out = layer.linear_attn.out_proj if layer.is_linear else layer.self_attn.o_proj
+            mixer_out.weight.mul_(mix_scale)
+            layer.mlp.down_proj.weight.mul_(mix_scale)
+        target.lm_head.weight.copy_(target.model.embed_tokens.weight @ torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5 * 4.0)
+        draft = FrozenKVDraftHead(cfg, kv_layer_id=cfg.full_attention_layer_ids[-1])
+        for name, p in draft.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * draft_noise / max(p.shape[-1], 1) ** 0.5)
+        h = cfg.hidden_size
+        draft.fc.weight[:, :h] += torch.eye(h)
+    return target.eval(), draft.eval()
