@@ -54,14 +54,14 @@ class _Base(unittest.TestCase):
         return self.target.generate_greedy(prompt, max_new, eos_token_id=eos)
 
     def check_checkpoints(self, eng, req, seen):
-        """A newly recorded checkpoint sits in the slot just flipped away from and equals a
-        plain prefill of the sequence up to that length."""
+        """A newly written checkpoint equals a plain prefill of the sequence up to its length
+        (checked right after it was written: the ping-pong slot is reused later)."""
         while len(req.checkpoints) > seen.get(req.rid, 0):
             n = seen.get(req.rid, 0)
-            seq = req.checkpoints[n]
+            seq, slot = req.checkpoints[n]
             self.assertEqual(seq % INTERVAL, 0)
+            self.assertIn(slot, req.track_slots)
             if n == len(req.checkpoints) - 1 and not req.finished:
-                slot = req.track_slots[req.next_track ^ 1]
                 conv, temp = self.plain_state((req.prompt + req.output)[:seq])
                 torch.testing.assert_close(eng.conv_state[:, slot], conv, rtol=0, atol=ATOL_PLAIN)
                 torch.testing.assert_close(eng.temporal_state[:, slot], temp, rtol=0, atol=ATOL_PLAIN)
@@ -104,7 +104,10 @@ class _Base(unittest.TestCase):
                 torch.testing.assert_close(dt, st, rtol=0, atol=ATOL_MODES)
         self.assertFalse(defer.running)
         for a, b in zip(rs, rd):
-            self.assertEqual(a.checkpoints, b.checkpoints)
+            # deferred writes a crossing one round later (at replay) and never past the
+            # finish point; the seq lens it wrote are the snapshot's, minus crossings a
+            # finishing request's cut run never reaches
+            self.assertEqual([c[0] for c in b.checkpoints], [c[0] for c in a.checkpoints][: len(b.checkpoints)])
             self.assertEqual(a.accept_lengths, b.accept_lengths)
             cs, ts = self.check_store(snap.prefix_store, a)
             cd, td = self.check_store(defer.prefix_store, b)

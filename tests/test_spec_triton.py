@@ -68,11 +68,11 @@ class TestReplayTriton(unittest.TestCase):
         seqs = torch.tensor([5, 6, 7, 7])
         out = {}
         for impl in ("torch", "triton"):
-            st.set_pending(rows, counts, seqs)
+            st.set_pending(rows, counts, seqs, tslots)
             c, t = conv_phys.clone(), temp_phys.clone()
             cv, tv = views(c, t)
             with torch.no_grad():
-                tracked = replay(st, rows, slots, cv, tv, w, tslots, 8, impl=impl)
+                tracked = replay(st, rows, slots, cv, tv, w, 8, impl=impl)
             self.assertEqual(tracked.tolist(), [True, False, False, False])
             self.assertEqual(st.count[rows].tolist(), [0, 0, 0, 0])
             out[impl] = (c, t)

@@ -152,8 +152,8 @@ class TestReplayTorch(unittest.TestCase):
                 _, c3, t3 = m(x[l, :3], conv[l, 4], temp[l, 4])  # state after 3 tokens (checkpoint)
                 _, c4, t4 = m(x[l], conv[l, 4], temp[l, 4])
                 expect.append((c3, t3, c4, t4))
-            st.set_pending(torch.tensor([2]), torch.tensor([4]), torch.tensor([13]))
-            tracked = replay_torch(st, torch.tensor([2]), torch.tensor([4]), conv, temp, w, torch.tensor([1]), 16)
+            st.set_pending(torch.tensor([2]), torch.tensor([4]), torch.tensor([13]), torch.tensor([1]))
+            tracked = replay_torch(st, torch.tensor([2]), torch.tensor([4]), conv, temp, w, 16)
         self.assertEqual(tracked.tolist(), [True])
         self.assertEqual(int(st.count[2]), 0)
         for l, (c3, t3, c4, t4) in enumerate(expect):

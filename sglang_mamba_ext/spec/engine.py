@@ -104,7 +104,7 @@ class SpecRequest:
     hidden: Optional[torch.Tensor] = None  # target hidden at the last committed token
     finished: bool = False
     accept_lengths: List[int] = field(default_factory=list)
-    checkpoints: List[int] = field(default_factory=list)  # seq lens of written track checkpoints
+    checkpoints: List[Tuple[int, int]] = field(default_factory=list)  # (seq_len, track slot) written
     truncated_runs: int = 0  # rounds whose accepted run was cut by EOS / max_new_tokens
 
     @property
@@ -289,44 +289,55 @@ class SpecEngine:
             r.seq_len += counts[n]
         # SSM state
         tslots = torch.tensor([r.track_slots[r.next_track] for r in reqs])
-        tsteps = track_steps(seq_pre, counts_t, cfg.mamba_track_interval)
         if cfg.mode == "snapshot":
+            tsteps = track_steps(seq_pre, counts_t, cfg.mamba_track_interval)
             last = commit_index.gather(1, (counts_t - 1)[:, None])[:, 0]
             tnode = torch.where(tsteps >= 0, commit_index.gather(1, tsteps.clamp(min=0)[:, None])[:, 0], torch.full_like(tsteps, -1))
             commit_snapshot(self.snapshot, rows, slots, last, self.conv_state, self.temporal_state, tslots, tnode)
             for n, r in enumerate(reqs):
                 if int(tsteps[n]) >= 0:
-                    r.checkpoints.append(int(seq_pre[n] + tsteps[n] + 1))
+                    r.checkpoints.append((int(seq_pre[n] + tsteps[n] + 1), int(tslots[n])))
                     r.next_track ^= 1
         else:
+            # As SGLang's commit sees it: the whole accepted chain (accept_lens), whatever the
+            # scheduler decides about EOS later; a finishing request's extra tokens are cut at
+            # its flush (keep=...).
+            chain_lens = acc.num_committed
             for l in range(len(self.linear_ids)):
                 mq, gr, br = pending[l]
-                self.stash.write_layer(l, rows, commit_index, mq, gr, br)
-            self.stash.set_pending(rows, counts_t, seq_pre)
+                self.stash.write_layer(l, rows, acc.accept_index, mq, gr, br)
+            self.stash.set_pending(rows, chain_lens, seq_pre, tslots)
+            tsteps = track_steps(seq_pre, chain_lens, cfg.mamba_track_interval)
+            for n, r in enumerate(reqs):
+                if int(tsteps[n]) >= 0:
+                    r.next_track ^= 1
         self.rounds += 1
         done = [r for r in reqs if r.finished]
         if done:
             self._finish(done)
 
-    def _replay(self, reqs: List[SpecRequest]) -> None:
+    def _replay(self, reqs: List[SpecRequest], keep: Optional[torch.Tensor] = None) -> None:
         rows = torch.tensor([r.row for r in reqs])
         pend = self.stash.pending(rows)
         if not bool(pend.any()):
             return
+        if keep is not None:
+            keep = keep[pend]
         reqs = [r for r, p in zip(reqs, pend.tolist()) if p]
         rows = rows[pend]
         slots = torch.tensor([r.slot for r in reqs])
-        tslots = torch.tensor([r.track_slots[r.next_track] for r in reqs])
         counts = self.stash.count[rows].clone()
+        if keep is not None:
+            counts = torch.minimum(counts, keep.to(counts.dtype))
         seqs = self.stash.seq_len[rows].clone()
+        tslots = self.stash.track_slot[rows].clone()
         self.replay_calls.append((rows.tolist(), slots.tolist(), counts.tolist()))
         tracked = replay(self.stash, rows, slots, self.conv_state, self.temporal_state, self.replay_weights,
-                         tslots, self.cfg.mamba_track_interval, impl=self.cfg.replay_impl)
+                         self.cfg.mamba_track_interval, keep=keep, impl=self.cfg.replay_impl)
         tsteps = track_steps(seqs, counts, self.cfg.mamba_track_interval)
         for n, r in enumerate(reqs):
             if bool(tracked[n]):
-                r.checkpoints.append(int(seqs[n] + tsteps[n] + 1))
-                r.next_track ^= 1
+                r.checkpoints.append((int(seqs[n] + tsteps[n] + 1), int(tslots[n])))
 
     def _verify(self, reqs, rows, slots, tree, index):
         """Tree-shaped verify forward. Returns logits ``[N, T, vocab]``, hidden ``[N, T, h]``,
@@ -386,7 +397,10 @@ class SpecEngine:
         """Finished requests: replay pending tokens (deferred), insert ``prompt + output[:-1]``
         with the final state into the prefix store, free row and slots."""
         if self.cfg.mode == "deferred":
-            self._replay(reqs)
+            # the state to cache covers prompt + output[:-1]: cut the accepted run there
+            keep = torch.tensor([len(r.prompt) + len(r.output) - 1 for r in reqs]) - self.stash.seq_len[
+                torch.tensor([r.row for r in reqs])]
+            self._replay(reqs, keep)
             rows = torch.tensor([r.row for r in reqs])
             if bool(self.stash.pending(rows).any()):
                 raise AssertionError("deferred finish: stash still pending after replay")
@@ -419,7 +433,10 @@ class SpecEngine:
         cs = self.conv_state.clone()
         ts = self.temporal_state.clone()
         saved = (self.stash.count.clone(), self.stash.seq_len.clone())
+        saved_track = self.stash.track_slot.clone()
+        self.stash.track_slot.fill_(-1)
         replay(self.stash, torch.tensor([req.row]), torch.tensor([req.slot]), cs, ts, self.replay_weights, impl="torch")
+        self.stash.track_slot.copy_(saved_track)
         self.stash.count.copy_(saved[0])
         self.stash.seq_len.copy_(saved[1])
         return cs[:, req.slot], ts[:, req.slot]

@@ -9,7 +9,7 @@ chain, for every linear layer:
     g, beta     = activate_gates(g_raw_t, b_raw_t)
     S           = gated-delta-rule step of (q, k, v, g, beta) from S
 
-writing a ping-pong checkpoint of ``(conv_state, S)`` into ``track_slots[i]`` right after the
+writing a ping-pong checkpoint of ``(conv_state, S)`` into the row's ``stash.track_slot`` right after the
 token at which the sequence length reaches a multiple of ``mamba_track_interval`` (§9.10;
 SGLang asserts ``mamba_track_interval >= draft_token_num``, so one run crosses at most once —
 should it cross more, the last crossing is kept).
@@ -96,15 +96,26 @@ def track_steps(seq_lens: torch.Tensor, counts: torch.Tensor, mamba_track_interv
     return torch.where((last_mult > seq_lens) & (counts > 0), t, torch.full_like(t, -1))
 
 
-def _check(stash, rows, slots, conv_state, temporal_state, weights, track_slots):
+def _check(stash, rows, slots, conv_state, temporal_state, weights):
     L = weights.num_layers
     if stash.num_layers != L or conv_state.shape[0] != L or temporal_state.shape[0] != L:
         raise ValueError(
             f"replay: layer counts differ (stash {stash.num_layers}, weights {L}, conv_state "
             f"{conv_state.shape[0]}, temporal_state {temporal_state.shape[0]})"
         )
-    if rows.shape != slots.shape or (track_slots is not None and track_slots.shape != rows.shape):
-        raise ValueError("replay: rows, slots and track_slots must all be [N]")
+    if rows.shape != slots.shape:
+        raise ValueError("replay: rows and slots must both be [N]")
+
+
+def _plan(stash, rows, slots, mamba_track_interval, keep):
+    """Per row: tokens to replay, crossing step (or -1), track slot, and whether it tracks."""
+    counts = stash.count[rows].to(torch.int64)
+    if keep is not None:
+        counts = torch.minimum(counts, keep.to(torch.int64).clamp(min=0))
+    tsteps = track_steps(stash.seq_len[rows], counts, mamba_track_interval)
+    track_slots = stash.track_slot[rows]
+    tracked = (tsteps >= 0) & (track_slots >= 0) & (counts > 0) & (slots >= 0)
+    return counts, torch.where(tracked, tsteps, torch.full_like(tsteps, -1)), track_slots, tracked
 
 
 def replay_torch(
@@ -114,8 +125,8 @@ def replay_torch(
     conv_state: torch.Tensor,
     temporal_state: torch.Tensor,
     weights: ReplayWeights,
-    track_slots: Optional[torch.Tensor] = None,
     mamba_track_interval: Optional[int] = None,
+    keep: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Torch reference replay (the mixer's own math), in place; clears the replayed rows.
 
@@ -125,20 +136,19 @@ def replay_torch(
         slots: ``[N]`` int64 main-state slots of those rows (``mamba_pool_idx``); ``-1`` skips.
         conv_state, temporal_state: pools, layouts in the module docstring (written in place).
         weights: must carry ``mixers``.
-        track_slots: ``[N]`` int64 ping-pong slot to checkpoint into, ``-1`` none.
-        mamba_track_interval: tokens between checkpoints; None disables tracking.
+        mamba_track_interval: tokens between checkpoints; None disables tracking. The
+            checkpoint goes to the row's ``stash.track_slot`` (``-1`` none).
+        keep: ``[N]`` optional cap on the tokens replayed per row (a request that finished
+            inside its accepted run keeps ``len(prompt + output) - 1 - stash.seq_len``
+            tokens; the rest are dropped with the row's records).
 
     Returns:
         ``[N]`` bool: which rows wrote a checkpoint (the caller flips its ping-pong index).
     """
-    _check(stash, rows, slots, conv_state, temporal_state, weights, track_slots)
+    _check(stash, rows, slots, conv_state, temporal_state, weights)
     if weights.mixers is None:
         raise ValueError("replay_torch needs ReplayWeights.from_mixers(...) (the layer math)")
-    counts = stash.count[rows].to(torch.int64)
-    tsteps = track_steps(stash.seq_len[rows], counts, mamba_track_interval)
-    if track_slots is None:
-        track_slots = torch.full_like(rows, -1)
-    tracked = (tsteps >= 0) & (track_slots >= 0) & (counts > 0) & (slots >= 0)
+    counts, tsteps, track_slots, tracked = _plan(stash, rows, slots, mamba_track_interval, keep)
     for i in range(rows.shape[0]):
         r, s, c = int(rows[i]), int(slots[i]), int(counts[i])
         if c == 0 or s < 0:
@@ -174,8 +184,8 @@ def replay(
     conv_state: torch.Tensor,
     temporal_state: torch.Tensor,
     weights: ReplayWeights,
-    track_slots: Optional[torch.Tensor] = None,
     mamba_track_interval: Optional[int] = None,
+    keep: Optional[torch.Tensor] = None,
     impl: str = "triton",
 ) -> torch.Tensor:
     """Replay pending stash records into the main state, in place; same contract as
@@ -186,20 +196,15 @@ def replay(
         ValueError: unknown ``impl`` or inconsistent shapes.
     """
     if impl == "torch":
-        return replay_torch(stash, rows, slots, conv_state, temporal_state, weights, track_slots, mamba_track_interval)
+        return replay_torch(stash, rows, slots, conv_state, temporal_state, weights, mamba_track_interval, keep)
     if impl != "triton":
         raise ValueError(f"replay: impl must be 'triton' or 'torch', got {impl!r}")
-    _check(stash, rows, slots, conv_state, temporal_state, weights, track_slots)
+    _check(stash, rows, slots, conv_state, temporal_state, weights)
     from sglang_mamba_ext.spec.replay_triton import replay_triton
 
-    counts = stash.count[rows].to(torch.int64)
-    tsteps = track_steps(stash.seq_len[rows], counts, mamba_track_interval)
-    if track_slots is None:
-        track_slots = torch.full_like(rows, -1)
-    tracked = (tsteps >= 0) & (track_slots >= 0) & (counts > 0) & (slots >= 0)
+    counts, tsteps, track_slots, tracked = _plan(stash, rows, slots, mamba_track_interval, keep)
     replay_triton(
-        stash.mixed_qkv, stash.g_raw, stash.b_raw, rows, slots, counts,
-        torch.where(tracked, tsteps, torch.full_like(tsteps, -1)), track_slots,
+        stash.mixed_qkv, stash.g_raw, stash.b_raw, rows, slots, counts, tsteps, track_slots,
         conv_state, temporal_state, weights,
     )
     stash.count[rows] = 0

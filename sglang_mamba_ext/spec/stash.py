@@ -19,6 +19,8 @@ root/bonus token included):
 - ``seq_len``:   ``[R]`` int64 tokens the main state reflects (the sequence length before the
   pending run; replay crosses a ``mamba_track_interval`` boundary at token ``t`` when
   ``(seq_len + t + 1) % interval == 0``).
+- ``track_slot``: ``[R]`` int64 ping-pong slot that receives the state at that crossing
+  (chosen at commit, as the snapshot commit would have; ``-1`` = none).
 
 Pure torch; no SGLang import.
 """
@@ -89,6 +91,7 @@ class ActivationStash:
         self.b_raw = torch.zeros(L, R, A, max(dims.beta_dim, 1), dtype=dtype, device=device)
         self.count = torch.zeros(R, dtype=torch.int32, device=device)
         self.seq_len = torch.zeros(R, dtype=torch.int64, device=device)
+        self.track_slot = torch.full((R,), -1, dtype=torch.int64, device=device)
 
     # -- sizing ---------------------------------------------------------------------------
 
@@ -98,11 +101,11 @@ class ActivationStash:
         itemsize = torch.empty((), dtype=dtype).element_size()
         beta = max(dims.beta_dim, 1)
         records = num_layers * num_rows * max_accept * (dims.conv_dim + dims.gate_dim + beta) * itemsize
-        return records + num_rows * (4 + 8)
+        return records + num_rows * (4 + 8 + 8)
 
     def nbytes(self) -> int:
         """Bytes actually allocated."""
-        return sum(t.numel() * t.element_size() for t in (self.mixed_qkv, self.g_raw, self.b_raw, self.count, self.seq_len))
+        return sum(t.numel() * t.element_size() for t in (self.mixed_qkv, self.g_raw, self.b_raw, self.count, self.seq_len, self.track_slot))
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -138,9 +141,10 @@ class ActivationStash:
             cur = dst[layer, rows, :Ap]
             dst[layer, rows, :Ap] = torch.where(valid[..., None], picked.to(dst.dtype), cur)
 
-    def set_pending(self, rows: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    def set_pending(self, rows: torch.Tensor, counts: torch.Tensor, seq_lens: torch.Tensor,
+                    track_slots: Optional[torch.Tensor] = None) -> None:
         """Mark ``counts[i]`` tokens of ``rows[i]`` pending, the main state reflecting
-        ``seq_lens[i]`` tokens.
+        ``seq_lens[i]`` tokens; a crossing's checkpoint goes to ``track_slots[i]`` (-1: none).
 
         Raises:
             RuntimeError: a row still has tokens pending (they must be replayed first, or the
@@ -153,6 +157,7 @@ class ActivationStash:
             )
         self.count[rows] = counts.to(torch.int32)
         self.seq_len[rows] = seq_lens.to(torch.int64)
+        self.track_slot[rows] = -1 if track_slots is None else track_slots.to(torch.int64)
 
     def clear(self, rows: torch.Tensor) -> None:
         """Drop pending tokens of ``rows`` (request freed without keeping its state)."""
