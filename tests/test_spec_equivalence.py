@@ -23,6 +23,8 @@ from sglang_mamba_ext.spec.engine import PrefixStore, SpecConfig, SpecEngine
 from sglang_mamba_ext.spec.testing import tiny_spec_pair
 
 _CAN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+_CAN_TRITON_INPROC = _CAN_TRITON
+SELECT = 'onchip'
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3, 3, 3, 3, 3, 3, 11]]
 MAX_NEW = [19, 26, 23]
@@ -198,6 +200,19 @@ class TestCacheReuse(_Base):
         _, conv, temp = store_d.entries[key]
         pconv, ptemp = self.plain_state(key)
         torch.testing.assert_close(temp, ptemp, rtol=0, atol=ATOL_PLAIN)
+
+
+@unittest.skipIf(_CAN_TRITON_INPROC, "ran in this process")
+class TestUnderTritonInterpreter(unittest.TestCase):
+    """Triton was imported before this module could switch the CPU interpreter on: run the
+    Triton tests of this module in a fresh process with TRITON_INTERPRET=1."""
+
+    def test_in_subprocess(self):
+        from sglang_mamba_ext.spec.testing import run_tests_with_triton_interpreter
+
+        r = run_tests_with_triton_interpreter(os.path.abspath(__file__), SELECT)
+        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-4000:])
+        self.assertIn("passed", r.stdout)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from sglang_mamba_ext.spec.tree import stack_trees
 from sglang_mamba_ext.spec.verify import OneLayerBuffer, TreeIndex, tree_conv, tree_recurrence
 
 _CAN_RUN = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+_CAN_TRITON_INPROC = _CAN_RUN
+SELECT = 'Replay or TreeVerify'
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -156,6 +158,19 @@ class TestTreeVerifyTriton(unittest.TestCase):
         o = tree_recurrence_triton(q, k, v, g, beta, got_pool, slots, idx, scale, pending=(pq, pk, pv, pg, pb, cnt))
         torch.testing.assert_close(got_pool, expect_pool, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+
+
+@unittest.skipIf(_CAN_TRITON_INPROC, "ran in this process")
+class TestUnderTritonInterpreter(unittest.TestCase):
+    """Triton was imported before this module could switch the CPU interpreter on: run the
+    Triton tests of this module in a fresh process with TRITON_INTERPRET=1."""
+
+    def test_in_subprocess(self):
+        from sglang_mamba_ext.spec.testing import run_tests_with_triton_interpreter
+
+        r = run_tests_with_triton_interpreter(os.path.abspath(__file__), SELECT)
+        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-4000:])
+        self.assertIn("passed", r.stdout)
 
 
 if __name__ == "__main__":

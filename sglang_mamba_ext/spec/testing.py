@@ -65,3 +65,22 @@ def tiny_spec_pair(
         h = cfg.hidden_size
         draft.fc.weight[:, :h] += torch.eye(h)
     return target.eval(), draft.eval()
+
+
+def run_tests_with_triton_interpreter(test_file: str, select: str = "") -> "subprocess.CompletedProcess":
+    """Run ``pytest test_file [-k select]`` in a fresh interpreter with ``TRITON_INTERPRET=1``.
+
+    For test modules imported after Triton was already loaded without the interpreter (and
+    with no CUDA): Triton reads the variable at import, so the CPU run needs a new process.
+    """
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+    if select:
+        cmd += ["-k", select]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
