@@ -38,7 +38,7 @@ from sglang_mamba_ext.spec.draft_head import FrozenKVDraftHead, propose_tree, st
 from sglang_mamba_ext.spec.mixer_raw import activate_gates, project_raw
 from sglang_mamba_ext.spec.replay import ReplayWeights, replay, track_steps
 from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
-from sglang_mamba_ext.spec.tree import Acceptance, greedy_accept, max_draft_token_num
+from sglang_mamba_ext.spec.tree import greedy_accept, max_draft_token_num
 from sglang_mamba_ext.spec.verify import (
     OneLayerBuffer,
     SnapshotBuffers,
