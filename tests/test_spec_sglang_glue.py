@@ -214,26 +214,37 @@ class TestCommitReplayPath(unittest.TestCase):
         self.rtp = SimpleNamespace(
             mamba_pool=self.pool, mamba_map={1: 0, 3: 1},
             get_mamba_indices=lambda idx: torch.tensor([self.slot_of_row[int(i)] for i in idx]),
+            mamba2_layer_cache=lambda layer_id: self.pool.mamba2_layer_cache({1: 0, 3: 1}[layer_id]),
         )
         with torch.no_grad():
             self.pool.mamba_cache.temporal.normal_()
             self.pool.mamba_cache.conv[0].normal_()
 
     def _verify(self, bs):
-        """Capture every layer's raw inputs of a bs x T verify batch; returns them."""
+        """Capture every layer's raw inputs of a bs x T verify batch; returns them. The stand-in
+        for SGLang's verify scribbles over the main conv windows of the batch, as SGLang's conv
+        kernel rolls them in place; the hook must restore them."""
         x = torch.randn(bs * self.T, 12)
         recs = []
         calls = []
+        slots = torch.tensor([self.slot_of_row[r] for r in (1, 2, 3)][:bs] + [-1])  # + a padding row
+        conv_before = self.pool.mamba_cache.conv[0].clone()
+
+        def sglang_verify(backend, layer, *args):
+            calls.append(layer.layer_id)
+            self.pool.mamba_cache.conv[0][self.rtp.mamba_map[layer.layer_id], slots[:bs]] = 7.0
+
         for layer_id, m in zip((1, 3), self.mixers):
             with torch.no_grad():
                 mq, a, b = project_raw(m, x)
             layer = SimpleNamespace(layer_id=layer_id, conv_weights=m.conv_weight, bias=None, A_log=m.A_log,
                                     dt_bias=m.dt_bias, lower_bound=None)
-            fb = SimpleNamespace(spec_info=SimpleNamespace(ragged_verify_layout=None))
-            hooks.kda_target_verify_around(lambda *args: calls.append(args[1].layer_id), SimpleNamespace(req_to_token_pool=self.rtp),
-                                           layer, fb, mq, a, b.unsqueeze(0))
+            fb = SimpleNamespace(spec_info=SimpleNamespace(ragged_verify_layout=None, draft_token_num=self.T))
+            backend = SimpleNamespace(req_to_token_pool=self.rtp, forward_metadata=SimpleNamespace(mamba_cache_indices=slots))
+            hooks.kda_target_verify_around(sglang_verify, backend, layer, fb, mq, a, b.unsqueeze(0))
             recs.append((mq, a, b))
         self.assertEqual(calls, [1, 3])  # SGLang's own verify still runs
+        self.assertTrue(torch.equal(self.pool.mamba_cache.conv[0], conv_before))  # main windows restored
         return recs
 
     def test_commit_then_replay_then_release(self):

@@ -8,7 +8,9 @@ With ``deferred`` and ``--speculative-algorithm FROZEN_KV_MTP`` on a KDA hybrid 
   kernels as ``[L, N+1, T, ...]`` views with layer stride 0, so every layer's tree verify writes
   and reads its node states in the same memory (``MambaPool.__init__``);
 - during verify each KDA layer's raw inputs (``mixed_qkv``, ``a``, ``b`` — exactly the
-  backend's arguments) are copied into a pending workspace
+  backend's arguments) are copied into a pending workspace, and the batch's main conv windows,
+  which SGLang's verify conv kernel rolls in place by all draft tokens (snapshot mode undoes
+  that in its commit scatter), are saved before and restored after the layer
   (``KDAAttnBackend._forward_target_verify``);
 - after acceptance the accepted tokens' records are gathered into the stash and the main
   state is left alone (``spec_utils.commit_mamba_states_after_verify``);
@@ -47,7 +49,11 @@ read there through ``runtime_context.get_server_args()``).
 Not covered here (see the report): GDN / Mamba2 targets, the KDA safe gate (``lower_bound``),
 ragged verify layouts, overlap scheduling, tensor parallelism of the stash (per-rank shapes
 work, untested). The on-chip tree-verify kernel (``spec/verify_triton.py``) is not wired into
-SGLang's KDA backend: verify here uses SGLang's kernels with the one-layer buffer.
+SGLang's KDA backend: verify here uses SGLang's kernels with the one-layer buffer, and the
+pending workspace is preallocated (fixed addresses for CUDA graphs), so this glue's footprint
+is the planner's ``one_layer`` peak (``scripts/plan_spec_memory.py``). SGLang's memory planner
+(``mem_cache/kv_cache_configurator.py``, ``reserves_spec_state``) still reserves the snapshot
+buffer's size when it sizes the pools, so the saved memory is not yet handed to the KV pool.
 """
 
 from __future__ import annotations

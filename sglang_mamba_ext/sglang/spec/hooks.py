@@ -249,21 +249,37 @@ def pool_views(pool) -> tuple:
 def kda_target_verify_around(original, backend, layer, forward_batch, mixed_qkv, a, b):
     """AROUND ``KDAAttnBackend._forward_target_verify``: copy the layer's raw inputs of all
     tree nodes into the pending workspace, register the layer's replay weights, then verify
-    as SGLang does (its kernels write node states into the one-layer buffer)."""
+    as SGLang does (its kernels write node states into the one-layer buffer).
+
+    SGLang's verify conv kernel (``causal_conv1d_update``) also rolls the *main* conv window
+    by all ``T`` draft tokens in place, which snapshot mode undoes in its commit scatter; here
+    the batch's windows of this layer are saved before and restored after the layer's verify,
+    so the main conv state stays at the last committed token until replay."""
     state = _state_of(getattr(backend, "req_to_token_pool", None))
-    if state is not None:
-        if isinstance(mixed_qkv, (tuple, list)):
-            raise DeferredSpecConfigError(f"{FLAG} deferred: split q/k/v conv inputs are not supported")
-        if getattr(forward_batch.spec_info, "ragged_verify_layout", None) is not None:
-            raise DeferredSpecConfigError(f"{FLAG} deferred: ragged verify layouts are not supported")
-        if getattr(layer, "lower_bound", None) is not None:
-            raise DeferredSpecConfigError(
-                f"{FLAG} deferred: the KDA safe gate (lower_bound) is not implemented in replay"
-            )
-        l = backend.req_to_token_pool.mamba_map[layer.layer_id]
-        state.register_layer(l, layer.conv_weights, layer.bias, layer.A_log, layer.dt_bias)
-        state.capture(l, mixed_qkv, a, b)
-    return original(backend, layer, forward_batch, mixed_qkv, a, b)
+    if state is None:
+        return original(backend, layer, forward_batch, mixed_qkv, a, b)
+    if isinstance(mixed_qkv, (tuple, list)):
+        raise DeferredSpecConfigError(f"{FLAG} deferred: split q/k/v conv inputs are not supported")
+    spec_info = forward_batch.spec_info
+    if getattr(spec_info, "ragged_verify_layout", None) is not None:
+        raise DeferredSpecConfigError(f"{FLAG} deferred: ragged verify layouts are not supported")
+    if getattr(layer, "lower_bound", None) is not None:
+        raise DeferredSpecConfigError(
+            f"{FLAG} deferred: the KDA safe gate (lower_bound) is not implemented in replay"
+        )
+    rtp = backend.req_to_token_pool
+    l = rtp.mamba_map[layer.layer_id]
+    state.register_layer(l, layer.conv_weights, layer.bias, layer.A_log, layer.dt_bias)
+    state.capture(l, mixed_qkv, a, b)
+    bs = mixed_qkv.shape[0] // spec_info.draft_token_num
+    # padding rows (-1) read and write back slot 0's own value: in deferred mode no main window
+    # may change during verify, so restoring every touched slot to its saved value is exact
+    idx = backend.forward_metadata.mamba_cache_indices[:bs].to(torch.int64).clamp(min=0)
+    conv = rtp.mamba2_layer_cache(layer.layer_id).conv[0]
+    saved = conv.index_select(0, idx)
+    out = original(backend, layer, forward_batch, mixed_qkv, a, b)
+    conv.index_copy_(0, idx, saved)
+    return out
 
 
 def commit_around(original, target_worker, batch, accept_lens, accept_index, draft_token_num, *args, **kwargs):
