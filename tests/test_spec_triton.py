@@ -44,7 +44,7 @@ def _mixers(L, shape, hidden=16, seed=0):
 
 @unittest.skipUnless(_CAN_RUN, "needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
 class TestReplayTriton(unittest.TestCase):
-    def _run(self, state_dtype, act_dtype, strided):
+    def _run(self, state_dtype, act_dtype, strided, keep=None, expect_tracked=(True, False, False, False)):
         shape = LinearAttnShape(2, 4, 8, 8, 4)
         L, R, A, SL = 2, 5, 4, 9
         mixers = _mixers(L, shape)
@@ -74,8 +74,8 @@ class TestReplayTriton(unittest.TestCase):
             c, t = conv_phys.clone(), temp_phys.clone()
             cv, tv = views(c, t)
             with torch.no_grad():
-                tracked = replay(st, rows, slots, cv, tv, w, 8, impl=impl)
-            self.assertEqual(tracked.tolist(), [True, False, False, False])
+                tracked = replay(st, rows, slots, cv, tv, w, 8, keep=keep, impl=impl)
+            self.assertEqual(tracked.tolist(), list(expect_tracked))
             self.assertEqual(st.count[rows].tolist(), [0, 0, 0, 0])
             out[impl] = (c, t)
         tol = dict(rtol=1e-5, atol=1e-5) if state_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -85,14 +85,21 @@ class TestReplayTriton(unittest.TestCase):
         for s in (4, 5, 6, 8):
             self.assertTrue(torch.equal(out["triton"][1][:, s], temp_phys[:, s]))
         # replay really changed the pending slots and the crossing's track slot
-        for s in (0, 3, 1):
+        for s in (0, 3, 1) if expect_tracked[0] else (0, 3):
             self.assertFalse(torch.equal(out["triton"][1][:, s], temp_phys[:, s]))
+        if not expect_tracked[0]:
+            self.assertTrue(torch.equal(out["triton"][1][:, 1], temp_phys[:, 1]))
 
     def test_fp32_contiguous(self):
         self._run(torch.float32, torch.float32, strided=False)
 
     def test_fp32_sglang_layouts(self):
         self._run(torch.float32, torch.float32, strided=True)
+
+    def test_keep_cuts_runs(self):
+        # row 1 keeps 2 of its 4 tokens (5 + 2 = 7: no crossing of 8 any more)
+        self._run(torch.float32, torch.float32, strided=False, keep=torch.tensor([2, 9, 0, 1]),
+                  expect_tracked=(False, False, False, False))
 
     def test_bf16_activations_state(self):
         self._run(torch.bfloat16, torch.bfloat16, strided=False)
