@@ -1,0 +1,200 @@
+"""End to end: the tiny hybrid model served by stock SGLang 0.5.23 on CPU, SGLang's own cache.
+
+Starts ``python -m sglang.launch_server`` as a subprocess on a free port, sends greedy
+``/generate`` requests and compares the output token ids with
+``TinyHybridReference.generate_greedy`` (same weights, plain torch), including a batch of
+concurrent requests, a chunked prefill (``--chunked-prefill-size 32``) and a prefix-cache hit;
+checks ``/v1/chat/completions``. The server is killed (process group) in the class cleanup,
+also when start-up fails.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+from concurrent.futures import ThreadPoolExecutor
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+START_TIMEOUT_S = 240
+NEW_TOKENS = 24
+
+# The flags CPU serving with SGLang's own cache needs (docs: CPU_SERVING.md).
+SERVER_FLAGS = [
+    "--device", "cpu",
+    "--dtype", "float32",
+    "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch",
+    "--disable-cuda-graph",
+    "--disable-overlap-schedule",
+    "--mamba-radix-cache-strategy", "no_buffer",
+    "--max-total-tokens", "4096",
+    "--max-mamba-cache-size", "16",
+    "--chunked-prefill-size", "32",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=15)
+
+
+class TestCpuServingBaseline(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import requests  # noqa: F401  (fail early if missing)
+        from transformers import AutoTokenizer
+
+        from sglang_mamba_ext.models.tiny_builder import build_tiny_model
+        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
+
+        tmp = tempfile.TemporaryDirectory()
+        cls.addClassCleanup(tmp.cleanup)
+        cls.model_dir = build_tiny_model(os.path.join(tmp.name, "tiny"), seed=0)
+        cls.ref = TinyHybridReference.from_pretrained(cls.model_dir)
+        cls.tok = AutoTokenizer.from_pretrained(cls.model_dir)
+
+        cls.port = _free_port()
+        cls.base_url = f"http://127.0.0.1:{cls.port}"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        env["SGLANG_MAMBA_CONV_DTYPE"] = "float32"  # exact comparison (default is bf16)
+        cls.log_path = os.path.join(tmp.name, "server.log")
+        cls.log = open(cls.log_path, "w")
+        cls.addClassCleanup(cls.log.close)
+        cmd = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", cls.model_dir,
+            "--host", "127.0.0.1", "--port", str(cls.port),
+            *SERVER_FLAGS,
+        ]
+        t0 = time.time()
+        cls.proc = subprocess.Popen(
+            cmd, env=env, stdout=cls.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp.name
+        )
+        cls.addClassCleanup(_kill_group, cls.proc)
+        cls._wait_healthy()
+        cls.startup_s = time.time() - t0
+
+    @classmethod
+    def _wait_healthy(cls):
+        import requests
+
+        deadline = time.time() + START_TIMEOUT_S
+        while time.time() < deadline:
+            if cls.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {cls.proc.returncode}:\n{cls._log_tail()}")
+            try:
+                if requests.get(cls.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"server not healthy after {START_TIMEOUT_S}s:\n{cls._log_tail()}")
+
+    @classmethod
+    def _log_tail(cls, n=4000):
+        cls.log.flush()
+        with open(cls.log_path) as f:
+            return f.read()[-n:]
+
+    def _generate(self, input_ids, max_new_tokens=NEW_TOKENS):
+        import requests
+
+        r = requests.post(
+            self.base_url + "/generate",
+            json={
+                "input_ids": input_ids,
+                "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            },
+            timeout=120,
+        )
+        self.assertEqual(r.status_code, 200, r.text)
+        return r.json()
+
+    def _prompt(self, text):
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def test_generate_matches_reference(self):
+        for text in ["Hello world, this is a test.", "1 2 3 4 5", "敏捷的棕色狐狸 🙂"]:
+            ids = self._prompt(text)
+            out = self._generate(ids)
+            self.assertEqual(out["output_ids"], self.ref.generate_greedy(ids, NEW_TOKENS), text)
+
+    def test_text_prompt(self):
+        import requests
+
+        text = "Once upon a time there was a small model"
+        r = requests.post(
+            self.base_url + "/generate",
+            json={"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}},
+            timeout=120,
+        ).json()
+        self.assertEqual(r["output_ids"], self.ref.generate_greedy(self._prompt(text), 12))
+
+    def test_concurrent_requests_match_reference(self):
+        prompts = [self._prompt(f"request {i}: " + "the lazy dog " * (i + 1)) for i in range(5)]
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(self._generate, prompts))
+        for ids, out in zip(prompts, outs):
+            self.assertEqual(out["output_ids"], self.ref.generate_greedy(ids, NEW_TOKENS))
+
+    def test_chunked_prefill_and_prefix_hit_match_reference(self):
+        base = self._prompt("System: you are a careful assistant. Answer briefly. " * 5)
+        self.assertGreater(len(base), 64)  # several 32-token prefill chunks
+        first = self._generate(base)
+        self.assertEqual(first["output_ids"], self.ref.generate_greedy(base, NEW_TOKENS))
+        longer = base + self._prompt(" User: what is a fox?")
+        second = self._generate(longer)
+        self.assertGreater(second["meta_info"]["cached_tokens"], 0)
+        self.assertEqual(second["output_ids"], self.ref.generate_greedy(longer, NEW_TOKENS))
+
+    def test_chat_completions_returns_text(self):
+        import requests
+
+        r = requests.post(
+            self.base_url + "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "Hi there"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+            timeout=120,
+        )
+        self.assertEqual(r.status_code, 200, r.text)
+        body = r.json()
+        content = body["choices"][0]["message"]["content"]
+        self.assertIsInstance(content, str)
+        self.assertGreater(len(content), 0)
+        self.assertGreater(body["usage"]["completion_tokens"], 0)
+        # the prompt went through the chat template: <s><|im_start|>user ... assistant header
+        expected = self.tok.apply_chat_template(
+            [{"role": "user", "content": "Hi there"}], tokenize=True, add_generation_prompt=True
+        )
+        if isinstance(expected, dict):
+            expected = expected["input_ids"]
+        self.assertEqual(body["usage"]["prompt_tokens"], len(expected))
+
+
+if __name__ == "__main__":
+    unittest.main()

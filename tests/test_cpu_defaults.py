@@ -1,0 +1,81 @@
+"""CPU-safe launch defaults added by the plugin (sglang_mamba_ext.sglang.cpu_defaults)."""
+
+import json
+import os
+import tempfile
+import unittest
+from unittest import mock
+
+from sglang_mamba_ext.sglang import cpu_defaults
+from sglang_mamba_ext.sglang.cpu_defaults import cpu_default_args
+
+
+class TestCpuDefaultArgs(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        with open(os.path.join(self.tmp.name, "config.json"), "w") as f:
+            json.dump({"torch_dtype": "float32", "model_type": "tiny_hybrid"}, f)
+        env = mock.patch.dict(os.environ, {cpu_defaults.DISABLE_ENV: "0"})
+        env.start()
+        self.addCleanup(env.stop)
+
+    def test_minimal_cpu_launch_gets_all_defaults(self):
+        argv = ["--model-path", self.tmp.name, "--device", "cpu", "--port", "30000"]
+        new, added = cpu_default_args(argv)
+        self.assertEqual(new[: len(argv)], argv)
+        self.assertEqual(cpu_defaults._flag_value(new, "--attention-backend"), "torch_native")
+        self.assertEqual(cpu_defaults._flag_value(new, "--dtype"), "float32")
+        self.assertEqual(cpu_defaults._flag_value(new, "--max-total-tokens"), str(cpu_defaults.DEFAULT_MAX_TOTAL_TOKENS))
+        self.assertEqual(
+            cpu_defaults._flag_value(new, "--max-mamba-cache-size"), str(cpu_defaults.DEFAULT_MAX_MAMBA_CACHE_SIZE)
+        )
+        self.assertEqual(len(added), 4)
+
+    def test_user_flags_are_kept(self):
+        argv = [
+            "--model-path", self.tmp.name, "--device=cpu", "--dtype", "bfloat16",
+            "--attention-backend=triton", "--mem-fraction-static", "0.1",
+        ]
+        new, added = cpu_default_args(argv)
+        self.assertEqual(new, argv)
+        self.assertEqual(added, [])
+
+    def test_not_cpu_or_config_file_or_opt_out_is_untouched(self):
+        for argv in (
+            ["--model-path", self.tmp.name],
+            ["--model-path", self.tmp.name, "--device", "cuda"],
+            ["--model-path", self.tmp.name, "--device", "cpu", "--config", "x.yaml"],
+        ):
+            self.assertEqual(cpu_default_args(argv), (argv, []))
+        with mock.patch.dict(os.environ, {cpu_defaults.DISABLE_ENV: "1"}):
+            argv = ["--model-path", self.tmp.name, "--device", "cpu"]
+            self.assertEqual(cpu_default_args(argv), (argv, []))
+
+    def test_bf16_checkpoint_keeps_dtype_auto(self):
+        with open(os.path.join(self.tmp.name, "config.json"), "w") as f:
+            json.dump({"torch_dtype": "bfloat16"}, f)
+        new, _ = cpu_default_args(["--model-path", self.tmp.name, "--device", "cpu"])
+        self.assertIsNone(cpu_defaults._flag_value(new, "--dtype"))
+
+    def test_hook_sets_conv_dtype_env_only_if_unset(self):
+        argv = ["--model-path", self.tmp.name, "--device", "cpu"]
+        with mock.patch.dict(os.environ, {}, clear=False):
+            os.environ.pop(cpu_defaults.CONV_DTYPE_ENV, None)
+            (new,), _ = cpu_defaults._before_prepare_server_args(argv)
+            self.assertEqual(os.environ[cpu_defaults.CONV_DTYPE_ENV], "float32")
+            self.assertIn("--max-total-tokens", new)
+        with mock.patch.dict(os.environ, {cpu_defaults.CONV_DTYPE_ENV: "bfloat16"}):
+            cpu_defaults._before_prepare_server_args(argv)
+            self.assertEqual(os.environ[cpu_defaults.CONV_DTYPE_ENV], "bfloat16")
+
+    def test_install_registers_before_hook(self):
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        cpu_defaults.install_cpu_defaults()
+        hooks = HookRegistry._hooks.get(cpu_defaults.HOOK_TARGET, [])
+        self.assertIn((HookType.BEFORE, cpu_defaults._before_prepare_server_args), [(t, h) for t, h, _ in hooks])
+
+
+if __name__ == "__main__":
+    unittest.main()
