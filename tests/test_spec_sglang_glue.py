@@ -14,9 +14,6 @@ import unittest
 from types import SimpleNamespace
 from unittest import mock
 
-if "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import torch
 
 try:
@@ -34,7 +31,9 @@ from sglang_mamba_ext.spec.mixer_raw import project_raw
 from sglang_mamba_ext.spec.replay import ReplayWeights, replay_torch
 from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 
-_CAN_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
+
+_CAN_TRITON = load_triton_kernels_for_cpu()
 _CAN_TRITON_INPROC = _CAN_TRITON
 SELECT = 'CommitReplayPath'
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -195,9 +194,15 @@ class TestPoolConstruction(unittest.TestCase):
 
 
 @unittest.skipIf(_IMPORT_ERROR is not None, f"sglang not importable: {_IMPORT_ERROR}")
-@unittest.skipUnless(_CAN_TRITON, "needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
+@unittest.skipUnless(_CAN_TRITON, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
 class TestCommitReplayPath(unittest.TestCase):
     """verify capture -> commit -> next-round replay -> release, through the hooks."""
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+
+        cls.enterClassContext(triton_interpreter_env())
 
     def setUp(self):
         torch.manual_seed(0)

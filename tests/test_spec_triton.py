@@ -1,16 +1,13 @@
-"""Triton kernels of the deferred verify vs their torch references (CPU: TRITON_INTERPRET=1).
+"""Triton kernels of the deferred verify vs their torch references (CPU: Triton's interpreter).
 
-The interpreter must be switched on before Triton is imported; when this module is imported
-after Triton was already loaded without it (and there is no CUDA), the tests skip with that
-reason. Run alone: ``TRITON_INTERPRET=1 pytest tests/test_spec_triton.py``.
+Without CUDA the kernel modules are imported under ``TRITON_INTERPRET=1``
+(:func:`sglang_mamba_ext.spec.testing.load_triton_kernels_for_cpu`); if another test imported
+them earlier without it, the tests re-run in a subprocess (``TestUnderTritonInterpreter``).
 """
 
 import os
 import sys
 import unittest
-
-if "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
@@ -21,7 +18,9 @@ from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 from sglang_mamba_ext.spec.tree import stack_trees
 from sglang_mamba_ext.spec.verify import OneLayerBuffer, TreeIndex, tree_conv, tree_recurrence
 
-_CAN_RUN = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
+
+_CAN_RUN = load_triton_kernels_for_cpu()
 _CAN_TRITON_INPROC = _CAN_RUN
 SELECT = 'Replay or TreeVerify'
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,8 +41,14 @@ def _mixers(L, shape, hidden=16, seed=0):
     return ms
 
 
-@unittest.skipUnless(_CAN_RUN, "needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
+@unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
 class TestReplayTriton(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+
+        cls.enterClassContext(triton_interpreter_env())
+
     def _run(self, state_dtype, act_dtype, strided, keep=None, expect_tracked=(True, False, False, False)):
         shape = LinearAttnShape(2, 4, 8, 8, 4)
         L, R, A, SL = 2, 5, 4, 9
@@ -105,8 +110,14 @@ class TestReplayTriton(unittest.TestCase):
         self._run(torch.bfloat16, torch.bfloat16, strided=False)
 
 
-@unittest.skipUnless(_CAN_RUN, "needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
+@unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
 class TestTreeVerifyTriton(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+
+        cls.enterClassContext(triton_interpreter_env())
+
     def _inputs(self, per_k=True):
         shape = LinearAttnShape(2, 4, 8, 8, 4)
         (m,) = _mixers(1, shape, seed=3)

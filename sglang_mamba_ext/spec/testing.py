@@ -84,3 +84,68 @@ def run_tests_with_triton_interpreter(test_file: str, select: str = "") -> "subp
     if select:
         cmd += ["-k", select]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+
+
+def load_triton_kernels_for_cpu() -> bool:
+    """Import this package's Triton kernel modules so that they can run here: on CUDA as they
+    are; without CUDA under Triton's interpreter, which ``@triton.jit`` selects at decoration
+    time from ``TRITON_INTERPRET`` — so the variable is set only while these modules are
+    imported and restored afterwards (nothing else in the process changes). Returns False when
+    they were already imported without the interpreter (then use
+    :func:`run_tests_with_triton_interpreter`).
+    """
+    import importlib
+    import os
+    import sys
+
+    import torch
+
+    names = ("sglang_mamba_ext.spec.replay_triton", "sglang_mamba_ext.spec.verify_triton")
+    if torch.cuda.is_available():
+        for n in names:
+            importlib.import_module(n)
+        return True
+    if not all(n in sys.modules for n in names):
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            for n in names:
+                if n not in sys.modules:
+                    importlib.import_module(n)
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from sglang_mamba_ext.spec import replay_triton, verify_triton
+
+    return isinstance(replay_triton._replay_recurrent_kernel, InterpretedFunction) and isinstance(
+        verify_triton._tree_verify_kernel, InterpretedFunction)
+
+
+def triton_interpreter_env():
+    """Context manager: ``TRITON_INTERPRET=1`` while Triton kernels run on CPU (the interpreter
+    also reads it at launch); a no-op with CUDA. Restores the previous value on exit."""
+    import contextlib
+    import os
+
+    import torch
+
+    @contextlib.contextmanager
+    def _cm():
+        if torch.cuda.is_available():
+            yield
+            return
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+
+    return _cm()
