@@ -1,0 +1,100 @@
+"""SGLang glue of the deferred-update speculative verify (seed §9): ``--mamba-spec-state-update``.
+
+``--mamba-spec-state-update {snapshot,deferred}`` (default ``snapshot``, SGLang's own path).
+With ``deferred`` and ``--speculative-algorithm FROZEN_KV_MTP`` on a KDA hybrid (Kimi-Linear):
+
+- the Mamba pool is built without SGLang's intermediate SSM / conv-window buffers
+  ``[L, N+1, T, ...]``; it gets one-layer buffers ``[N+1, T, ...]`` handed to SGLang's verify
+  kernels as ``[L, N+1, T, ...]`` views with layer stride 0, so every layer's tree verify writes
+  and reads its node states in the same memory (``MambaPool.__init__``);
+- during verify each KDA layer's raw inputs (``mixed_qkv``, ``a``, ``b`` — exactly the
+  backend's arguments) are copied into a pending workspace, and the batch's main conv windows,
+  which SGLang's verify conv kernel rolls in place by all draft tokens (snapshot mode undoes
+  that in its commit scatter), are saved before and restored after the layer
+  (``KDAAttnBackend._forward_target_verify``);
+- after acceptance the accepted tokens' records are gathered into the stash and the main
+  state is left alone (``spec_utils.commit_mamba_states_after_verify``);
+- the next decode round starts by replaying the stash into the main conv window and SSM
+  state, writing the ping-pong checkpoint at a ``mamba_track_interval`` crossing
+  (``FrozenKVMTPWorkerV2.forward_batch_generation``);
+- a request whose state is about to be cached replays first, cut at ``prompt + output[:-1]``,
+  and one released without caching drops its records
+  (``mem_cache.common.release_kv_cache``, ``ReqToTokenPool.free_rows``).
+
+CUDA graphs: replay runs **outside** CUDA graphs, as two eager Triton launches on the forward
+stream right before the round's draft/verify (the stream orders it before the verify graph).
+Reasons: it must also run where no graph exists (flushes from the scheduler when a request is
+cached), its work is tiny (state tile in, state tile out: 2 launches per round, ~10 us of launch
+cost), and keeping it out of the verify graph keeps SGLang's captured graphs unchanged. The
+pending-activation copies sit inside the verify forward and are captured with it (fixed
+workspace addresses; the workspace is preallocated for that reason).
+
+Relation to ``--enable-linear-replayssm-spec`` (SGLang 0.5.23's ReplaySSM spec path): both drop
+the per-layer intermediate SSM buffer and recompute the committed state from saved inputs, but
+ReplaySSM requires a linear draft chain (``--speculative-eagle-topk 1``; GDN ring + cursors, KDA
+fold-every-commit at commit time), whereas ``deferred`` handles EAGLE trees (topk > 1) through
+``retrieve_parent_token`` and replays at the start of the next round. They replace the same
+buffers, so combining them is refused at start-up, as are: ``deferred`` without speculative
+decoding or with an algorithm other than FROZEN_KV_MTP, a draft model that has Mamba/linear
+layers, a target without them, a non-KDA target (GDN/Mamba2 need their own replay kernel),
+``--enable-linear-replayssm``, and the overlap scheduler (``--disable-overlap-schedule`` is
+required: the state update of round N moves to the start of round N+1, which overlap would run
+while round N's results, including cache inserts, are still being processed).
+
+CLI plumbing: the flag is added by an AFTER hook on ``ServerArgs.add_cli_args`` and read by an
+AFTER hook on ``ServerArgs.from_cli_args`` into ``server_args._mamba_spec_state_update`` (an
+underscore attribute, carried to the scheduler/worker processes with the pickled ServerArgs and
+read there through ``runtime_context.get_server_args()``).
+
+Not covered here (see the report): GDN / Mamba2 targets, the KDA safe gate (``lower_bound``),
+ragged verify layouts, overlap scheduling, tensor parallelism of the stash (per-rank shapes
+work, untested). The on-chip tree-verify kernel (``spec/verify_triton.py``) is not wired into
+SGLang's KDA backend: verify here uses SGLang's kernels with the one-layer buffer, and the
+pending workspace is preallocated (fixed addresses for CUDA graphs), so this glue's footprint
+is the planner's ``one_layer`` peak (``scripts/plan_spec_memory.py``). SGLang's memory planner
+(``mem_cache/kv_cache_configurator.py``, ``reserves_spec_state``) still reserves the snapshot
+buffer's size when it sizes the pools, so the saved memory is not yet handed to the KV pool.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+__all__ = ["register_spec_hooks", "HOOK_TARGETS"]
+
+_KDA = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend._forward_target_verify"
+
+#: (target, hook type name, hook function name in :mod:`.hooks`)
+HOOK_TARGETS: List[Tuple[str, str, str]] = [
+    ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", "add_cli_args_after"),
+    ("sglang.srt.server_args.ServerArgs.from_cli_args", "AFTER", "from_cli_args_after"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.__init__", "AFTER", "model_runner_init_after"),
+    ("sglang.srt.mem_cache.memory_pool.MambaPool.__init__", "AROUND", "mamba_pool_init_around"),
+    (_KDA, "AROUND", "kda_target_verify_around"),
+    ("sglang.srt.speculative.spec_utils.commit_mamba_states_after_verify", "AROUND", "commit_around"),
+    ("sglang.srt.speculative.frozen_kv_mtp_worker_v2.FrozenKVMTPWorkerV2.forward_batch_generation", "BEFORE",
+     "worker_forward_before"),
+    ("sglang.srt.mem_cache.common.release_kv_cache", "BEFORE", "release_kv_cache_before"),
+    ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows", "BEFORE", "free_rows_before"),
+]
+
+_registered = False
+
+
+def register_spec_hooks() -> None:
+    """Register the hooks of :data:`HOOK_TARGETS` with SGLang's HookRegistry (idempotent).
+
+    Called from the plugin's ``register()``; SGLang applies them after all plugins ran
+    (``sglang/srt/plugins/__init__.py::load_plugins``). Every hook is inert unless
+    ``--mamba-spec-state-update deferred`` was given.
+    """
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_mamba_ext.sglang.spec import hooks
+
+    for target, kind, name in HOOK_TARGETS:
+        HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
+    _registered = True

@@ -1,0 +1,164 @@
+"""Deferred-update verify state of one Mamba pool, independent of SGLang objects (seed §9).
+
+:class:`DeferredSpecState` owns what the deferred mode needs next to a pool's main conv/SSM
+state and is driven by four calls, in round order:
+
+1. :meth:`capture` — during the verify forward, per linear layer: copy every tree node's raw
+   mixer inputs (``mixed_qkv``, raw gate ``a``, raw ``b``: exactly the linear backend's
+   inputs) into the pending workspace ``[L, rows * T, *]`` (flat token order of the verify
+   batch).
+2. :meth:`commit` — after the greedy acceptance decision: gather the accepted nodes' records
+   from the workspace into the stash (SGLang's flat ``accept_index``, ``-1`` padded; padding
+   entries copy node 0 and are never replayed, since replay stops at the row's count), record
+   counts (``accept_lens``, bonus/root included), pre-verify ``seq_lens`` and the track slot.
+   The main state is not touched. Device ops only: no host sync.
+3. :meth:`replay` — at the start of the next round (and to flush a request before its state
+   is cached): the Triton replay kernels (:mod:`.replay_triton`) for a batch of rows; rows with
+   nothing pending are no-ops, so the call needs no host sync either.
+4. :meth:`clear` — rows released without keeping their state (abort, retraction, row reuse).
+
+Verify itself runs with the one-layer buffers :attr:`one_layer_ssm` / :attr:`one_layer_conv`,
+handed to the verify kernels as ``[L, ...]`` views with layer stride 0 (every layer's index
+reaches the same memory).
+
+Pure torch; no SGLang import.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from sglang_mamba_ext.models.linear_attn import LinearAttnShape
+from sglang_mamba_ext.spec.replay import ReplayWeights, replay
+from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
+
+__all__ = ["DeferredSpecState"]
+
+
+class DeferredSpecState:
+    """Stash, pending workspace, one-layer verify buffers and replay weights of one pool.
+
+    Args:
+        num_layers: ``L`` linear layers of the pool.
+        num_rows: request rows (``max_running_requests + 1``, SGLang's ``spec_state_size + 1``).
+        draft_token_num: ``T``.
+        max_accept: ``speculative_num_steps + 1``.
+        shape: head layout of the linear layers.
+        dims: stash record widths.
+        ssm_state_shape / conv_state_shape: one slot's SSM state and conv window as the pool
+            stores them (e.g. SGLang KDA: ``(HV, V, K)`` and ``(W-1, conv_dim)``).
+        ssm_dtype / conv_dtype / act_dtype: dtypes of the node-state buffer, the conv-window
+            buffer and the stash / workspace.
+        device: torch device.
+    """
+
+    def __init__(self, num_layers: int, num_rows: int, draft_token_num: int, max_accept: int,
+                 shape: LinearAttnShape, dims: StashDims, ssm_state_shape: Tuple[int, ...],
+                 conv_state_shape: Tuple[int, ...], ssm_dtype: torch.dtype, conv_dtype: torch.dtype,
+                 act_dtype: torch.dtype, device) -> None:
+        self.num_layers, self.num_rows, self.draft_token_num = num_layers, num_rows, draft_token_num
+        self.shape, self.dims = shape, dims
+        L, R, T = num_layers, num_rows, draft_token_num
+        self.stash = ActivationStash(L, R, max_accept, dims, dtype=act_dtype, device=device)
+        self.pending_mixed_qkv = torch.zeros(L, R * T, dims.conv_dim, dtype=act_dtype, device=device)
+        self.pending_g_raw = torch.zeros(L, R * T, dims.gate_dim, dtype=act_dtype, device=device)
+        self.pending_b_raw = torch.zeros(L, R * T, max(dims.beta_dim, 1), dtype=act_dtype, device=device)
+        self.one_layer_ssm = torch.zeros(R, T, *ssm_state_shape, dtype=ssm_dtype, device=device)
+        self.one_layer_conv = torch.zeros(R, T, *conv_state_shape, dtype=conv_dtype, device=device)
+        self.mamba_track_interval: Optional[int] = None
+        self._layer_weights: Dict[int, Tuple] = {}
+        self._weights: Optional[ReplayWeights] = None
+
+    # -- verify buffers ---------------------------------------------------------------------
+
+    def layered_views(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(ssm [L, R, T, *ssm], conv [L, R, T, *conv])``: the one-layer buffers seen as
+        ``L`` layers (stride 0 on the layer dim; no extra memory)."""
+        L = self.num_layers
+        return (self.one_layer_ssm.unsqueeze(0).expand(L, *self.one_layer_ssm.shape),
+                self.one_layer_conv.unsqueeze(0).expand(L, *self.one_layer_conv.shape))
+
+    def nbytes(self) -> Dict[str, int]:
+        """Bytes per component: ``stash`` (resident across rounds) and the verify workspace."""
+        nb = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {
+            "stash": self.stash.nbytes(),
+            "pending": nb(self.pending_mixed_qkv, self.pending_g_raw, self.pending_b_raw),
+            "one_layer_ssm": nb(self.one_layer_ssm),
+            "one_layer_conv": nb(self.one_layer_conv),
+        }
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def register_layer(self, linear_idx: int, conv_weight: torch.Tensor, conv_bias: Optional[torch.Tensor],
+                       A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+        """Remember linear layer ``linear_idx``'s replay weights (``conv_weight [conv_dim, W]``,
+        ``A_log [HV]``, ``dt_bias [HV*K]``). Idempotent."""
+        if linear_idx not in self._layer_weights:
+            self._layer_weights[linear_idx] = (conv_weight, conv_bias, A_log, dt_bias)
+            self._weights = None
+
+    def weights(self) -> ReplayWeights:
+        """Stacked replay weights of all layers.
+
+        Raises:
+            RuntimeError: some layer was never registered (no verify ran through it yet).
+        """
+        if self._weights is None:
+            missing = [l for l in range(self.num_layers) if l not in self._layer_weights]
+            if missing:
+                raise RuntimeError(f"DeferredSpecState: replay weights of linear layers {missing} not registered")
+            ws = [self._layer_weights[l] for l in range(self.num_layers)]
+            cw = torch.stack([w[0].detach().reshape(w[0].shape[0], -1) for w in ws]).contiguous()
+            cb = None if ws[0][1] is None else torch.stack([w[1].detach() for w in ws]).contiguous()
+            A = torch.stack([w[2].detach().reshape(-1) for w in ws]).float().contiguous()
+            dtb = torch.stack([w[3].detach().reshape(-1) for w in ws]).float().contiguous()
+            self._weights = ReplayWeights(self.shape, cw, cb, A, dtb)
+        return self._weights
+
+    # -- round calls --------------------------------------------------------------------------
+
+    def capture(self, linear_idx: int, mixed_qkv: torch.Tensor, g_raw: torch.Tensor, b_raw: torch.Tensor) -> None:
+        """Copy one layer's verify inputs (``[n_tokens, width]`` each, flat verify order)."""
+        n = mixed_qkv.shape[0]
+        self.pending_mixed_qkv[linear_idx, :n].copy_(mixed_qkv)
+        self.pending_g_raw[linear_idx, :n].copy_(g_raw.reshape(n, -1))
+        self.pending_b_raw[linear_idx, :n].copy_(b_raw.reshape(n, -1))
+
+    def commit(self, rows: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor,
+               seq_lens: torch.Tensor, track_slots: Optional[torch.Tensor] = None,
+               mamba_track_interval: Optional[int] = None) -> None:
+        """Stash the accepted nodes of every layer (see the module docstring).
+
+        Args:
+            rows: ``[bs]`` request rows (``req_pool_indices``).
+            accept_index: ``[bs, A']`` flat indices of accepted nodes in the verify batch
+                (``-1`` padding), ``A' <= max_accept``.
+            accept_lens: ``[bs]`` committed tokens (accepted drafts + 1).
+            seq_lens: ``[bs]`` sequence lengths before this round's tokens.
+            track_slots: ``[bs]`` ping-pong slot for a crossing, or None.
+        """
+        st = self.stash
+        Ap = accept_index.shape[1]
+        idx = accept_index.clamp(min=0).to(torch.int64)
+        st.mixed_qkv[:, rows, :Ap] = self.pending_mixed_qkv[:, idx]
+        st.g_raw[:, rows, :Ap] = self.pending_g_raw[:, idx]
+        st.b_raw[:, rows, :Ap] = self.pending_b_raw[:, idx]
+        st.count[rows] = accept_lens.to(torch.int32)
+        st.seq_len[rows] = seq_lens.to(torch.int64)
+        st.track_slot[rows] = -1 if track_slots is None else track_slots.to(torch.int64)
+        if mamba_track_interval is not None:
+            self.mamba_track_interval = int(mamba_track_interval)
+
+    def replay(self, rows: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor, temporal_state: torch.Tensor,
+               keep: Optional[torch.Tensor] = None, impl: str = "triton") -> torch.Tensor:
+        """Replay pending rows into the pool (views ``[L, slots, conv_dim, W-1]`` and
+        ``[L, slots, HV, K, V]``); returns ``[bs]`` bool: checkpoint written."""
+        return replay(self.stash, rows, slots, conv_state, temporal_state, self.weights(),
+                      self.mamba_track_interval, keep=keep, impl=impl)
+
+    def clear(self, rows: Sequence[int] | torch.Tensor) -> None:
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=self.stash.count.device)
+        self.stash.clear(rows)

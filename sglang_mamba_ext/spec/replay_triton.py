@@ -1,0 +1,228 @@
+"""Triton kernels of the deferred-verify replay (seed §9.8, §9.10); torch reference:
+:func:`sglang_mamba_ext.spec.replay.replay_torch`.
+
+Two launches cover all linear layers and all requests of a batch:
+
+1. ``_replay_recurrent_kernel``, grid ``(N * L, HV, cdiv(V, BV))``: one program owns one
+   ``[K, BV]`` tile of one value head's SSM state. For each pending token (at most ``A``, a
+   compile-time bound, masked by the row's count) it recomputes the post-conv ``k`` of the
+   head's key channels and the ``BV`` value channels from the *old* conv window and the stashed
+   pre-conv ``mixed_qkv`` (depthwise conv, bias, SiLU, rounding to the activation dtype as the
+   forward does, per-head L2 norm), activates the stashed raw gates
+   (``g = -exp(A_log) * softplus(g_raw + dt_bias)``, ``beta = sigmoid(b_raw)``) and applies one
+   gated-delta-rule step in registers. The tile is loaded once and stored once (plus once into
+   the ping-pong track slot after the crossing token). Nothing but the stash and the state is
+   read from HBM; no output ``o`` is produced (verify already produced the logits).
+2. ``_replay_conv_window_kernel``, grid ``(N * L, cdiv(conv_dim, BD))``: shifts each conv window
+   by the row's count (the last ``W-1`` inputs of ``[window, tokens]``), and writes the track
+   slot's window. Runs after (1), which reads the old windows.
+
+The conv state is read through strides, so SGLang's transposed KDA layout (``[.., W-1, dim]``)
+can be passed as a ``[.., dim, W-1]`` view; likewise the temporal state as any
+``[L, slots, HV, K, V]`` view (SGLang's KDA pool keeps ``[HV, V, K]``: pass
+``.transpose(-1, -2)``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["replay_triton"]
+
+
+@triton.jit
+def _softplus(x):
+    # torch.nn.functional.softplus (beta=1, threshold=20)
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _replay_recurrent_kernel(
+    mixed_ptr, graw_ptr, braw_ptr,
+    rows_ptr, slots_ptr, counts_ptr, tstep_ptr, tslot_ptr,
+    conv_ptr, s_cl, s_cs, s_cd, s_cw,
+    state_ptr, s_sl, s_ss, s_sh, s_sk, s_sv,
+    cw_ptr, cb_ptr, alog_ptr, dtb_ptr,
+    L: tl.constexpr, R: tl.constexpr, A: tl.constexpr, D: tl.constexpr,
+    GD: tl.constexpr, BD_: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    i_nl = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_n = i_nl // L
+    i_l = i_nl % L
+    r = tl.load(rows_ptr + i_n).to(tl.int64)
+    s = tl.load(slots_ptr + i_n).to(tl.int64)
+    c = tl.load(counts_ptr + i_n).to(tl.int32)
+    tstep = tl.load(tstep_ptr + i_n).to(tl.int32)
+    tslot = tl.load(tslot_ptr + i_n).to(tl.int64)
+    if (c > 0) & (s >= 0):
+        i_h = i_hv // (HV // H)
+        offs_k = tl.arange(0, BK)
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mk = offs_k < K
+        mv = offs_v < V
+        ck = H * K + i_h * K + offs_k
+        cv = 2 * H * K + i_hv * V + offs_v
+
+        conv_base = conv_ptr + i_l * s_cl + s * s_cs
+        row = (i_l * R + r) * A
+        cw_base = cw_ptr + i_l * D * W
+        cb_base = cb_ptr + i_l * D
+        st_base = state_ptr + i_l * s_sl + i_hv * s_sh
+        tile = offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+        mkv = mk[:, None] & mv[None, :]
+        S = tl.load(st_base + s * s_ss + tile, mask=mkv, other=0.0).to(tl.float32)
+        neg_a = -tl.exp(tl.load(alog_ptr + i_l * HV + i_hv).to(tl.float32))
+        act_ty = mixed_ptr.dtype.element_ty
+
+        for t in tl.static_range(A):
+            if t < c:
+                # conv input column m = t + j: old window for m < W-1, else stashed token m-(W-1)
+                yk = tl.zeros([BK], dtype=tl.float32)
+                yv = tl.zeros([BV], dtype=tl.float32)
+                for j in tl.static_range(W):
+                    m = t + j
+                    if m < W - 1:
+                        xk = tl.load(conv_base + ck * s_cd + m * s_cw, mask=mk, other=0.0).to(tl.float32)
+                        xv = tl.load(conv_base + cv * s_cd + m * s_cw, mask=mv, other=0.0).to(tl.float32)
+                    else:
+                        tok = mixed_ptr + (row + (m - (W - 1))) * D
+                        xk = tl.load(tok + ck, mask=mk, other=0.0).to(tl.float32)
+                        xv = tl.load(tok + cv, mask=mv, other=0.0).to(tl.float32)
+                    yk += tl.load(cw_base + ck * W + j, mask=mk, other=0.0).to(tl.float32) * xk
+                    yv += tl.load(cw_base + cv * W + j, mask=mv, other=0.0).to(tl.float32) * xv
+                if HAS_BIAS:
+                    yk += tl.load(cb_base + ck, mask=mk, other=0.0).to(tl.float32)
+                    yv += tl.load(cb_base + cv, mask=mv, other=0.0).to(tl.float32)
+                # SiLU, then the forward's rounding to the activation dtype
+                yk = (yk * tl.sigmoid(yk)).to(act_ty).to(tl.float32)
+                yv = (yv * tl.sigmoid(yv)).to(act_ty).to(tl.float32)
+                yk = tl.where(mk, yk, 0.0)
+                # per-head L2 norm of k (q is not needed: replay produces no output)
+                kn = (yk * (1.0 / tl.sqrt(tl.sum(yk * yk, axis=0) + EPS))).to(act_ty).to(tl.float32)
+                # gates (KDA: per key channel)
+                graw = tl.load(graw_ptr + (row + t) * GD + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+                dtb = tl.load(dtb_ptr + i_l * HV * K + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+                decay = tl.exp(neg_a * _softplus(graw + dtb))[:, None]
+                beta = tl.sigmoid(tl.load(braw_ptr + (row + t) * BD_ + i_hv).to(tl.float32))
+                S = S * decay
+                pred = tl.sum(kn[:, None] * S, axis=0)
+                delta = (yv - pred) * beta
+                S = S + kn[:, None] * delta[None, :]
+                if t == tstep:
+                    tl.store(st_base + tslot * s_ss + tile, S.to(state_ptr.dtype.element_ty), mask=mkv)
+        tl.store(st_base + s * s_ss + tile, S.to(state_ptr.dtype.element_ty), mask=mkv)
+
+
+@triton.jit
+def _replay_conv_window_kernel(
+    mixed_ptr, rows_ptr, slots_ptr, counts_ptr, tstep_ptr, tslot_ptr,
+    conv_ptr, s_cl, s_cs, s_cd, s_cw,
+    L: tl.constexpr, R: tl.constexpr, A: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_nl = tl.program_id(0)
+    i_d = tl.program_id(1)
+    i_n = i_nl // L
+    i_l = i_nl % L
+    r = tl.load(rows_ptr + i_n).to(tl.int64)
+    s = tl.load(slots_ptr + i_n).to(tl.int64)
+    c = tl.load(counts_ptr + i_n).to(tl.int32)
+    tstep = tl.load(tstep_ptr + i_n).to(tl.int32)
+    tslot = tl.load(tslot_ptr + i_n).to(tl.int64)
+    if (c > 0) & (s >= 0):
+        ch = i_d * BD + tl.arange(0, BD)
+        mch = ch < D
+        base = conv_ptr + i_l * s_cl + s * s_cs
+        row = (i_l * R + r) * A
+        tr = tstep + 1
+        # In place: the value for new column m comes from old column c+m > m (or the stash),
+        # and the track window's from old column tstep+1+m > m, so no column is read after
+        # this loop has overwritten it.
+        for m in tl.static_range(W - 1):
+            src = c + m
+            from_old = src < W - 1
+            vo = tl.load(base + ch * s_cd + tl.minimum(src, W - 2) * s_cw, mask=mch & from_old, other=0.0)
+            vs = tl.load(mixed_ptr + (row + tl.maximum(src - (W - 1), 0)) * D + ch, mask=mch & (~from_old), other=0.0)
+            val = tl.where(from_old, vo.to(tl.float32), vs.to(tl.float32))
+            if tstep >= 0:
+                tsrc = tr + m
+                t_old = tsrc < W - 1
+                to = tl.load(base + ch * s_cd + tl.minimum(tsrc, W - 2) * s_cw, mask=mch & t_old, other=0.0)
+                ts = tl.load(mixed_ptr + (row + tl.maximum(tsrc - (W - 1), 0)) * D + ch, mask=mch & (~t_old), other=0.0)
+                tval = tl.where(t_old, to.to(tl.float32), ts.to(tl.float32))
+                tb = conv_ptr + i_l * s_cl + tslot * s_cs
+                tl.store(tb + ch * s_cd + m * s_cw, tval.to(conv_ptr.dtype.element_ty), mask=mch)
+            tl.store(base + ch * s_cd + m * s_cw, val.to(conv_ptr.dtype.element_ty), mask=mch)
+
+
+def replay_triton(
+    mixed_qkv: torch.Tensor,
+    g_raw: torch.Tensor,
+    b_raw: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    counts: torch.Tensor,
+    tsteps: torch.Tensor,
+    track_slots: torch.Tensor,
+    conv_state: torch.Tensor,
+    temporal_state: torch.Tensor,
+    weights,
+    BV: int = 32,
+    BD: int = 256,
+) -> None:
+    """Launch the two replay kernels (in place on ``conv_state`` / ``temporal_state``).
+
+    Args:
+        mixed_qkv, g_raw, b_raw: the stash records, ``[L, R, A, *]`` contiguous.
+        rows, slots, counts: ``[N]`` stash rows, main-state slots (``-1`` skips), pending
+            counts (0 skips).
+        tsteps: ``[N]`` step after which to checkpoint, ``-1`` none; ``track_slots``: ``[N]``.
+        conv_state: ``[L, slots, conv_dim, W-1]`` view; temporal_state ``[L, slots, HV, K, V]``.
+        weights: :class:`sglang_mamba_ext.spec.replay.ReplayWeights`.
+    """
+    sh = weights.shape
+    L, R, A, D = mixed_qkv.shape
+    H, HV, K, V, W = sh.num_k_heads, sh.num_v_heads, sh.head_k_dim, sh.head_v_dim, sh.conv_kernel
+    for t in (mixed_qkv, g_raw, b_raw, weights.conv_weight, weights.A_log, weights.dt_bias):
+        if not t.is_contiguous():
+            raise ValueError("replay_triton: stash records and stacked weights must be contiguous")
+    if D != sh.conv_dim or conv_state.shape[-2:] != (D, W - 1) or temporal_state.shape[-3:] != (HV, K, V):
+        raise ValueError(
+            f"replay_triton: shapes disagree with {sh}: stash conv_dim {D}, conv_state "
+            f"{tuple(conv_state.shape)}, temporal_state {tuple(temporal_state.shape)}"
+        )
+    GD = g_raw.shape[-1]
+    if GD != HV * K:
+        raise ValueError(
+            f"replay_triton: g_raw width {GD} != HV*K={HV * K}; only the per-channel (KDA) gate "
+            "is implemented (a per-head GDN gate needs its own activation)"
+        )
+    N = rows.shape[0]
+    if N == 0:
+        return
+    idx = [x.to(torch.int64).contiguous() for x in (rows, slots, counts, tsteps, track_slots)]
+    BK = triton.next_power_of_2(K)
+    BVv = min(BV, triton.next_power_of_2(V))
+    has_bias = weights.conv_bias is not None
+    cb = weights.conv_bias if has_bias else weights.conv_weight  # dummy pointer
+    _replay_recurrent_kernel[(N * L, HV, triton.cdiv(V, BVv))](
+        mixed_qkv, g_raw, b_raw, *idx,
+        conv_state, *conv_state.stride(),
+        temporal_state, *temporal_state.stride(),
+        weights.conv_weight, cb, weights.A_log, weights.dt_bias,
+        L=L, R=R, A=A, D=D, GD=GD, BD_=b_raw.shape[-1], H=H, HV=HV, K=K, V=V, W=W,
+        BK=BK, BV=BVv, EPS=1e-6, HAS_BIAS=has_bias,
+    )
+    BDv = min(BD, triton.next_power_of_2(D))
+    _replay_conv_window_kernel[(N * L, triton.cdiv(D, BDv))](
+        mixed_qkv, *idx,
+        conv_state, *conv_state.stride(),
+        L=L, R=R, A=A, D=D, W=W, BD=BDv,
+    )

@@ -1,0 +1,151 @@
+"""Seeded tiny target + draft-head pair for the speculative-decoding tests and scripts.
+
+The target is :class:`~sglang_mamba_ext.models.tiny_hybrid.TinyHybridReference` with random
+weights; the mixers' residual contributions are scaled by ``mix_scale`` so that the next token
+depends mostly on the current one (a "bigram" backbone) plus a state-dependent perturbation
+(attention KV and the linear layers' conv/SSM state). The draft head starts from the same
+bigram (its ``fc`` passes the token embedding through) with small random attention/MLP weights,
+so drafts are often but not always right: accept lengths vary from 0 to ``steps`` — what the
+equivalence tests need. No trained weights are involved.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig, TinyHybridReference
+from sglang_mamba_ext.spec.draft_head import FrozenKVDraftHead
+
+__all__ = ["tiny_spec_pair"]
+
+
+def tiny_spec_pair(
+    seed: int = 0,
+    vocab_size: int = 48,
+    mix_scale: float = 0.3,
+    draft_noise: float = 0.05,
+    conv_bias: bool = False,
+    embed_scale: float = 3.0,
+) -> Tuple[TinyHybridReference, FrozenKVDraftHead]:
+    """Build ``(target, draft)`` in fp32, eval mode, deterministic for ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = TinyHybridConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, linear_gate_rank=8,
+    )
+    target = TinyHybridReference(cfg)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 0.5 - 1.0)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+        target.model.embed_tokens.weight.mul_(embed_scale)
+        for layer in target.layers:
+            mixer_out = layer.linear_attn.out_proj if layer.is_linear else layer.self_attn.o_proj
+            mixer_out.weight.mul_(mix_scale)
+            layer.mlp.down_proj.weight.mul_(mix_scale)
+        target.lm_head.weight.copy_(target.model.embed_tokens.weight @ torch.randn(cfg.hidden_size, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5 * 4.0)
+        draft = FrozenKVDraftHead(cfg, kv_layer_id=cfg.full_attention_layer_ids[-1])
+        for name, p in draft.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * draft_noise / max(p.shape[-1], 1) ** 0.5)
+        h = cfg.hidden_size
+        draft.fc.weight[:, :h] += torch.eye(h)
+    return target.eval(), draft.eval()
+
+
+def run_tests_with_triton_interpreter(test_file: str, select: str = "") -> "subprocess.CompletedProcess":
+    """Run ``pytest test_file [-k select]`` in a fresh interpreter with ``TRITON_INTERPRET=1``.
+
+    For test modules imported after Triton was already loaded without the interpreter (and
+    with no CUDA): Triton reads the variable at import, so the CPU run needs a new process.
+    """
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+    if select:
+        cmd += ["-k", select]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+
+
+def load_triton_kernels_for_cpu() -> bool:
+    """Import this package's Triton kernel modules so that they can run here: on CUDA as they
+    are; without CUDA under Triton's interpreter, which ``@triton.jit`` selects at decoration
+    time from ``TRITON_INTERPRET`` — so the variable is set only while these modules are
+    imported and restored afterwards (nothing else in the process changes). Returns False when
+    they were already imported without the interpreter (then use
+    :func:`run_tests_with_triton_interpreter`).
+    """
+    import importlib
+    import os
+    import sys
+
+    import torch
+
+    names = ("sglang_mamba_ext.spec.replay_triton", "sglang_mamba_ext.spec.verify_triton")
+    if torch.cuda.is_available():
+        for n in names:
+            importlib.import_module(n)
+        return True
+    if not all(n in sys.modules for n in names):
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            for n in names:
+                if n not in sys.modules:
+                    importlib.import_module(n)
+        finally:
+            if old is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from sglang_mamba_ext.spec import replay_triton, verify_triton
+
+    return isinstance(replay_triton._replay_recurrent_kernel, InterpretedFunction) and isinstance(
+        verify_triton._tree_verify_kernel, InterpretedFunction)
+
+
+def triton_interpreter_env():
+    """Context manager: ``TRITON_INTERPRET=1`` while Triton kernels run on CPU (the interpreter
+    also reads it at launch); a no-op with CUDA. Restores the previous value on exit."""
+    import contextlib
+    import os
+
+    import torch
+
+    @contextlib.contextmanager
+    def _cm():
+        if torch.cuda.is_available():
+            yield
+            return
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+
+    return _cm()

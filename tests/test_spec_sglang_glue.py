@@ -1,0 +1,351 @@
+"""SGLang glue of --mamba-spec-state-update (sglang_mamba_ext/sglang/spec): flag handling,
+start-up refusals, pool construction with one-layer buffers, and the verify -> commit ->
+replay -> release path on a real SGLang ``MambaPool`` (KDA layout) with fake batch objects.
+
+The hook functions are called directly (the process-wide HookRegistry is left alone), except
+in one subprocess test that applies them to SGLang and parses a real command line.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+try:
+    from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape, Mamba2StateDType
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    from sglang_mamba_ext.sglang.spec import HOOK_TARGETS, hooks
+
+    _IMPORT_ERROR = None
+except Exception as e:  # pragma: no cover - sglang is installed in CI
+    _IMPORT_ERROR = e
+
+from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
+from sglang_mamba_ext.spec.mixer_raw import project_raw
+from sglang_mamba_ext.spec.replay import ReplayWeights, replay_torch
+from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
+
+from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
+
+_CAN_TRITON = load_triton_kernels_for_cpu()
+_CAN_TRITON_INPROC = _CAN_TRITON
+SELECT = 'CommitReplayPath'
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _deferred(value="deferred"):
+    return mock.patch.object(hooks, "_server_args", return_value=SimpleNamespace(_mamba_spec_state_update=value))
+
+
+class _Mode:
+    def __init__(self, idle=False, extend=False):
+        self._idle, self._extend = idle, extend
+
+    def is_idle(self):
+        return self._idle
+
+    def is_extend(self):
+        return self._extend
+
+
+@unittest.skipIf(_IMPORT_ERROR is not None, f"sglang not importable: {_IMPORT_ERROR}")
+class TestFlags(unittest.TestCase):
+    def sa(self, **kw):
+        base = dict(speculative_algorithm="FROZEN_KV_MTP", enable_linear_replayssm_spec=False,
+                    enable_linear_replayssm=False, disable_overlap_schedule=True)
+        base.update(kw)
+        return SimpleNamespace(**base)
+
+    def test_valid_and_default(self):
+        hooks.validate_flags(self.sa(), "deferred")
+        hooks.validate_flags(self.sa(speculative_algorithm=None, disable_overlap_schedule=False), "snapshot")
+        res = self.sa()
+        hooks.from_cli_args_after(res, object, SimpleNamespace(mamba_spec_state_update="deferred"))
+        self.assertEqual(res._mamba_spec_state_update, "deferred")
+        res = self.sa()
+        hooks.from_cli_args_after(res, object, SimpleNamespace())  # flag absent -> snapshot
+        self.assertEqual(res._mamba_spec_state_update, "snapshot")
+        self.assertFalse(hooks.deferred_active(res))
+
+    def test_refused_combinations_name_the_flags(self):
+        cases = [
+            (dict(speculative_algorithm=None), "--speculative-algorithm FROZEN_KV_MTP"),
+            (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm FROZEN_KV_MTP"),
+            (dict(enable_linear_replayssm_spec=True), "--enable-linear-replayssm-spec"),
+            (dict(enable_linear_replayssm=True), "--enable-linear-replayssm"),
+            (dict(disable_overlap_schedule=False), "--disable-overlap-schedule"),
+        ]
+        for kw, needle in cases:
+            with self.subTest(kw=kw):
+                with self.assertRaises(hooks.DeferredSpecConfigError) as cm:
+                    hooks.validate_flags(self.sa(**kw), "deferred")
+                self.assertIn("--mamba-spec-state-update", str(cm.exception))
+                self.assertIn(needle, str(cm.exception))
+        with self.assertRaises(hooks.DeferredSpecConfigError):
+            hooks.validate_flags(self.sa(), "eager")
+
+    def test_model_checks_at_start_up(self):
+        spec = SimpleNamespace(speculative_algorithm="FROZEN_KV_MTP")
+        with _deferred(), mock.patch("sglang.srt.runtime_context.get_spec", return_value=spec), \
+                mock.patch("sglang.srt.configs.hybrid_arch.mambaish_config", side_effect=lambda c: c.ssm):
+            hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=object()), is_draft_worker=False))
+            hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=None), is_draft_worker=True))
+            with self.assertRaisesRegex(hooks.DeferredSpecConfigError, "hybrid model"):
+                hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=None, model_path="m"), is_draft_worker=False))
+            with self.assertRaisesRegex(hooks.DeferredSpecConfigError, "draft model without Mamba.*--speculative-draft-model-path"):
+                hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=object()), is_draft_worker=True))
+            spec.speculative_algorithm = "EAGLE"
+            with self.assertRaisesRegex(hooks.DeferredSpecConfigError, "FROZEN_KV_MTP only"):
+                hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=object()), is_draft_worker=False))
+        # snapshot: nothing is checked
+        with _deferred("snapshot"):
+            hooks.model_runner_init_after(None, SimpleNamespace(model_config=None, is_draft_worker=False))
+
+    def test_hook_targets_exist_in_sglang(self):
+        import importlib
+
+        for target, kind, name in HOOK_TARGETS:
+            mod_path, _, attr = target.rpartition(".")
+            obj = None
+            parts = mod_path.split(".")
+            for i in range(len(parts), 0, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:i]))
+                except ImportError:
+                    continue
+                for p in parts[i:]:
+                    obj = getattr(obj, p)
+                break
+            self.assertTrue(hasattr(obj, attr), target)
+            self.assertTrue(callable(getattr(hooks, name)), name)
+
+    def test_cli_through_sglang_hooks_subprocess(self):
+        code = textwrap.dedent("""
+            import argparse, pickle
+            from sglang.srt.plugins.hook_registry import HookRegistry
+            from sglang_mamba_ext.sglang.spec import register_spec_hooks
+            register_spec_hooks(); HookRegistry.apply_hooks()
+            from sglang.srt.server_args import ServerArgs
+            p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)
+            base = ["--model-path", "/nonexistent"]
+            sa = ServerArgs.from_cli_args(p.parse_args(base))
+            print("default", sa._mamba_spec_state_update)
+            sa = ServerArgs.from_cli_args(p.parse_args(base + ["--mamba-spec-state-update", "deferred",
+                "--speculative-algorithm", "FROZEN_KV_MTP", "--disable-overlap-schedule"]))
+            print("deferred", pickle.loads(pickle.dumps(sa))._mamba_spec_state_update)
+            try:
+                ServerArgs.from_cli_args(p.parse_args(base + ["--mamba-spec-state-update", "deferred"]))
+            except Exception as e:
+                print("refused", type(e).__name__)
+        """)
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertIn("default snapshot", out.stdout)
+        self.assertIn("deferred deferred", out.stdout)
+        self.assertIn("refused DeferredSpecConfigError", out.stdout)
+
+
+def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3)):
+    shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
+    cp = KimiLinearCacheParams(shape=shape, layers=list(layers),
+                               dtype=Mamba2StateDType(conv=torch.float32, temporal=torch.float32))
+    kw = dict(size=7, spec_state_size=spec_state_size, cache_params=cp, mamba_layer_ids=list(layers), device="cpu",
+              speculative_num_draft_tokens=T, speculative_eagle_topk=2)
+    pool = MambaPool.__new__(MambaPool)
+    spec = SimpleNamespace(speculative_num_steps=2, speculative_algorithm="FROZEN_KV_MTP")
+    with _deferred("deferred" if deferred else "snapshot"), mock.patch("sglang.srt.runtime_context.get_spec", return_value=spec):
+        hooks.mamba_pool_init_around(MambaPool.__init__, pool, **kw)
+    return pool
+
+
+@unittest.skipIf(_IMPORT_ERROR is not None, f"sglang not importable: {_IMPORT_ERROR}")
+class TestPoolConstruction(unittest.TestCase):
+    def test_deferred_pool_has_one_layer_buffers(self):
+        snap = _make_pool(False)
+        d = _make_pool(True)
+        s_int, d_int = snap.mamba_cache.intermediate_ssm, d.mamba_cache.intermediate_ssm
+        self.assertEqual(tuple(s_int.shape), tuple(d_int.shape))  # SGLang's kernels see [L, R, T, ...]
+        self.assertNotEqual(s_int.stride(0), 0)
+        self.assertEqual(d_int.stride(0), 0)  # every layer aliases one buffer
+        state = d.mamba_spec_deferred
+        self.assertEqual(d_int.data_ptr(), state.one_layer_ssm.data_ptr())
+        self.assertEqual(d.mamba_cache.intermediate_conv_window[0].stride(0), 0)
+        # per-layer views handed to the verify kernels are the same memory
+        self.assertEqual(d.mamba2_layer_cache(0).intermediate_ssm.data_ptr(), d.mamba2_layer_cache(1).intermediate_ssm.data_ptr())
+        # main states unchanged in shape; stash sized rows x (steps + 1)
+        self.assertEqual(d.mamba_cache.temporal.shape, snap.mamba_cache.temporal.shape)
+        self.assertEqual(tuple(state.stash.mixed_qkv.shape), (2, 4, 3, 48))
+        self.assertEqual(tuple(state.stash.g_raw.shape), (2, 4, 3, 16))
+        snap_bytes = s_int.numel() * s_int.element_size()
+        self.assertEqual(state.nbytes()["one_layer_ssm"] * 2, snap_bytes)
+
+    def test_non_kda_refused(self):
+        pool = MambaPool.__new__(MambaPool)
+        with _deferred(), self.assertRaisesRegex(hooks.DeferredSpecConfigError, "KDA"):
+            hooks.mamba_pool_init_around(MambaPool.__init__, pool, cache_params=SimpleNamespace(is_kda=False),
+                                         speculative_num_draft_tokens=4)
+
+
+@unittest.skipIf(_IMPORT_ERROR is not None, f"sglang not importable: {_IMPORT_ERROR}")
+@unittest.skipUnless(_CAN_TRITON, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
+class TestCommitReplayPath(unittest.TestCase):
+    """verify capture -> commit -> next-round replay -> release, through the hooks."""
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+
+        cls.enterClassContext(triton_interpreter_env())
+
+    def setUp(self):
+        torch.manual_seed(0)
+        self.T = 5
+        self.pool = _make_pool(True, T=self.T)
+        self.state = self.pool.mamba_spec_deferred
+        shape = LinearAttnShape(2, 2, 8, 8, 4)
+        self.mixers = [GatedDeltaRuleMixer(12, shape) for _ in range(2)]
+        with torch.no_grad():
+            for m in self.mixers:
+                m.A_log.normal_(0, 0.5)
+                m.dt_bias.normal_()
+        self.slot_of_row = {1: 4, 2: 6, 3: 0}
+        self.rtp = SimpleNamespace(
+            mamba_pool=self.pool, mamba_map={1: 0, 3: 1},
+            get_mamba_indices=lambda idx: torch.tensor([self.slot_of_row[int(i)] for i in idx]),
+            mamba2_layer_cache=lambda layer_id: self.pool.mamba2_layer_cache({1: 0, 3: 1}[layer_id]),
+        )
+        with torch.no_grad():
+            self.pool.mamba_cache.temporal.normal_()
+            self.pool.mamba_cache.conv[0].normal_()
+
+    def _verify(self, bs):
+        """Capture every layer's raw inputs of a bs x T verify batch; returns them. The stand-in
+        for SGLang's verify scribbles over the main conv windows of the batch, as SGLang's conv
+        kernel rolls them in place; the hook must restore them."""
+        x = torch.randn(bs * self.T, 12)
+        recs = []
+        calls = []
+        slots = torch.tensor([self.slot_of_row[r] for r in (1, 2, 3)][:bs] + [-1])  # + a padding row
+        conv_before = self.pool.mamba_cache.conv[0].clone()
+
+        def sglang_verify(backend, layer, *args):
+            calls.append(layer.layer_id)
+            self.pool.mamba_cache.conv[0][self.rtp.mamba_map[layer.layer_id], slots[:bs]] = 7.0
+
+        for layer_id, m in zip((1, 3), self.mixers):
+            with torch.no_grad():
+                mq, a, b = project_raw(m, x)
+            layer = SimpleNamespace(layer_id=layer_id, conv_weights=m.conv_weight, bias=None, A_log=m.A_log,
+                                    dt_bias=m.dt_bias, lower_bound=None)
+            fb = SimpleNamespace(spec_info=SimpleNamespace(ragged_verify_layout=None, draft_token_num=self.T))
+            backend = SimpleNamespace(req_to_token_pool=self.rtp, forward_metadata=SimpleNamespace(mamba_cache_indices=slots))
+            hooks.kda_target_verify_around(sglang_verify, backend, layer, fb, mq, a, b.unsqueeze(0))
+            recs.append((mq, a, b))
+        self.assertEqual(calls, [1, 3])  # SGLang's own verify still runs
+        self.assertTrue(torch.equal(self.pool.mamba_cache.conv[0], conv_before))  # main windows restored
+        return recs
+
+    def test_commit_then_replay_then_release(self):
+        rows = torch.tensor([1, 2, 3])
+        recs = self._verify(3)
+        T = self.T
+        accept_lens = torch.tensor([3, 1, 2])
+        accept_index = torch.tensor([[0, 2, 4], [T, -1, -1], [2 * T, 2 * T + 3, -1]])
+        seq_lens = torch.tensor([14, 9, 30])
+        track = torch.tensor([5, 1, 2])
+        batch = SimpleNamespace(forward_mode=_Mode(), req_pool_indices=rows, seq_lens=seq_lens,
+                                mamba_track_indices=track, tree_cache=SimpleNamespace(page_size=1))
+        worker = SimpleNamespace(model_runner=SimpleNamespace(req_to_token_pool=self.rtp))
+        before_temporal = self.pool.mamba_cache.temporal.clone()
+        with mock.patch("sglang.srt.runtime_context.mamba_track_grid", return_value=16):
+            hooks.commit_around(lambda *a, **k: self.fail("snapshot scatter must not run"), worker, batch,
+                                accept_lens, accept_index, T)
+        st = self.state.stash
+        # stash holds exactly the accepted nodes of every layer; main state untouched
+        self.assertTrue(torch.equal(self.pool.mamba_cache.temporal, before_temporal))
+        self.assertEqual(st.count[rows].tolist(), [3, 1, 2])
+        self.assertEqual(st.seq_len[rows].tolist(), [14, 9, 30])
+        self.assertEqual(st.track_slot[rows].tolist(), [5, 1, 2])
+        for l, (mq, _, _) in enumerate(recs):
+            self.assertTrue(torch.equal(st.mixed_qkv[l, 1, :3], mq[[0, 2, 4]]))
+            self.assertTrue(torch.equal(st.mixed_qkv[l, 2, :1], mq[[T]]))
+            self.assertTrue(torch.equal(st.mixed_qkv[l, 3, :2], mq[[2 * T, 2 * T + 3]]))
+
+        # expected main state: torch reference replay on SGLang-layout views of a copy
+        ref_conv = self.pool.mamba_cache.conv[0].clone()
+        ref_temp = self.pool.mamba_cache.temporal.clone()
+        ref_stash = ActivationStash(2, 4, 3, StashDims(48, 16, 2), dtype=torch.float32)
+        for name in ("mixed_qkv", "g_raw", "b_raw", "count", "seq_len", "track_slot"):
+            getattr(ref_stash, name).copy_(getattr(st, name))
+        with torch.no_grad():
+            replay_torch(ref_stash, rows, torch.tensor([4, 6, 0]), ref_conv.transpose(-1, -2), ref_temp.transpose(-1, -2),
+                         ReplayWeights.from_mixers(self.mixers), 16)
+
+        # next round: replay runs before the draft/verify, with each row's slot and count
+        seen = []
+        orig = self.state.replay
+
+        def spy(rows_, slots_, *a, **k):
+            seen.append((rows_.tolist(), slots_.tolist(), self.state.stash.count[rows_].tolist()))
+            return orig(rows_, slots_, *a, **k)
+
+        with mock.patch.object(self.state, "replay", side_effect=spy), _deferred():
+            hooks.worker_forward_before(SimpleNamespace(req_to_token_pool=self.rtp),
+                                        SimpleNamespace(forward_mode=_Mode(), req_pool_indices=rows))
+        self.assertEqual(seen, [([1, 2, 3], [4, 6, 0], [3, 1, 2])])
+        self.assertEqual(st.count[rows].tolist(), [0, 0, 0])
+        torch.testing.assert_close(self.pool.mamba_cache.temporal, ref_temp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(self.pool.mamba_cache.conv[0], ref_conv, rtol=0, atol=0)
+        # row 3 crossed 32 (30 + 2): its track slot 2 got the state after both tokens
+        torch.testing.assert_close(self.pool.mamba_cache.temporal[:, 2], ref_temp[:, 0], rtol=1e-5, atol=1e-5)
+        self.assertFalse(torch.equal(self.pool.mamba_cache.temporal[:, 2], before_temporal[:, 2]))
+
+        # another round; request in row 1 finishes after 1 of its 3 committed tokens
+        recs = self._verify(3)
+        with mock.patch("sglang.srt.runtime_context.mamba_track_grid", return_value=16):
+            hooks.commit_around(None, worker, batch, accept_lens, accept_index, T)
+        req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, mamba_pool_idx=torch.tensor(4)),
+                              origin_input_ids=list(range(10)), output_ids=list(range(5)))  # 14 tokens cached
+        seen.clear()
+        with mock.patch.object(self.state, "replay", side_effect=lambda r, s, c, t, keep=None: seen.append((r.tolist(), s.tolist(), keep.tolist()))):
+            hooks.release_kv_cache_before(req, SimpleNamespace(req_to_token_pool=self.rtp), checkpoint=True)
+        self.assertEqual(seen, [([1], [4], [0])])  # seq_len 14 already holds all 14 tokens: keep 0
+        self.assertEqual(int(st.count[1]), 0)
+        # release without caching and row freeing clear pending records without replay
+        req2 = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=2, mamba_pool_idx=None), origin_input_ids=[], output_ids=[])
+        hooks.release_kv_cache_before(req2, SimpleNamespace(req_to_token_pool=self.rtp), checkpoint=False)
+        self.assertEqual(int(st.count[2]), 0)
+        hooks.free_rows_before(self.rtp, [3])
+        self.assertEqual(int(st.count[3]), 0)
+
+    def test_snapshot_mode_calls_sglang(self):
+        pool = _make_pool(False)
+        rtp = SimpleNamespace(mamba_pool=pool)
+        called = []
+        hooks.commit_around(lambda *a, **k: called.append(a), SimpleNamespace(model_runner=SimpleNamespace(req_to_token_pool=rtp)),
+                            None, torch.tensor([1]), torch.tensor([[0]]), 4)
+        self.assertEqual(len(called), 1)
+
+
+@unittest.skipIf(_CAN_TRITON_INPROC, "ran in this process")
+class TestUnderTritonInterpreter(unittest.TestCase):
+    """Triton was imported before this module could switch the CPU interpreter on: run the
+    Triton tests of this module in a fresh process with TRITON_INTERPRET=1."""
+
+    def test_in_subprocess(self):
+        from sglang_mamba_ext.spec.testing import run_tests_with_triton_interpreter
+
+        r = run_tests_with_triton_interpreter(os.path.abspath(__file__), SELECT)
+        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-4000:])
+        self.assertIn("passed", r.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()

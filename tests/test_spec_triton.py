@@ -1,0 +1,195 @@
+"""Triton kernels of the deferred verify vs their torch references (CPU: Triton's interpreter).
+
+Without CUDA the kernel modules are imported under ``TRITON_INTERPRET=1``
+(:func:`sglang_mamba_ext.spec.testing.load_triton_kernels_for_cpu`); if another test imported
+them earlier without it, the tests re-run in a subprocess (``TestUnderTritonInterpreter``).
+"""
+
+import os
+import sys
+import unittest
+
+import torch
+
+from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape, gated_delta_rule
+from sglang_mamba_ext.spec.mixer_raw import activate_gates, project_raw
+from sglang_mamba_ext.spec.replay import ReplayWeights, replay
+from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
+from sglang_mamba_ext.spec.tree import stack_trees
+from sglang_mamba_ext.spec.verify import OneLayerBuffer, TreeIndex, tree_conv, tree_recurrence
+
+from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
+
+_CAN_RUN = load_triton_kernels_for_cpu()
+_CAN_TRITON_INPROC = _CAN_RUN
+SELECT = 'Replay or TreeVerify'
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def setUpModule():
+    torch.set_num_threads(1)
+
+
+def _mixers(L, shape, hidden=16, seed=0):
+    torch.manual_seed(seed)
+    ms = [GatedDeltaRuleMixer(hidden, shape, conv_bias=True) for _ in range(L)]
+    with torch.no_grad():
+        for m in ms:
+            m.A_log.normal_(0, 0.5)
+            m.dt_bias.normal_()
+            m.conv_bias.normal_()
+    return ms
+
+
+@unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
+class TestReplayTriton(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+
+        cls.enterClassContext(triton_interpreter_env())
+
+    def _run(self, state_dtype, act_dtype, strided, keep=None, expect_tracked=(True, False, False, False)):
+        shape = LinearAttnShape(2, 4, 8, 8, 4)
+        L, R, A, SL = 2, 5, 4, 9
+        mixers = _mixers(L, shape)
+        w = ReplayWeights.from_mixers(mixers)
+        st = ActivationStash(L, R, A, StashDims(shape.conv_dim, 32, 4), dtype=act_dtype)
+        x = torch.randn(L, R, A, 16)
+        with torch.no_grad():
+            for l in range(L):
+                mq, gr, br = project_raw(mixers[l], x[l])
+                st.mixed_qkv[l], st.g_raw[l], st.b_raw[l] = mq.to(act_dtype), gr.to(act_dtype), br.to(act_dtype)
+        if strided:  # SGLang-like layouts: conv [.., W-1, D], temporal [.., HV, V, K]
+            conv_phys = torch.randn(L, SL, 3, shape.conv_dim).to(act_dtype)
+            temp_phys = torch.randn(L, SL, 4, 8, 8).to(state_dtype)
+            views = lambda c, t: (c.transpose(-1, -2), t.transpose(-1, -2))  # noqa: E731
+        else:
+            conv_phys = torch.randn(L, SL, shape.conv_dim, 3).to(act_dtype)
+            temp_phys = torch.randn(L, SL, 4, 8, 8).to(state_dtype)
+            views = lambda c, t: (c, t)  # noqa: E731
+        rows = torch.tensor([1, 2, 3, 4])
+        slots = torch.tensor([0, 3, 5, -1])
+        tslots = torch.tensor([1, -1, 2, 7])
+        counts = torch.tensor([4, 2, 0, 3])
+        seqs = torch.tensor([5, 6, 7, 7])
+        out = {}
+        for impl in ("torch", "triton"):
+            st.set_pending(rows, counts, seqs, tslots)
+            c, t = conv_phys.clone(), temp_phys.clone()
+            cv, tv = views(c, t)
+            with torch.no_grad():
+                tracked = replay(st, rows, slots, cv, tv, w, 8, keep=keep, impl=impl)
+            self.assertEqual(tracked.tolist(), list(expect_tracked))
+            self.assertEqual(st.count[rows].tolist(), [0, 0, 0, 0])
+            out[impl] = (c, t)
+        tol = dict(rtol=1e-5, atol=1e-5) if state_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out["triton"][0], out["torch"][0], rtol=0, atol=0)
+        torch.testing.assert_close(out["triton"][1].float(), out["torch"][1].float(), **tol)
+        # untouched slots: count 0 (slot 5), slot -1 (row 4), and unrelated ones
+        for s in (4, 5, 6, 8):
+            self.assertTrue(torch.equal(out["triton"][1][:, s], temp_phys[:, s]))
+        # replay really changed the pending slots and the crossing's track slot
+        for s in (0, 3, 1) if expect_tracked[0] else (0, 3):
+            self.assertFalse(torch.equal(out["triton"][1][:, s], temp_phys[:, s]))
+        if not expect_tracked[0]:
+            self.assertTrue(torch.equal(out["triton"][1][:, 1], temp_phys[:, 1]))
+
+    def test_fp32_contiguous(self):
+        self._run(torch.float32, torch.float32, strided=False)
+
+    def test_fp32_sglang_layouts(self):
+        self._run(torch.float32, torch.float32, strided=True)
+
+    def test_keep_cuts_runs(self):
+        # row 1 keeps 2 of its 4 tokens (5 + 2 = 7: no crossing of 8 any more)
+        self._run(torch.float32, torch.float32, strided=False, keep=torch.tensor([2, 9, 0, 1]),
+                  expect_tracked=(False, False, False, False))
+
+    def test_bf16_activations_state(self):
+        self._run(torch.bfloat16, torch.bfloat16, strided=False)
+
+
+@unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
+class TestTreeVerifyTriton(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+
+        cls.enterClassContext(triton_interpreter_env())
+
+    def _inputs(self, per_k=True):
+        shape = LinearAttnShape(2, 4, 8, 8, 4)
+        (m,) = _mixers(1, shape, seed=3)
+        tree = stack_trees([
+            ([0] * 7, [-1, 0, 0, 1, 1, 2, 3]),
+            ([0] * 7, [-1, 0, 1, 2, 0, 4, 5]),
+        ])
+        idx = TreeIndex.build(tree, 4)
+        x = torch.randn(2, 7, 16)
+        with torch.no_grad():
+            mq, gr, br = project_raw(m, x)
+            g, beta = activate_gates(m, gr, br)
+            if not per_k:
+                g = g[..., 0]  # per-head scalar gate (GDN)
+            y, _ = tree_conv(m, mq, torch.randn(2, *shape.conv_state_shape), idx)
+            q, k, v = m.split_qkv(y)
+        pool = torch.randn(5, *shape.temporal_state_shape)
+        slots = torch.tensor([3, 1])
+        return m, idx, q, k, v, g, beta, pool, slots
+
+    def test_onchip_and_buffered_match_torch(self):
+        from sglang_mamba_ext.spec.verify_triton import tree_recurrence_triton
+
+        for per_k in (True, False):
+            m, idx, q, k, v, g, beta, pool, slots = self._inputs(per_k)
+            scale = m.shape.head_k_dim ** -0.5
+            rows = torch.tensor([2, 0])
+            ref_buf = OneLayerBuffer(3, 7, m.shape).ssm
+            with torch.no_grad():
+                o_ref = tree_recurrence(m, q, k, v, g, beta, pool[slots], idx, ref_buf, rows)
+            o_chip = tree_recurrence_triton(q, k, v, g, beta, pool, slots, idx, scale)
+            torch.testing.assert_close(o_chip, o_ref, rtol=1e-5, atol=1e-5)
+            buf = torch.zeros_like(ref_buf)
+            o_buf = tree_recurrence_triton(q, k, v, g, beta, pool, slots, idx, scale, node_states=buf, rows=rows)
+            torch.testing.assert_close(o_buf, o_ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(buf[rows], ref_buf[rows], rtol=1e-5, atol=1e-5)
+
+    def test_fused_pending_replay(self):
+        """Folding stashed (post-conv) tokens into the state load == replay then verify."""
+        from sglang_mamba_ext.spec.verify_triton import tree_recurrence_triton
+
+        m, idx, q, k, v, g, beta, pool, slots = self._inputs()
+        scale = m.shape.head_k_dim ** -0.5
+        A = 3
+        pq, pk = torch.nn.functional.normalize(torch.randn(2, A, 2, 8), dim=-1), torch.nn.functional.normalize(torch.randn(2, A, 2, 8), dim=-1)
+        pv = torch.randn(2, A, 4, 8)
+        pg = -torch.rand(2, A, 4, 8)
+        pb = torch.rand(2, A, 4)
+        cnt = torch.tensor([2, 0])
+        expect_pool = pool.clone()
+        with torch.no_grad():
+            _, S = gated_delta_rule(pq[0, :2], pk[0, :2], pv[0, :2], pg[0, :2], pb[0, :2], pool[3], scale=scale)
+        expect_pool[3] = S
+        o_ref = tree_recurrence(m, q, k, v, g, beta, expect_pool[slots], idx, OneLayerBuffer(3, 7, m.shape).ssm, torch.tensor([0, 1]))
+        got_pool = pool.clone()
+        o = tree_recurrence_triton(q, k, v, g, beta, got_pool, slots, idx, scale, pending=(pq, pk, pv, pg, pb, cnt))
+        torch.testing.assert_close(got_pool, expect_pool, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+
+
+@unittest.skipIf(_CAN_TRITON_INPROC, "ran in this process")
+class TestUnderTritonInterpreter(unittest.TestCase):
+    """Triton was imported before this module could switch the CPU interpreter on: run the
+    Triton tests of this module in a fresh process with TRITON_INTERPRET=1."""
+
+    def test_in_subprocess(self):
+        from sglang_mamba_ext.spec.testing import run_tests_with_triton_interpreter
+
+        r = run_tests_with_triton_interpreter(os.path.abspath(__file__), SELECT)
+        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-4000:])
+        self.assertIn("passed", r.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
