@@ -12,6 +12,8 @@ runs); each configuration below gets an equal share.
 import os
 import unittest
 
+import torch
+
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -124,6 +126,27 @@ class CacheMachine(RuleBasedStateMachine):
         """Finish a request at any stage (caches what it computed)."""
         req = self.live[i % len(self.live)]
         self.cache.cache_finished_req(req)
+        self._drop(req)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 7), cut=st.integers(0, 3))
+    def finish_sglang_style(self, i, cut):
+        """Finish as SGLang 0.5.23 does it: ``insert_finished_req`` (its ``checkpoint``,
+        possibly cut below the committed length), then the caller frees the row's KV above
+        ``cache_protected_len``, unlocks and frees the row (``release_kv_cache``)."""
+        req = self.live[i % len(self.live)]
+        if req.req_pool_idx is None:
+            return self.finish(i)
+        up_to = max(req.kv_committed_len - cut, 0)
+        self.cache.insert_finished_req(req, up_to=up_to)
+        p, a = req.cache_protected_len, req.kv_allocated_len
+        if a > p:
+            self.cache.token_to_kv_pool_allocator.free(
+                self.cache.req_to_token_pool.req_to_token[req.req_pool_idx, p:a].to(torch.int64)
+            )
+        self.cache.dec_lock_ref(req.last_node)
+        req.last_node = None
+        self.cache.req_to_token_pool.free(req)
         self._drop(req)
 
     @precondition(lambda self: self.live)

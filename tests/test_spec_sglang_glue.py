@@ -27,7 +27,6 @@ except Exception as e:  # pragma: no cover - sglang is installed in CI
     _IMPORT_ERROR = e
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.spec.mixer_raw import project_raw
 from sglang_mamba_ext.spec.replay import ReplayWeights, replay_torch
 from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 
@@ -241,7 +240,7 @@ class TestCommitReplayPath(unittest.TestCase):
 
         for layer_id, m in zip((1, 3), self.mixers):
             with torch.no_grad():
-                mq, a, b = project_raw(m, x)
+                mq, a, b = m.project_raw(x)
             layer = SimpleNamespace(layer_id=layer_id, conv_weights=m.conv_weight, bias=None, A_log=m.A_log,
                                     dt_bias=m.dt_bias, lower_bound=None)
             fb = SimpleNamespace(spec_info=SimpleNamespace(ragged_verify_layout=None, draft_token_num=self.T))

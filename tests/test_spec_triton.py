@@ -12,7 +12,6 @@ import unittest
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape, gated_delta_rule
-from sglang_mamba_ext.spec.mixer_raw import activate_gates, project_raw
 from sglang_mamba_ext.spec.replay import ReplayWeights, replay
 from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 from sglang_mamba_ext.spec.tree import stack_trees
@@ -58,7 +57,7 @@ class TestReplayTriton(unittest.TestCase):
         x = torch.randn(L, R, A, 16)
         with torch.no_grad():
             for l in range(L):
-                mq, gr, br = project_raw(mixers[l], x[l])
+                mq, gr, br = mixers[l].project_raw(x[l])
                 st.mixed_qkv[l], st.g_raw[l], st.b_raw[l] = mq.to(act_dtype), gr.to(act_dtype), br.to(act_dtype)
         if strided:  # SGLang-like layouts: conv [.., W-1, D], temporal [.., HV, V, K]
             conv_phys = torch.randn(L, SL, 3, shape.conv_dim).to(act_dtype)
@@ -128,8 +127,8 @@ class TestTreeVerifyTriton(unittest.TestCase):
         idx = TreeIndex.build(tree, 4)
         x = torch.randn(2, 7, 16)
         with torch.no_grad():
-            mq, gr, br = project_raw(m, x)
-            g, beta = activate_gates(m, gr, br)
+            mq, gr, br = m.project_raw(x)
+            g, beta = m.activate_gates(gr, br)
             if not per_k:
                 g = g[..., 0]  # per-head scalar gate (GDN)
             y, _ = tree_conv(m, mq, torch.randn(2, *shape.conv_state_shape), idx)

@@ -6,7 +6,6 @@ import unittest
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.spec.mixer_raw import activate_gates, project_raw
 from sglang_mamba_ext.spec.replay import ReplayWeights, replay_torch, track_steps
 from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 from sglang_mamba_ext.spec.tree import (
@@ -93,8 +92,8 @@ class TestRawProjection(unittest.TestCase):
         (m,) = make_mixers(1)
         x = torch.randn(5, 16)
         mq, g, beta = m.project(x)
-        mq2, gr, br = project_raw(m, x)
-        g2, beta2 = activate_gates(m, gr, br)
+        mq2, gr, br = m.project_raw(x)
+        g2, beta2 = m.activate_gates(gr, br)
         self.assertTrue(torch.equal(mq, mq2))
         self.assertTrue(torch.equal(g, g2))
         self.assertTrue(torch.equal(beta, beta2))
@@ -147,7 +146,7 @@ class TestReplayTorch(unittest.TestCase):
         expect = []
         with torch.no_grad():
             for l, m in enumerate(mixers):
-                mq, gr, br = project_raw(m, x[l])
+                mq, gr, br = m.project_raw(x[l])
                 st.mixed_qkv[l, 2], st.g_raw[l, 2], st.b_raw[l, 2] = mq, gr, br
                 _, c3, t3 = m(x[l, :3], conv[l, 4], temp[l, 4])  # state after 3 tokens (checkpoint)
                 _, c4, t4 = m(x[l], conv[l, 4], temp[l, 4])
@@ -191,8 +190,8 @@ class TestTreeVerifyTorch(unittest.TestCase):
         m, tree, x, conv0, S0 = self._setup()
         idx = TreeIndex.build(tree, 4)
         with torch.no_grad():
-            mq, gr, br = project_raw(m, x)
-            g, beta = activate_gates(m, gr, br)
+            mq, gr, br = m.project_raw(x)
+            g, beta = m.activate_gates(gr, br)
             y, windows = tree_conv(m, mq, conv0, idx)
             q, k, v = m.split_qkv(y)
             for mode in ("snapshot", "one_layer", "head_chunk"):

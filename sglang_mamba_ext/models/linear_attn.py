@@ -344,12 +344,29 @@ class GatedDeltaRuleMixer(nn.Module):
             ``g`` ``[T, HV, K]`` float32 = ``-exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)``,
             ``beta`` ``[T, HV]`` float32 = ``sigmoid(b_proj(x))``.
         """
-        s = self.shape
-        mixed_qkv = self.qkv_proj(x)
-        f = self.f_b(self.f_a(x)).float() + self.dt_bias.float()
-        g = -self.A_log.float().exp()[:, None] * F.softplus(f.view(-1, s.num_v_heads, s.head_k_dim))
-        beta = torch.sigmoid(self.b_proj(x).float())
+        mixed_qkv, g_raw, b_raw = self.project_raw(x)
+        g, beta = self.activate_gates(g_raw, b_raw)
         return mixed_qkv, g, beta
+
+    def project_raw(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projections of ``x`` ``[..., hidden]`` before the gate activations —
+        what the deferred-verify stash keeps per accepted token (seed §9.3; the same three
+        tensors SGLang's KDA backend receives as ``mixed_qkv, a, b``).
+
+        Returns:
+            ``mixed_qkv [..., conv_dim]``, ``g_raw [..., HV*K]`` (``f_b(f_a(x))``),
+            ``b_raw [..., HV]`` (``b_proj(x)``), all in ``x.dtype``.
+        """
+        return self.qkv_proj(x), self.f_b(self.f_a(x)), self.b_proj(x)
+
+    def activate_gates(self, g_raw: torch.Tensor, b_raw: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Gate activations of :meth:`project_raw`'s outputs: ``g [..., HV, K]`` float32
+        ``= -exp(A_log) * softplus(g_raw + dt_bias)`` and ``beta [..., HV]`` float32
+        ``= sigmoid(b_raw)``."""
+        s = self.shape
+        f = g_raw.float() + self.dt_bias.float()
+        g = -self.A_log.float().exp()[:, None] * F.softplus(f.unflatten(-1, (s.num_v_heads, s.head_k_dim)))
+        return g, torch.sigmoid(b_raw.float())
 
     def conv(
         self, mixed_qkv: torch.Tensor, conv_state: Optional[torch.Tensor]

@@ -4,7 +4,7 @@ Where each mechanism lives (no module here imports SGLang; the SGLang glue is
 ``sglang_mamba_ext/sglang/spec``):
 
 - §9.6 tree-node parents, §9.4/§9.9 greedy acceptance along an EAGLE tree: :mod:`.tree`
-- §9.3 what is stashed per accepted token (raw mixer inputs): :mod:`.mixer_raw`, :mod:`.stash`
+- §9.3 what is stashed per accepted token (raw mixer inputs, ``GatedDeltaRuleMixer.project_raw``): :mod:`.stash`
 - §8.3–8.4 snapshot verify + scatter, §9.5 one-layer buffer, tree conv/recurrence (torch
   reference): :mod:`.verify`; on-chip / buffered Triton tree verify: :mod:`.verify_triton`
 - §9.2, §9.8, §9.10 replay with ping-pong checkpoints: :mod:`.replay` (torch reference +

@@ -35,7 +35,6 @@ import torch
 
 from sglang_mamba_ext.models.tiny_hybrid import TinyHybridCache, TinyHybridReference, attention
 from sglang_mamba_ext.spec.draft_head import FrozenKVDraftHead, propose_tree, stack_proposals
-from sglang_mamba_ext.spec.mixer_raw import activate_gates, project_raw
 from sglang_mamba_ext.spec.replay import ReplayWeights, replay, track_steps
 from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 from sglang_mamba_ext.spec.tree import greedy_accept, max_draft_token_num
@@ -356,8 +355,8 @@ class SpecEngine:
             if layer.is_linear:
                 l = self.linear_ids.index(layer.layer_id)
                 mixer = layer.linear_attn
-                mq, gr, br = project_raw(mixer, x)
-                g, beta = activate_gates(mixer, gr, br)
+                mq, gr, br = mixer.project_raw(x)
+                g, beta = mixer.activate_gates(gr, br)
                 y, windows = tree_conv(mixer, mq, self.conv_state[l, slots], index)
                 q, k, v = mixer.split_qkv(y)
                 S0 = self.temporal_state[l, slots]

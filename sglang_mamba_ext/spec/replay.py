@@ -6,7 +6,7 @@ chain, for every linear layer:
 
     window, y   = conv(mixed_qkv_t, conv_state)           (causal conv + SiLU)
     q, k, v     = split_qkv(y)                             (q, k L2-normalised)
-    g, beta     = activate_gates(g_raw_t, b_raw_t)
+    g, beta     = mixer.activate_gates(g_raw_t, b_raw_t)
     S           = gated-delta-rule step of (q, k, v, g, beta) from S
 
 writing a ping-pong checkpoint of ``(conv_state, S)`` into the row's ``stash.track_slot`` right after the
@@ -35,7 +35,6 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.spec.mixer_raw import activate_gates
 from sglang_mamba_ext.spec.stash import ActivationStash
 
 __all__ = ["ReplayWeights", "track_steps", "replay_torch", "replay"]
@@ -164,7 +163,7 @@ def replay_torch(
                     x = stash.mixed_qkv[l, r, start:end]
                     y, cs = mixer.conv(x, cs)
                     q, k, v = mixer.split_qkv(y)
-                    g, beta = activate_gates(mixer, stash.g_raw[l, r, start:end], stash.b_raw[l, r, start:end])
+                    g, beta = mixer.activate_gates(stash.g_raw[l, r, start:end], stash.b_raw[l, r, start:end])
                     _, S = mixer.recurrence(q, k, v, g, beta, S)
                 if ckpt:
                     ts = int(track_slots[i])

@@ -2,7 +2,7 @@
 
 After the greedy acceptance decision of a round, the deferred mode keeps, for every linear
 layer and every request, only the accepted tokens' raw mixer inputs (``mixed_qkv``, ``g_raw``,
-``b_raw``, see :mod:`sglang_mamba_ext.spec.mixer_raw`). The main conv/SSM state is *not*
+``b_raw``, see ``GatedDeltaRuleMixer.project_raw`` in ``models/linear_attn.py``). The main conv/SSM state is *not*
 advanced; the next round starts by replaying the stash into it (:mod:`.replay`).
 
 Rows are request rows (SGLang's ``req_pool_idx``: ``max_running_requests + 1`` rows, row 0
