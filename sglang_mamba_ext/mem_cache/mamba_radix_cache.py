@@ -307,17 +307,12 @@ class MambaRadixCache:
         best_pos = 0
         values: List[torch.Tensor] = []
         best_nvals = 0
-        children_key = self._child_key
+        step = self._step
         while pos < n:
-            child = node.children.get(children_key(tokens, pos, extra_key))
-            if child is None:
+            hit = step(node, tokens, pos, n, extra_key)
+            if hit is None:
                 break
-            m = self._match_len(child.key, tokens, pos, n)
-            if m == 0:
-                break
-            full = m == len(child.key)
-            if not full:
-                child = self._split_node(child, m)
+            child, m, full = hit
             values.append(child.value)
             pos += m
             node = child
@@ -398,17 +393,12 @@ class MambaRadixCache:
         n = len(tokens)
         kv_free = self.token_to_kv_pool_allocator.free
         pos = node.seq_len
-        children_key = self._child_key
+        step = self._step
         while pos < n:
-            child = node.children.get(children_key(tokens, pos, extra_key))
-            if child is None:
+            hit = step(node, tokens, pos, n, extra_key)
+            if hit is None:
                 break
-            m = self._match_len(child.key, tokens, pos, n)
-            if m == 0:
-                break
-            full = m == len(child.key)
-            if not full:
-                child = self._split_node(child, m)
+            child, m, full = hit
             end = pos + m
             if prev_prefix_len < end:
                 kv_free(value[max(prev_prefix_len, pos) : end])
@@ -424,7 +414,7 @@ class MambaRadixCache:
                     "insert: new tokens without mamba_value would leave a leaf without SSM state"
                 )
             new = TreeNode(tokens[pos:], value[pos:], node, extra_key)
-            node.children[children_key(new.key, 0, extra_key)] = new
+            node.children[self._child_key(new.key, 0, extra_key)] = new
             new.mamba_value = mamba_value
             self._full_evictable += n - pos
             self._mamba_evictable += 1
@@ -952,6 +942,21 @@ class MambaRadixCache:
         else:
             first = tuple(tokens[pos : pos + self.page_size])
         return first if extra_key is None else (extra_key, first)
+
+    def _step(self, node: TreeNode, tokens: List[int], pos: int, end: int, extra_key):
+        """One step of a walk: the child of ``node`` that continues ``tokens[pos:end]`` and
+        how many tokens of it match, splitting it when the match ends inside it:
+        ``(child, matched, whole_child_matched)``, or ``None`` when nothing matches."""
+        child = node.children.get(self._child_key(tokens, pos, extra_key))
+        if child is None:
+            return None
+        m = self._match_len(child.key, tokens, pos, end)
+        if m == 0:
+            return None
+        full = m == len(child.key)
+        if not full:
+            child = self._split_node(child, m)
+        return child, m, full
 
     def _match_len(self, node_key: List[int], tokens: List[int], pos: int, end: int) -> int:
         """Tokens (whole pages) of ``node_key`` equal to ``tokens[pos:end]``'s start.
