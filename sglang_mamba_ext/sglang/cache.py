@@ -266,6 +266,28 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             )
 
 
+#: Environment override of what a finished request donates: ``auto`` (default: the newest
+#: ping-pong checkpoint under overlap scheduling, else the live state), ``working`` or
+#: ``checkpoint`` (e.g. to run the overlap-safe path on CPU).
+FINISH_STATE_ENV = "SGLANG_MAMBA_EXT_FINISH_STATE"
+
+
+def _finish_state(overlap: bool, extra_buffer: bool) -> str:
+    import os
+
+    choice = os.environ.get(FINISH_STATE_ENV, "auto") or "auto"
+    if choice not in ("auto", "working", "checkpoint"):
+        raise ValueError(f"{FINISH_STATE_ENV}={choice!r}: expected auto, working or checkpoint")
+    if choice == "checkpoint" and not extra_buffer:
+        raise ValueError(
+            f"{FINISH_STATE_ENV}=checkpoint needs ping-pong checkpoints "
+            "(not --mamba-radix-cache-strategy no_buffer)"
+        )
+    if choice == "auto":
+        return "checkpoint" if (overlap and extra_buffer) else "working"
+    return choice
+
+
 def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     """Factory registered as ``--radix-cache-backend mamba_radix_ext``
     (``registry.register_radix_cache_backend``); ``ctx`` is SGLang's
@@ -298,7 +320,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         token_to_kv_pool_allocator=params.token_to_kv_pool_allocator,
         page_size=params.page_size,
         mamba_track_interval=get_exec().mamba.mamba_track_interval,
-        finish_state="checkpoint" if (overlap and extra_buffer) else "working",
+        finish_state=_finish_state(overlap, extra_buffer),
         enable_mamba_extra_buffer=extra_buffer,
         checkpoint_grid=grid,
         enable_metrics=params.enable_metrics,
