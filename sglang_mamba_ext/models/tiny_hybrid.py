@@ -162,6 +162,20 @@ class TinyHybridConfig(PretrainedConfig):
         )
 
 
+def _register_auto_config() -> None:
+    """Let ``AutoConfig`` / ``AutoTokenizer`` recognise ``model_type: tiny_hybrid`` (silences
+    transformers' unknown-model warning). The SGLang plugin later re-registers the subclass
+    that adds ``mamba2_cache_params``; an existing registration is kept."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if MODEL_TYPE not in CONFIG_MAPPING:
+        AutoConfig.register(MODEL_TYPE, TinyHybridConfig)
+
+
+_register_auto_config()
+
+
 # ---------------------------------------------------------------------------------------
 # Shared layer math (the SGLang model builds its layers from these classes)
 # ---------------------------------------------------------------------------------------

@@ -120,7 +120,8 @@ def _before_prepare_server_args(argv, *args, **kwargs):
         os.environ[CONV_DTYPE_ENV] = "float32"  # inherited by the scheduler processes
         added.append(f"{CONV_DTYPE_ENV}=float32")
     if added:
-        logger.info("sglang-mamba-ext: CPU defaults added: %s", ", ".join(added))
+        # warning: SGLang configures logging only inside prepare_server_args
+        logger.warning("sglang-mamba-ext: CPU defaults added: %s", ", ".join(added))
     return (new_argv, *args), kwargs
 
 

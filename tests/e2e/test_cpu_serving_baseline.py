@@ -4,8 +4,11 @@ Starts ``python -m sglang.launch_server`` as a subprocess on a free port, sends 
 ``/generate`` requests and compares the output token ids with
 ``TinyHybridReference.generate_greedy`` (same weights, plain torch), including a batch of
 concurrent requests, a chunked prefill (``--chunked-prefill-size 32``) and a prefix-cache hit;
-checks ``/v1/chat/completions``. The server is killed (process group) in the class cleanup,
-also when start-up fails.
+checks ``/v1/chat/completions``. A second class launches with only
+``--model-path --device cpu --host --port`` and relies on the plugin's CPU defaults
+(``sglang_mamba_ext/sglang/cpu_defaults.py``): same tokens, and log-probs within 1e-4 of the
+reference (float32 weights and conv state; SGLang's own defaults would give fp16/bf16 drift).
+Servers are killed (process group) in the class cleanup, also when start-up fails.
 """
 
 import os
@@ -44,20 +47,23 @@ def _free_port() -> int:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
+    """SIGKILL the server's whole process group (scheduler and detokenizer included: they
+    rename themselves, so name-based kills miss them). The server holds no state worth a
+    graceful shutdown."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=15)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
 
 
-class TestCpuServingBaseline(unittest.TestCase):
+class _ServerCase(unittest.TestCase):
+    """Starts one server per class: ``FLAGS`` after model/host/port, ``ENV`` overrides
+    (a None value removes the variable)."""
+
+    FLAGS: list = []
+    ENV: dict = {}
+
     @classmethod
     def setUpClass(cls):
         import requests  # noqa: F401  (fail early if missing)
@@ -76,7 +82,11 @@ class TestCpuServingBaseline(unittest.TestCase):
         cls.base_url = f"http://127.0.0.1:{cls.port}"
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        env["SGLANG_MAMBA_CONV_DTYPE"] = "float32"  # exact comparison (default is bf16)
+        for key, value in cls.ENV.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         cls.log_path = os.path.join(tmp.name, "server.log")
         cls.log = open(cls.log_path, "w")
         cls.addClassCleanup(cls.log.close)
@@ -84,7 +94,7 @@ class TestCpuServingBaseline(unittest.TestCase):
             sys.executable, "-m", "sglang.launch_server",
             "--model-path", cls.model_dir,
             "--host", "127.0.0.1", "--port", str(cls.port),
-            *SERVER_FLAGS,
+            *cls.FLAGS,
         ]
         t0 = time.time()
         cls.proc = subprocess.Popen(
@@ -116,7 +126,7 @@ class TestCpuServingBaseline(unittest.TestCase):
         with open(cls.log_path) as f:
             return f.read()[-n:]
 
-    def _generate(self, input_ids, max_new_tokens=NEW_TOKENS):
+    def _generate(self, input_ids, max_new_tokens=NEW_TOKENS, return_logprob=False):
         import requests
 
         r = requests.post(
@@ -124,6 +134,7 @@ class TestCpuServingBaseline(unittest.TestCase):
             json={
                 "input_ids": input_ids,
                 "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+                "return_logprob": return_logprob,
             },
             timeout=120,
         )
@@ -132,6 +143,13 @@ class TestCpuServingBaseline(unittest.TestCase):
 
     def _prompt(self, text):
         return self.tok.encode(text, add_special_tokens=False)
+
+
+class TestCpuServingBaseline(_ServerCase):
+    """Explicit flags, plugin defaults off: what SGLang itself needs."""
+
+    FLAGS = SERVER_FLAGS
+    ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32", "SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS": "1"}
 
     def test_generate_matches_reference(self):
         for text in ["Hello world, this is a test.", "1 2 3 4 5", "敏捷的棕色狐狸 🙂"]:
@@ -188,12 +206,33 @@ class TestCpuServingBaseline(unittest.TestCase):
         self.assertGreater(len(content), 0)
         self.assertGreater(body["usage"]["completion_tokens"], 0)
         # the prompt went through the chat template: <s><|im_start|>user ... assistant header
-        expected = self.tok.apply_chat_template(
-            [{"role": "user", "content": "Hi there"}], tokenize=True, add_generation_prompt=True
+        rendered = self.tok.apply_chat_template(
+            [{"role": "user", "content": "Hi there"}], tokenize=False, add_generation_prompt=True
         )
-        if isinstance(expected, dict):
-            expected = expected["input_ids"]
+        expected = self.tok.encode(rendered, add_special_tokens=False)
         self.assertEqual(body["usage"]["prompt_tokens"], len(expected))
+
+
+
+class TestCpuServingPluginDefaults(_ServerCase):
+    """The product launch: only model/device/host/port; the plugin supplies the rest."""
+
+    FLAGS = ["--device", "cpu"]
+    ENV = {"SGLANG_MAMBA_CONV_DTYPE": None, "SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS": None}
+
+    def test_tokens_and_logprobs_match_reference(self):
+        import torch
+
+        ids = self._prompt("System: answer briefly. " * 6 + "User: where do foxes live?")
+        out = self._generate(ids, return_logprob=True)
+        ref_ids = self.ref.generate_greedy(ids, NEW_TOKENS)
+        self.assertEqual(out["output_ids"], ref_ids)
+        logits, _ = self.ref.forward_tokens(ids + ref_ids[:-1])
+        ref_lp = torch.log_softmax(logits[len(ids) - 1 :], dim=-1)
+        ref_lp = ref_lp[torch.arange(len(ref_ids)), torch.tensor(ref_ids)]
+        got = torch.tensor([item[0] for item in out["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, ref_lp, atol=1e-4, rtol=0)
+        self.assertIn("CPU defaults added", self._log_tail(200000))
 
 
 if __name__ == "__main__":
