@@ -93,8 +93,11 @@ class _Harness:
         kv = self.alloc_token_slots(self.cache, end - start)  # evicts if short
         self.pool.req_to_token[row, start:end] = kv.to(torch.int32)
         req.kv.kv_allocated_len = req.kv.kv_committed_len = end
-        # ScheduleBatch.prepare_for_extend: track decision, then COW/clear collection.
-        entry = self.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend(self.batch, req)
+        # ScheduleBatch.prepare_for_extend: track decision (extra_buffer), then COW/clear
+        # collection.
+        entry = None
+        if self.pool.enable_mamba_extra_buffer:
+            entry = self.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend(self.batch, req)
         cow = SimpleNamespace()
         self.ScheduleBatch._collect_deferred_mamba_cow_and_clear(cow, [req])
         fb = SimpleNamespace(
@@ -111,7 +114,7 @@ class _Harness:
         work = int(req.kv.mamba_pool_idx)
         want = state_value(tokens[:start]) if start > 0 else 0.0
         self.t.assertEqual(self.state_of(work), want, f"{req.rid}: working state before the chunk")
-        if entry.track_mask:
+        if entry is not None and entry.track_mask:
             slot = int(req.kv.mamba_ping_pong_track_buffer[entry.track_position])
             self.write_state(slot, tokens[: req.kv.mamba_last_track_seqlen])
         self.write_state(work, tokens[:end])
@@ -139,7 +142,7 @@ class _Harness:
             req.refresh_fill_ids()
             tokens = list(req.full_untruncated_fill_ids)[: pos + 1]
             self.write_state(int(req.kv.mamba_pool_idx), tokens)
-            if (pos + 1) % INTERVAL == 0:
+            if req.kv.mamba_ping_pong_track_buffer is not None and (pos + 1) % INTERVAL == 0:
                 nxt = req.kv.mamba_next_track_idx
                 self.write_state(int(req.kv.mamba_ping_pong_track_buffer[nxt]), tokens)
                 req.kv.mamba_prev_track_seqlen = req.kv.mamba_last_track_seqlen
@@ -434,6 +437,36 @@ class TestLifecycle(_ContextTest):
         self.assertGreater(self.cache.core.evicted_states_total, 0)
         self.assertGreater(self.cache.core.evicted_tokens_total, 0)
         self.assertGreater(h.check_tree_states(), 0)
+
+
+class TestLifecycleNoBuffer(_ContextTest):
+    """``--mamba-radix-cache-strategy no_buffer`` (explicit user choice): no ping-pong
+    slots; a chunk checkpoint copies the live state into a fresh slot."""
+
+    ARGV = _ContextTest.ARGV + ("--mamba-radix-cache-strategy", "no_buffer")
+
+    def test_chunked_prefill_finish_hit(self):
+        pool = F.build_req_pool(max_num_reqs=4)
+        self.assertFalse(pool.enable_mamba_extra_buffer)
+        self.assertEqual(pool.mamba_initial_tracking_slots, 0)
+        cache, allocator = F.build_tree_cache(pool, KV_SIZE)
+        h = _Harness(self, pool, cache, allocator)
+        prompt = list(range(10, 50))
+        a = F.make_req("a", prompt)
+        h.admit(a)
+        self.assertIsNone(a.kv.mamba_ping_pong_track_buffer)
+        h.prefill(a)
+        self.assertEqual(a.kv.cache_protected_len, 40)  # chunk end 32, then the prompt end
+        h.decode(a, [1, 2, 3])
+        h.finish(a)
+        self.assertEqual(h.check_tree_states(), 3)  # states at 32, 40 and 42
+        h.check_idle()
+        b = F.make_req("b", prompt + [1, 2, 9])
+        h.admit(b)
+        self.assertEqual(b.prefix_len, 42)
+        h.prefill(b)
+        h.finish(b)
+        h.check_idle()
 
 
 if __name__ == "__main__":
