@@ -422,6 +422,28 @@ class TestLifecycle(_ContextTest):
         h.check_idle()
         h.check_tree_states()
 
+    def test_flush_cache(self):
+        """``Scheduler.flush_cache``: ``tree_cache.reset()``, then the pools' ``clear()``."""
+        h = self.h
+        a = F.make_req("a", list(range(5, 45)))
+        h.admit(a)
+        h.prefill(a)
+        h.decode(a, [1, 2])
+        h.finish(a)
+        self.assertGreater(self.cache.total_size(), 0)
+        self.cache.reset()
+        self.pool.clear()
+        self.allocator.clear()
+        self.assertEqual(self.cache.total_size(), 0)
+        self.assertEqual(self.pool.mamba_allocator.available_size(), MAMBA_SIZE)
+        h.check_idle()
+        b = F.make_req("b", list(range(5, 45)) + [1, 7])
+        h.admit(b)
+        self.assertEqual(b.prefix_len, 0)
+        h.prefill(b)
+        h.finish(b)
+        h.check_idle()
+
     def test_eviction_under_pressure(self):
         """More distinct prompts than the pools hold: SSM states and KV are evicted through
         ``ensure_mamba_capacity`` / ``evict_for_alloc``; every request still runs."""
