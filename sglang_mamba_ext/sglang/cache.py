@@ -296,7 +296,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     Raises:
         ValueError: naming the flags, for a model or combination the cache cannot serve.
     """
-    from sglang.srt.runtime_context import get_exec, get_schedule, mamba_checkpoint_grid
+    from sglang.srt.runtime_context import get_exec, get_schedule, get_spec, mamba_checkpoint_grid
 
     if ctx.disable_radix_cache:
         raise ValueError("--enable-mamba-radix cannot be combined with --disable-radix-cache")
@@ -310,8 +310,14 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     if ctx.enable_hierarchical_cache:
         raise ValueError("--enable-mamba-radix cannot be combined with --enable-hierarchical-cache")
     params = ctx.params
-    if params.is_eagle:
-        raise ValueError("--enable-mamba-radix does not support EAGLE-family speculative decoding (bigram keys)")
+    algo = str(get_spec().speculative_algorithm or "").upper()
+    if params.is_eagle and algo != "FROZEN_KV_MTP":
+        # EAGLE / EAGLE3 drafts write KV keyed by token pairs (SGLang's bigram radix keys);
+        # FROZEN_KV_MTP's draft writes no KV (SGLang counts it as EAGLE-family only for the
+        # scheduler), so its keys are plain tokens.
+        raise ValueError(
+            f"--enable-mamba-radix does not support --speculative-algorithm {algo} (bigram radix keys)"
+        )
     overlap = not get_schedule().disable_overlap_schedule
     extra_buffer = bool(params.enable_mamba_extra_buffer)
     grid = mamba_checkpoint_grid(params.page_size) if extra_buffer else params.page_size
