@@ -91,8 +91,28 @@ class TestInsertFinishedReq(unittest.TestCase):
             cache.sanity_check()
             cache.check_slot_accounting()
         sim.check_tree()
+        self.assertEqual(cache.evicted_states_total, 0)
         self.assertEqual(cache.mamba_total_size(), len(cache.all_mamba_values_flatten()))
         self.assertEqual(cache.total_size(), cache.all_values_flatten().numel())
+
+
+class TestEvictionTotals(unittest.TestCase):
+    def test_totals_count_every_eviction(self):
+        """``evicted_*_total`` count evictions asked by the caller and those the cache runs
+        itself to find a copy-on-write slot."""
+        cache = make_cache(kv_size=64, mamba_size=2, track_slots=0)
+        kv = cache.token_to_kv_pool_allocator
+        for i in range(2):
+            cache.insert(seq(8, start=10 * i), kv.alloc(8), cache.mamba_pool.alloc_list(1)[0])
+        res = cache.evict(num_tokens=8)
+        self.assertEqual((res.num_tokens_evicted, res.mamba_num_evicted), (8, 1))
+        self.assertEqual((cache.evicted_tokens_total, cache.evicted_states_total), (8, 1))
+        cache.insert(seq(8, start=50), kv.alloc(8), cache.mamba_pool.alloc_list(1)[0])  # pool full again
+        req = CacheReq(rid="r", token_ids=seq(8, start=10) + [1])
+        m = cache.match_prefix(RadixKey(req.token_ids[:-1]), cow_mamba=True, req=req)
+        self.assertEqual(m.prefix_len, 8)
+        self.assertIsNotNone(req.mamba_pool_idx)  # a state was evicted for the COW slot
+        self.assertEqual((cache.evicted_tokens_total, cache.evicted_states_total), (16, 2))
 
 
 if __name__ == "__main__":

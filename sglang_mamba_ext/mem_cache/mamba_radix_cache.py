@@ -258,6 +258,10 @@ class MambaRadixCache:
         self.device = getattr(kv_allocator, "device", torch.device("cpu"))
         self.full_lru_list = LRUList()
         self.mamba_lru_list = LRUList()
+        #: Totals since construction (all evictions, including those the cache runs
+        #: itself to allocate a copy-on-write or checkpoint slot): KV tokens, SSM states.
+        self.evicted_tokens_total = 0
+        self.evicted_states_total = 0
         self.reset()
 
     # ================================================================ public protocol
@@ -677,6 +681,8 @@ class MambaRadixCache:
             self._evict_mamba(mamba_num, res)
         if num_tokens > res.num_tokens_evicted:
             self._evict_full(num_tokens, res)
+        self.evicted_tokens_total += res.num_tokens_evicted
+        self.evicted_states_total += res.mamba_num_evicted
         return res
 
     def inc_lock_ref(self, node: TreeNode) -> None:

@@ -1,19 +1,63 @@
 """SGLang general-plugin entry point (group ``sglang.srt.plugins``, name ``mamba_radix``).
 
 SGLang 0.5.23 calls :func:`register` in every process it starts
-(``sglang/srt/plugins/__init__.py::load_plugins``), before parsing server arguments in
-``launch_server`` / ``sglang serve``. Keep it cheap and idempotent.
+(``sglang/srt/plugins/__init__.py::load_plugins``: launcher / HTTP server, schedulers,
+detokenizer, DP controller), before parsing server arguments in ``launch_server`` /
+``sglang serve``, then applies the registered hooks. Keep it cheap and idempotent. Nothing
+it installs changes SGLang's behaviour unless ``--enable-mamba-radix`` (or
+``--warmups kda_cache``) is given. Every SGLang symbol touched is listed in
+``docs/sglang-hooks.md``.
 """
 
 from __future__ import annotations
 
+_installed = False
+
+# Hook targets (dotted paths resolved by SGLang's HookRegistry at apply time).
+ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
+VALIDATE_EXTRA_BUFFER = "sglang.srt.arg_groups.mamba_hook.validate_mamba_extra_buffer"
+HANDLE_MAMBA_RADIX = "sglang.srt.arg_groups.model_hook.handle_mamba_radix_cache"
+BUILD_HYBRID_REQ_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
+PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+
+
+def install_mamba_radix() -> None:
+    """Register the hooks of ``--enable-mamba-radix`` / ``--warmup-prompts-file``, the
+    ``mamba_radix_ext`` tree-cache backend and the ``kda_cache`` warmup (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_mamba_ext.sglang import args
+    from sglang_mamba_ext.sglang.cache import build_tree_cache
+    from sglang_mamba_ext.sglang.compat import prepare_for_decode_around
+    from sglang_mamba_ext.sglang.pool import build_hybrid_req_pool_around
+    from sglang_mamba_ext.sglang.settings import BACKEND_NAME
+    from sglang_mamba_ext.sglang.warmup import register_warmup
+
+    HookRegistry.register(ADD_CLI_ARGS, args.add_cli_args_after, HookType.AFTER)
+    HookRegistry.register(FROM_CLI_ARGS, args.from_cli_args_after, HookType.AFTER)
+    HookRegistry.register(VALIDATE_EXTRA_BUFFER, args.validate_mamba_extra_buffer_around, HookType.AROUND)
+    HookRegistry.register(HANDLE_MAMBA_RADIX, args.handle_mamba_radix_cache_around, HookType.AROUND)
+    HookRegistry.register(BUILD_HYBRID_REQ_POOL, build_hybrid_req_pool_around, HookType.AROUND)
+    HookRegistry.register(PREPARE_FOR_DECODE, prepare_for_decode_around, HookType.AROUND)
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+    register_warmup()
+    _installed = True
+
 
 def register() -> None:
-    """Register this package's SGLang extensions: the tiny hybrid model, and CPU-safe
+    """Register this package's SGLang extensions: the tiny hybrid model, CPU-safe
     defaults for flags the user did not pass with ``--device cpu``
-    (:mod:`sglang_mamba_ext.sglang.cpu_defaults`)."""
+    (:mod:`sglang_mamba_ext.sglang.cpu_defaults`), and the mamba-radix cache
+    (:func:`install_mamba_radix`)."""
     from sglang_mamba_ext.sglang.cpu_defaults import install_cpu_defaults
     from sglang_mamba_ext.sglang.tiny_hybrid import register_tiny_hybrid
 
     register_tiny_hybrid()
     install_cpu_defaults()
+    install_mamba_radix()

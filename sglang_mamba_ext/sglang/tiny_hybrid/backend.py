@@ -15,12 +15,17 @@ prefill, or a prefix-cache hit whose state SGLang copied into the slot) and star
 otherwise. Metadata (slots, ``query_start_loc``) is built by the inherited
 ``MambaAttnBackendBase._forward_metadata``.
 
-Checkpoint hook (for the mamba-radix cache's ping-pong tracking, seed §6): before each
-forward, :meth:`checkpoint_plan` may return, per batch row, ``(offset, dst_slot)`` pairs:
+Checkpoint hook (for the mamba-radix cache's ping-pong tracking, seed §3.4, §5.1): before
+each forward, :meth:`checkpoint_plan` may return, per batch row, ``(offset, dst_slot)`` pairs:
 "after the first ``offset`` new tokens of this row in this forward, also copy the row's
 working conv + temporal state into pool slot ``dst_slot``" (``0 <= offset <= new tokens``;
 ``offset == 0`` copies the state the row starts from). Every linear layer applies the same
-plan. The default plan is empty; set :attr:`checkpoint_plan_fn` or override the method.
+plan. By default the plan is SGLang's own ping-pong track metadata (strategy
+``extra_buffer``, ``schedule_batch.py``: ``mamba_track_indices`` with
+``mamba_prefill_track_mask_cpu`` + ``mamba_track_aligned_lens()`` for an extend,
+``mamba_track_mask`` for a decode), so the backend writes the checkpoints SGLang's GPU
+backends write with their kernels (``_track_mamba_state_extend`` / ``_decode``); hence
+:attr:`writes_mamba_track_states`. Set :attr:`checkpoint_plan_fn` to use another plan.
 
 Not supported: target-verify / draft modes (speculative decoding), tensor parallelism,
 CUDA graphs (CPU serving never captures).
@@ -46,10 +51,15 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
     #: the default :meth:`checkpoint_plan`. Class attribute so a plugin can install it
     #: without subclassing; ``None`` = no checkpoints.
     checkpoint_plan_fn: Optional[Callable[["TinyHybridLinearAttnBackend", object], CheckpointPlan]] = None
+    #: This backend writes SGLang's extra_buffer checkpoints itself (plain torch, any
+    #: device); read by sglang_mamba_ext's start-up check of ``--enable-mamba-radix``.
+    writes_mamba_track_states = True
 
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
         self._plan: CheckpointPlan = {}
+        # MambaAttnBackendBase's extend track metadata reads the conv window length here.
+        self.conv_states_shape = tuple(model_runner.req_to_token_pool.mamba_pool.mamba_cache.conv[0].shape)
 
     # -- metadata ------------------------------------------------------------------------
 
@@ -62,9 +72,50 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
 
         Rows are batch rows (the order of ``forward_batch.req_pool_indices``); offsets are
         token counts into the row's new tokens of this forward (1 for a decode row).
-        Default: :attr:`checkpoint_plan_fn` if set, else no checkpoints."""
+        Default: :attr:`checkpoint_plan_fn` if set, else SGLang's track metadata
+        (:meth:`sglang_track_plan`)."""
         fn = type(self).checkpoint_plan_fn
-        return fn(self, forward_batch) if fn is not None else {}
+        return fn(self, forward_batch) if fn is not None else self.sglang_track_plan(forward_batch)
+
+    def sglang_track_plan(self, forward_batch) -> CheckpointPlan:
+        """SGLang's extra_buffer track metadata as a plan: an extend row with
+        ``mamba_prefill_track_mask_cpu`` set checkpoints after
+        ``mamba_track_aligned_lens()[row]`` tokens, a decode row with ``mamba_track_mask``
+        set after its token; the destination is ``forward_metadata.mamba_track_indices[row]``
+        (negative = no slot, skipped). Empty without tracking."""
+        md = self.forward_metadata
+        dst_all = getattr(md, "mamba_track_indices", None) if md is not None else None
+        mode = getattr(forward_batch, "forward_mode", None)
+        if dst_all is None or mode is None:
+            return {}
+        plan: CheckpointPlan = {}
+        if mode.is_decode():
+            mask = getattr(forward_batch, "mamba_track_mask", None)
+            if mask is None:
+                return {}
+            rows = mask.nonzero().flatten().tolist()
+            dsts = dst_all.tolist()
+            for r in rows:
+                if dsts[r] >= 0:
+                    plan[r] = [(1, dsts[r])]
+            return plan
+        if not mode.is_extend() or mode.is_target_verify() or mode.is_draft_extend_v2():
+            return {}
+        mask = getattr(forward_batch, "mamba_prefill_track_mask_cpu", None)
+        if mask is None:
+            t = getattr(forward_batch, "mamba_track_mask", None)
+            mask = t.tolist() if t is not None else None
+        if not mask or not any(mask):
+            return {}
+        aligned = forward_batch.mamba_track_aligned_lens()
+        if aligned is None:
+            return {}
+        offs = aligned.tolist()
+        dsts = dst_all.tolist()
+        for r, m in enumerate(mask):
+            if m and dsts[r] >= 0 and offs[r] > 0:
+                plan[r] = [(offs[r], dsts[r])]
+        return plan
 
     def _validated_plan(self, forward_batch) -> CheckpointPlan:
         plan = self.checkpoint_plan(forward_batch) or {}

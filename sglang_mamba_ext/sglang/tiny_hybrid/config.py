@@ -21,7 +21,14 @@ class TinyHybridSGLangConfig(TinyHybridConfig):
     ``mamba2_cache_params.dtype``: conv dtype from ``SGLANG_MAMBA_CONV_DTYPE`` (SGLang's
     default bf16; use ``float32`` for exact comparisons), temporal from
     ``SGLANG_MAMBA_SSM_DTYPE`` / ``mamba_ssm_dtype`` (default float32).
+
+    ``mamba_chunk_size`` (tokens): the grid SGLang's extra_buffer tracking places prefill
+    checkpoints on (``runtime_context.mamba_cache_chunk_size``; 64 = FLA's chunk for GPU
+    kernels). The torch backend can stop at any token, so the tiny model uses a small grid:
+    a prefill chunk that is a multiple of 8 tokens is checkpointed at its end.
     """
+
+    mamba_chunk_size = 8
 
     @property
     def mamba2_cache_params(self) -> Mamba2CacheParams:

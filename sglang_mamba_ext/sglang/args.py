@@ -1,0 +1,226 @@
+"""Command-line flags of the plugin and the start-up checks of flag combinations.
+
+Hooks (applied by SGLang's ``load_plugins()`` before ``prepare_server_args`` parses argv):
+
+- AFTER ``ServerArgs.add_cli_args(parser)``: adds ``--enable-mamba-radix`` and
+  ``--warmup-prompts-file PATH`` (so ``python -m sglang.launch_server --help`` lists them).
+- AFTER ``ServerArgs.from_cli_args(namespace)``: turns ``--enable-mamba-radix`` into SGLang
+  settings (:func:`apply_flags`), checks the prompts file, and stores the plugin's settings
+  as ``ServerArgs._mamba_radix_ext`` (see :mod:`.settings`).
+- AROUND ``arg_groups.mamba_hook.validate_mamba_extra_buffer``: SGLang refuses its
+  ``extra_buffer`` checkpoint tracking on CPU and for models whose registry spec does not
+  declare support; under ``--enable-mamba-radix`` a model whose linear-attention backend
+  declares ``writes_mamba_track_states = True`` (it writes the ping-pong checkpoints from
+  SGLang's track metadata in plain torch, e.g. the tiny test model) is accepted on any
+  device. Any other refusal is re-raised naming the flags.
+- AROUND ``arg_groups.model_hook.handle_mamba_radix_cache``: a model without SSM state under
+  ``--enable-mamba-radix`` fails with a message naming the flag (instead of SGLang's message
+  about ``--mamba-radix-cache-strategy``, which the user did not pass).
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+from typing import Any, Dict
+
+from sglang_mamba_ext.sglang import settings as S
+
+logger = logging.getLogger(__name__)
+
+ENABLE_FLAG = "--enable-mamba-radix"
+PROMPTS_FLAG = "--warmup-prompts-file"
+
+
+def add_cli_args_after(result, parser, *args, **kwargs):
+    """AFTER hook on the static ``ServerArgs.add_cli_args(parser)``."""
+    if ENABLE_FLAG in parser._option_string_actions:  # applied twice (tests)
+        return None
+    group = parser.add_argument_group("sglang-mamba-ext")
+    group.add_argument(
+        ENABLE_FLAG,
+        action="store_true",
+        default=False,
+        help=(
+            "Serve a hybrid (full attention + linear attention / SSM) model with "
+            "sglang-mamba-ext's prefix cache holding both attention KV and SSM state "
+            f"(--radix-cache-backend {S.BACKEND_NAME}) and its hybrid request pool; SSM "
+            "checkpoints are tracked every --mamba-track-interval tokens. Cannot be combined "
+            "with --disable-radix-cache, --radix-cache-backend, --enable-hierarchical-cache."
+        ),
+    )
+    group.add_argument(
+        PROMPTS_FLAG,
+        type=str,
+        default=None,
+        metavar="PATH",
+        help=(
+            f"Prompts the '{S.WARMUP_NAME}' warmup (--warmups {S.WARMUP_NAME}) caches before "
+            "the server reports ready: a JSON list of strings, or JSON lines of "
+            '{"text": ...}, {"input_ids": [...]} or {"messages": [...]} (chat template '
+            "applied). Each is sent with max_new_tokens=1, then again so the prefix-hit "
+            "path is warm."
+        ),
+    )
+    return None
+
+
+def _warmup_names(server_args) -> list:
+    raw = getattr(server_args, "warmups", None) or ""
+    return [w.strip() for w in raw.split(",") if w.strip()]
+
+
+def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
+    """Check the plugin's flags against the rest and set SGLang fields before resolution.
+
+    With ``enable``: ``radix_cache_backend = "mamba_radix_ext"``; strategy ``auto`` becomes
+    ``extra_buffer`` (SGLang's ping-pong tracking pipeline feeds the cache's checkpoints);
+    on ``--device cpu`` (and with ``no_buffer``) overlap scheduling is turned off, as
+    SGLang's own CPU and no_buffer paths require. A user's explicit strategy wins.
+
+    Returns:
+        the plugin settings stored on ``server_args``.
+
+    Raises:
+        ValueError: naming the flags, for combinations that cannot work, and for a bad or
+            missing prompts file (see :func:`sglang_mamba_ext.sglang.warmup.load_prompts`).
+    """
+    from sglang_mamba_ext.sglang.warmup import load_prompts
+
+    warmups = _warmup_names(server_args)
+    if S.WARMUP_NAME in warmups and not prompts_file:
+        raise ValueError(
+            f"--warmups {S.WARMUP_NAME} needs {PROMPTS_FLAG} PATH (the prompts to cache at start-up)"
+        )
+    if prompts_file:
+        prompts = load_prompts(prompts_file)  # fail before the model loads
+        if S.WARMUP_NAME not in warmups:
+            logger.warning(
+                "%s %s is ignored without --warmups %s", PROMPTS_FLAG, prompts_file, S.WARMUP_NAME
+            )
+        else:
+            logger.info("%s %s: %d prompts", PROMPTS_FLAG, prompts_file, len(prompts))
+    settings: Dict[str, Any] = {"enable": bool(enable), "warmup_prompts_file": prompts_file}
+    if not enable:
+        return settings
+
+    def refuse(flag: str, why: str = "") -> None:
+        raise ValueError(f"{ENABLE_FLAG} cannot be combined with {flag}{why}; drop one of them")
+
+    if server_args.disable_radix_cache:
+        refuse("--disable-radix-cache", " (it is a radix prefix cache)")
+    backend = server_args.radix_cache_backend
+    if backend not in (None, "", S.BACKEND_NAME):
+        refuse(f"--radix-cache-backend {backend}", f" (it selects --radix-cache-backend {S.BACKEND_NAME})")
+    checks = [
+        ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
+        ("enable_session_radix_cache", "--enable-session-radix-cache"),
+        ("enable_streaming_session", "--enable-streaming-session"),
+        ("enable_unified_memory", "--enable-unified-memory"),
+        ("enable_lmcache", "--enable-lmcache"),
+        ("enable_int8_mamba_checkpoint", "--enable-int8-mamba-checkpoint"),
+        ("enable_linear_replayssm", "--enable-linear-replayssm"),
+        ("enable_linear_replayssm_spec", "--enable-linear-replayssm-spec"),
+    ]
+    for field, flag in checks:
+        if getattr(server_args, field, False):
+            refuse(flag, " (it needs SGLang's own UnifiedRadixCache or pool)")
+    if getattr(server_args, "radix_eviction_policy", None) == "tlru":
+        refuse("--radix-eviction-policy tlru", " (it needs SGLang's own UnifiedRadixCache)")
+    strategy = server_args.mamba_radix_cache_strategy
+    if strategy == "extra_buffer_lazy":
+        refuse("--mamba-radix-cache-strategy extra_buffer_lazy", "; use extra_buffer or no_buffer")
+    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
+        refuse(f"--disaggregation-mode {server_args.disaggregation_mode}", " (not implemented)")
+
+    server_args.radix_cache_backend = S.BACKEND_NAME
+    if strategy == "auto":
+        server_args.mamba_radix_cache_strategy = "extra_buffer"
+    if (server_args.device == "cpu" or server_args.mamba_radix_cache_strategy == "no_buffer") and (
+        not server_args.disable_overlap_schedule
+    ):
+        server_args.disable_overlap_schedule = True
+        logger.info("%s: overlap scheduling off (CPU or no_buffer)", ENABLE_FLAG)
+    settings["strategy"] = server_args.mamba_radix_cache_strategy
+    return settings
+
+
+def from_cli_args_after(result, cls, args, *rest, **kwargs):
+    """AFTER hook on the classmethod ``ServerArgs.from_cli_args(namespace)``."""
+    enable = bool(getattr(args, "enable_mamba_radix", False))
+    prompts_file = getattr(args, "warmup_prompts_file", None)
+    settings = apply_flags(result, enable, prompts_file)
+    setattr(result, S.SETTINGS_ATTR, settings)
+    S.remember(settings)
+    return result
+
+
+# -- resolution-time checks --------------------------------------------------------------
+
+
+def backend_writes_track_states(hf_config) -> bool:
+    """Whether the model's registered linear-attention backend declares
+    ``writes_mamba_track_states = True`` (it writes SGLang's extra_buffer checkpoints
+    itself, on any device)."""
+    from sglang.srt.configs.linear_attn_model_registry import get_linear_attn_spec
+
+    spec = get_linear_attn_spec(hf_config)
+    name = getattr(spec, "backend_class_name", None) if spec is not None else None
+    if not name:
+        return False
+    try:
+        backend_cls = pkgutil.resolve_name(name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return bool(getattr(backend_cls, "writes_mamba_track_states", False))
+
+
+def _ours(server_args_or_view) -> bool:
+    return getattr(server_args_or_view, "radix_cache_backend", None) == S.BACKEND_NAME
+
+
+def validate_mamba_extra_buffer_around(original, view, hf_config, *args, **kwargs):
+    """AROUND hook on ``arg_groups.mamba_hook.validate_mamba_extra_buffer``."""
+    if not _ours(view):
+        return original(view, hf_config, *args, **kwargs)
+    if backend_writes_track_states(hf_config):
+        interval = view.mamba_track_interval
+        drafts = getattr(view, "speculative_num_draft_tokens", None)
+        if drafts is not None and interval < drafts:
+            raise ValueError(
+                f"--mamba-track-interval ({interval}) must be >= --speculative-num-draft-tokens ({drafts})"
+            )
+        page = getattr(view, "page_size", None)
+        if page is not None and interval % page:
+            raise ValueError(f"--mamba-track-interval ({interval}) must be a multiple of --page-size ({page})")
+        return None
+    try:
+        return original(view, hf_config, *args, **kwargs)
+    except AssertionError as exc:
+        raise ValueError(
+            f"{ENABLE_FLAG} tracks SSM checkpoints with SGLang's extra_buffer pipeline "
+            f"(--mamba-radix-cache-strategy extra_buffer), which SGLang refuses here: {exc}. "
+            "Pass --mamba-radix-cache-strategy no_buffer to cache without ping-pong checkpoints."
+        ) from exc
+
+
+def handle_mamba_radix_cache_around(original, server_args, hf_config, *args, **kwargs):
+    """AROUND hook on ``arg_groups.model_hook.handle_mamba_radix_cache``."""
+    if not _ours(server_args):
+        return original(server_args, hf_config, *args, **kwargs)
+    arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    message = (
+        f"{ENABLE_FLAG} needs a hybrid model with linear-attention / SSM layers; {arch} has "
+        f"none (drop {ENABLE_FLAG})"
+    )
+    try:
+        result = original(server_args, hf_config, *args, **kwargs)
+    except ValueError as exc:
+        if "needs mamba state" in str(exc):
+            raise ValueError(message) from exc
+        raise
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    if not resolved_view(server_args).uses_mamba_radix_cache:
+        raise ValueError(message)
+    return result

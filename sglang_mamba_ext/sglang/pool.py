@@ -1,0 +1,289 @@
+"""The hybrid request pool SGLang 0.5.23 builds under ``--enable-mamba-radix``.
+
+:class:`MambaRadixReqToTokenPool` subclasses SGLang's ``HybridReqToTokenPool``
+(``mem_cache/memory_pool.py``), so every ``isinstance`` gate (deferred COW in
+``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear``, ``ensure_mamba_capacity``, the
+linear-attention backends) keeps working, and keeps SGLang's ``MambaPool`` (the state tensors
+the backends index). The bookkeeping — rows, working SSM slots, ping-pong checkpoint slots,
+the free lists — is the core's (:class:`sglang_mamba_ext.mem_cache.HybridReqToTokenPool` over
+the same ``req_to_token`` and mapping tensors, :class:`sglang_mamba_ext.mem_cache.MambaPool`
+over the same state tensors); ``mamba_allocator`` is a facade over the core's free list with
+SGLang's ``MambaSlotAllocator`` API (``mem_cache/allocator/mamba.py``). One free list per
+resource, owned by the core.
+
+Built by the AROUND hook on ``KVCacheConfigurator._build_hybrid_req_pool`` (see
+:func:`build_hybrid_req_pool_around`), which lets SGLang compute the constructor arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import List, Optional
+
+import torch
+
+from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+from sglang_mamba_ext.mem_cache import HybridReqToTokenPool as CoreReqToTokenPool
+from sglang_mamba_ext.mem_cache import MambaPool as CoreMambaPool
+from sglang_mamba_ext.sglang import req_bridge
+
+logger = logging.getLogger(__name__)
+
+#: Ping-pong entries per request when tracking (seed §3.4: 1 working + 2 checkpoint slots).
+TRACK_SLOTS = 2
+
+
+class SGLangStateMambaPool(CoreMambaPool):
+    """The core's slot bookkeeping over SGLang's ``MambaPool`` tensors.
+
+    ``conv_state`` / ``temporal_state`` are SGLang's ``mamba_cache.conv[0]`` /
+    ``mamba_cache.temporal`` (``[L, size + 1, ...]``; slot 0 is the padding slot in both).
+    State copies and clears go through SGLang's ``MambaPool.copy_from`` / ``clear_slots``,
+    which also cover extra conv tensors and side states a model may register.
+    """
+
+    def __init__(self, sglang_mamba_pool, size: int):
+        cache = sglang_mamba_pool.mamba_cache
+        conv = cache.conv[0]
+        temporal = cache.temporal
+        super().__init__(
+            size,
+            conv.shape[0],
+            tuple(conv.shape[2:]),
+            tuple(temporal.shape[2:]),
+            dtype=temporal.dtype,
+            conv_dtype=conv.dtype,
+            device=conv.device,
+            conv_state=conv,
+            temporal_state=temporal,
+        )
+        self.sglang_mamba_pool = sglang_mamba_pool
+
+    def copy_from(self, src_slots, dst_slots) -> None:
+        src = torch.as_tensor(src_slots, dtype=torch.int64, device=self.device).reshape(-1)
+        dst = torch.as_tensor(dst_slots, dtype=torch.int64, device=self.device).reshape(-1)
+        if src.numel() != dst.numel():
+            raise ValueError(f"copy_from: {src.numel()} sources for {dst.numel()} destinations")
+        if src.numel():
+            self.sglang_mamba_pool.copy_from(src, dst)
+
+    def clear(self, slots) -> None:
+        idx = torch.as_tensor(slots, dtype=torch.int64, device=self.device).reshape(-1)
+        if idx.numel():
+            self.sglang_mamba_pool.clear_slots(idx)
+
+
+class MambaSlotAllocatorFacade:
+    """SGLang's ``MambaSlotAllocator`` API over the core pool's free list.
+
+    ``alloc(n)`` returns an int64 tensor ``[n]`` of slots or ``None``; ``free(t)`` takes a
+    tensor of slots; sizes are in slots. ``alloc_group_begin/end`` (SGLang pre-takes slots
+    for the copy-on-write allocations of one scheduling round) are no-ops: the core's
+    allocation is a Python list pop, so there is nothing to amortize.
+    """
+
+    def __init__(self, core_pool: CoreMambaPool):
+        self._pool = core_pool
+        self.size = core_pool.size
+        self.device = core_pool.device
+
+    def available_size(self) -> int:
+        return self._pool.available_size()
+
+    def schedulable_available_size(self) -> int:
+        return self._pool.available_size()
+
+    def alloc_group_begin(self, num_reqs: int) -> None:
+        return None
+
+    def alloc_group_end(self) -> None:
+        return None
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        return self._pool.alloc(need_size)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index is None or free_index.numel() == 0:
+            return
+        self._pool.free(free_index)
+
+    @property
+    def free_slots(self) -> torch.Tensor:
+        return torch.tensor(self._pool.free_slots(), dtype=torch.int64, device=self.device)
+
+    def clear(self) -> None:
+        self._pool.clear_all()
+
+
+class MambaRadixReqToTokenPool(HybridReqToTokenPool):
+    """SGLang's hybrid request pool with the core's bookkeeping (module docstring).
+
+    Takes exactly ``HybridReqToTokenPool``'s keyword arguments. With
+    ``enable_mamba_extra_buffer`` every request gets two ping-pong checkpoint slots (with or
+    without overlap scheduling); otherwise none (SGLang's ``no_buffer``).
+
+    Raises:
+        ValueError: for pool features the core does not implement
+            (``--mamba-radix-cache-strategy extra_buffer_lazy``, ``--enable-linear-replayssm``,
+            ``--enable-linear-replayssm-spec``, ``--enable-int8-mamba-checkpoint``).
+    """
+
+    def __init__(self, **kwargs):
+        unsupported = {
+            "enable_mamba_extra_buffer_lazy": "--mamba-radix-cache-strategy extra_buffer_lazy",
+            "enable_linear_replayssm": "--enable-linear-replayssm",
+            "enable_linear_replayssm_spec": "--enable-linear-replayssm-spec",
+        }
+        for key, flag in unsupported.items():
+            if kwargs.get(key):
+                raise ValueError(f"--enable-mamba-radix does not support {flag}; drop one of them")
+        super().__init__(**kwargs)
+        if self.mamba_ckpt_pool is not None:
+            raise ValueError(
+                "--enable-mamba-radix does not support --enable-int8-mamba-checkpoint; drop one of them"
+            )
+        tracking = bool(self.enable_mamba_extra_buffer)
+        self.mamba_ping_pong_track_buffer_size = TRACK_SLOTS
+        self.mamba_initial_tracking_slots = TRACK_SLOTS if tracking else 0
+        ping_pong_map = None
+        if tracking:
+            # SGLang sizes this map with 1 column without overlap scheduling; the core
+            # always keeps two checkpoints (seed §3.4), so rebuild it with two.
+            ping_pong_map = torch.zeros(
+                (self.req_to_token.shape[0], TRACK_SLOTS), dtype=torch.int64, device=self.device
+            )
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping = ping_pong_map
+        self.core_mamba_pool = SGLangStateMambaPool(self.mamba_pool, kwargs["mamba_size"])
+        self.core = CoreReqToTokenPool(
+            self.size,
+            self.max_context_len,
+            self.core_mamba_pool,
+            track_slots_per_req=TRACK_SLOTS if tracking else 0,
+            device=self.device,
+            req_to_token=self.req_to_token,
+            req_index_to_mamba_index_mapping=self.req_index_to_mamba_index_mapping,
+            req_index_to_mamba_ping_pong_track_buffer_mapping=ping_pong_map,
+        )
+        self.mamba_allocator = MambaSlotAllocatorFacade(self.core_mamba_pool)
+
+    # -- rows: the core's free list ---------------------------------------------------
+    @property
+    def free_slots(self) -> List[int]:
+        """Free rows (a copy of the core's list; SGLang's leak check reads its length)."""
+        return self.core.free_row_ids()
+
+    @free_slots.setter
+    def free_slots(self, value) -> None:
+        # ReqToTokenPool.__init__ assigns the initial list before the core exists.
+        if "core" in self.__dict__:
+            raise AttributeError(
+                "MambaRadixReqToTokenPool: rows are owned by the core pool; use alloc/free"
+            )
+
+    def available_size(self) -> int:
+        return self.core.available_size()
+
+    def _rows_taken(self, rows: List[int]) -> None:
+        if rows:
+            self.req_generation[rows] += 1
+            if self._on_alloc_rows is not None:
+                self._on_alloc_rows(rows)
+
+    def alloc_rows(self, need_size: int) -> Optional[List[int]]:
+        rows = self.core.alloc_rows(need_size)
+        if rows is not None:
+            self._rows_taken(rows)
+        return rows
+
+    def free_rows(self, indices: List[int]) -> None:
+        if self._aux_cache is not None:
+            for index in indices:
+                self._aux_cache.free(index)
+        self.core.free_rows(indices)
+
+    def alloc(self, reqs) -> Optional[List[int]]:
+        """Rows, working SSM slots and ping-pong slots for the requests without a row (a
+        continuing chunked request keeps its own); all or nothing."""
+        fresh = [r for r in reqs if not r.kv.holds_kv]
+        if fresh:
+            creqs = [req_bridge.pull(r) for r in fresh]
+            rows = self.core.alloc(creqs)
+            if rows is None:
+                return None
+            for r, c in zip(fresh, creqs):
+                r.kv.req_pool_idx = c.req_pool_idx
+                req_bridge.push_mamba(r, c, self.device)
+                req_bridge.push_track_buffer(r, c, self.device, fresh=True)
+            self._rows_taken(rows)
+        return [r.kv.req_pool_idx for r in reqs]
+
+    def free(self, req) -> None:
+        """Release the request's row (and any SSM slot it still holds)."""
+        creq = req_bridge.pull(req)
+        held_mamba = creq.mamba_pool_idx is not None or bool(creq.mamba_ping_pong_track_buffer)
+        if self._aux_cache is not None and creq.req_pool_idx is not None:
+            self._aux_cache.free(creq.req_pool_idx)
+        self.core.free(creq)
+        req.kv.req_pool_idx = None
+        if held_mamba:
+            req_bridge.push_mamba_released(req)
+
+    def free_mamba_cache(self, req, mamba_ping_pong_track_buffer_to_keep: Optional[int] = None) -> None:
+        """Free the request's working and ping-pong SSM slots except ping-pong entry
+        ``mamba_ping_pong_track_buffer_to_keep`` (SGLang's signature)."""
+        creq = req_bridge.pull(req)
+        keep = None
+        if mamba_ping_pong_track_buffer_to_keep is not None and creq.mamba_ping_pong_track_buffer:
+            slot = creq.mamba_ping_pong_track_buffer[mamba_ping_pong_track_buffer_to_keep]
+            keep = slot if slot >= 0 else None
+        self.core.free_mamba_slots(creq, keep_slot=keep)
+        req_bridge.push_mamba_released(req)
+
+    def clear(self) -> None:
+        """Server flush: every row and SSM slot back to the free lists (the tree was reset
+        just before, ``Scheduler.flush_cache``)."""
+        logger.info("Reset MambaRadixReqToTokenPool")
+        if self._aux_cache is not None:
+            self._aux_cache.clear()
+        self.mamba_allocator.clear()
+        self.short_conv_pool.clear()
+        self.ngram_pool.clear()
+        self.core.clear()
+
+
+@contextlib.contextmanager
+def _build_with(module, cls):
+    """Make ``module.HybridReqToTokenPool`` name ``cls`` while SGLang builds the pool."""
+    original = module.HybridReqToTokenPool
+    module.HybridReqToTokenPool = cls
+    try:
+        yield
+    finally:
+        module.HybridReqToTokenPool = original
+
+
+def build_hybrid_req_pool_around(original, configurator, **kwargs):
+    """AROUND hook on ``KVCacheConfigurator._build_hybrid_req_pool``: under
+    ``--enable-mamba-radix`` (``radix_cache_backend == "mamba_radix_ext"``) SGLang's own
+    method builds a :class:`MambaRadixReqToTokenPool` with the arguments it computes;
+    otherwise it runs unchanged."""
+    from sglang.srt.mem_cache import kv_cache_configurator
+    from sglang.srt.runtime_context import get_memory
+
+    from sglang_mamba_ext.sglang.settings import BACKEND_NAME
+
+    if get_memory().radix_cache_backend != BACKEND_NAME:
+        return original(configurator, **kwargs)
+    with _build_with(kv_cache_configurator, MambaRadixReqToTokenPool):
+        pool = original(configurator, **kwargs)
+    if not isinstance(pool, MambaRadixReqToTokenPool):
+        raise RuntimeError("--enable-mamba-radix: SGLang did not build the hybrid request pool through the hook")
+    logger.info(
+        "sglang-mamba-ext: hybrid request pool: %d rows, %d SSM slots, %d ping-pong slots per request",
+        pool.size,
+        pool.core_mamba_pool.size,
+        pool.mamba_initial_tracking_slots,
+    )
+    return pool

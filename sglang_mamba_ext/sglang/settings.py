@@ -1,0 +1,49 @@
+"""Names shared by the plugin's hooks, and the plugin's settings carried on ``ServerArgs``.
+
+``--enable-mamba-radix`` becomes ``ServerArgs.radix_cache_backend = BACKEND_NAME`` (an
+existing SGLang field: every process reads it as ``get_memory().radix_cache_backend``) plus
+an extra attribute ``ServerArgs._mamba_radix_ext`` (a dict) holding the plugin's own
+settings. ``ServerArgs`` is a msgspec Struct with ``dict=True``: an undeclared underscore
+attribute lives in ``__dict__``, is exempt from the resolution seal and survives the pickling
+that hands ``ServerArgs`` to the scheduler processes (``ServerArgs.__reduce__``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+#: ``--radix-cache-backend`` name under which the adapter's factory is registered.
+BACKEND_NAME = "mamba_radix_ext"
+#: Name of the warmup registered with ``sglang.srt.entrypoints.warmup.warmup``.
+WARMUP_NAME = "kda_cache"
+#: Extra ``ServerArgs`` attribute with the plugin's settings.
+SETTINGS_ATTR = "_mamba_radix_ext"
+
+# Settings of this process's last ``from_cli_args`` (the launcher, which also runs the
+# HTTP server and its warmups); used when ``get_server_args()`` is not published yet.
+_last_settings: Dict[str, Any] = {}
+
+
+def settings_of(server_args) -> Dict[str, Any]:
+    """The plugin's settings dict on a ``ServerArgs`` (empty if none)."""
+    if server_args is None:
+        return {}
+    return dict(getattr(server_args, "__dict__", {}).get(SETTINGS_ATTR, {}) or {})
+
+
+def current_settings() -> Dict[str, Any]:
+    """The plugin's settings in this process: from the published ``ServerArgs``
+    (``sglang.srt.runtime_context.get_server_args``), else from this process's last
+    ``from_cli_args``."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        found = settings_of(get_server_args())
+    except Exception:  # not published in this process
+        found = {}
+    return found or dict(_last_settings)
+
+
+def remember(settings: Dict[str, Any]) -> None:
+    _last_settings.clear()
+    _last_settings.update(settings)

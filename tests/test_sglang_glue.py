@@ -1,0 +1,495 @@
+"""The SGLang glue on CPU against real SGLang 0.5.23 objects (no server).
+
+- the plugin's flags parse and survive the pickling that hands ``ServerArgs`` to a
+  scheduler, which then resolves them (strategy, backend, settings);
+- bad combinations and a bad ``--warmups kda_cache`` set-up fail with messages naming flags;
+- ``create_tree_cache`` returns the plugin's cache with the flag and SGLang's own without;
+- the hybrid request pool is built through the hook on ``device="cpu"``, subclasses
+  SGLang's, shares SGLang's tensors and has one free list per resource;
+- a request lifecycle driven through SGLang's own functions (``Req.init_next_round_input``
+  → ``match_kv_cache``, ``alloc_req_slots``, ``ScheduleBatch``'s deferred COW collection,
+  ``ModelRunner``'s deferred COW execution, SGLang's extra_buffer track bookkeeping,
+  ``checkpoint_kv_cache``, ``release_kv_cache``) leaves the right states in the tree and no
+  leak, including an abort before allocation, a retraction and eviction under pressure.
+"""
+
+import contextlib
+import json
+import os
+import tempfile
+import unittest
+from types import SimpleNamespace
+
+import torch
+
+import sglang_glue_fixtures as F
+
+INTERVAL = 16  # --mamba-track-interval of these tests
+KV_SIZE = 512
+MAMBA_SIZE = 16
+
+
+def state_value(tokens) -> float:
+    """The fake model's state after ``tokens``: an exact float32 summary of the sequence."""
+    h = 0
+    for t in tokens:
+        h = (h * 31 + int(t) + 1) % 1_000_003
+    return float(h * 8 + len(tokens) % 8)
+
+
+class _Harness:
+    """A scheduler stand-in calling SGLang's own functions on the plugin's pool and cache;
+    the "forward" writes :func:`state_value` into SGLang's Mamba pool tensors."""
+
+    def __init__(self, test, pool, cache, allocator):
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.allocation import alloc_token_slots
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        self.alloc_token_slots = alloc_token_slots
+
+        self.t = test
+        self.pool = pool
+        self.cache = cache
+        self.allocator = allocator
+        self.ScheduleBatch = ScheduleBatch
+        self.ModelRunner = ModelRunner
+        self.conv = pool.mamba_pool.mamba_cache.conv[0]
+        self.temporal = pool.mamba_pool.mamba_cache.temporal
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(F.tiny_model_dir())
+        self.batch = SimpleNamespace(
+            model_config=SimpleNamespace(hf_text_config=hf),
+            tree_cache=cache,
+            req_to_token_pool=pool,
+        )
+
+    # -- state I/O ----------------------------------------------------------------------
+    def write_state(self, slot, tokens):
+        v = state_value(tokens)
+        self.conv[:, slot] = v
+        self.temporal[:, slot] = v
+
+    def state_of(self, slot) -> float:
+        return float(self.temporal[0, slot].reshape(-1)[0])
+
+    # -- scheduler steps -----------------------------------------------------------------
+    def admit(self, req):
+        from sglang.srt.mem_cache.allocation import alloc_req_slots
+
+        req.init_next_round_input(self.cache)
+        req.lock = self.cache.lock(req.last_node)
+        alloc_req_slots(self.pool, [req], self.cache)
+
+    def forward_extend(self, req, end):
+        """One prefill chunk ``[prefix_len, end)``: KV slots, the deferred COW / clear as
+        SGLang runs it, SGLang's track decision, then the fake forward."""
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+        row = req.kv.req_pool_idx
+        start = req.prefix_len
+        req.extend_end = end
+        kv = self.alloc_token_slots(self.cache, end - start)  # evicts if short
+        self.pool.req_to_token[row, start:end] = kv.to(torch.int32)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+        # ScheduleBatch.prepare_for_extend: track decision (extra_buffer), then COW/clear
+        # collection.
+        entry = None
+        if self.pool.enable_mamba_extra_buffer:
+            entry = self.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend(self.batch, req)
+        cow = SimpleNamespace()
+        self.ScheduleBatch._collect_deferred_mamba_cow_and_clear(cow, [req])
+        fb = SimpleNamespace(
+            forward_mode=SimpleNamespace(
+                is_extend=lambda: True, is_target_verify=lambda: False, is_draft_extend_v2=lambda: False
+            ),
+            mamba_clear_indices=cow.mamba_clear_indices,
+            mamba_cow_src_indices=cow.mamba_cow_src_indices,
+            mamba_cow_dst_indices=cow.mamba_cow_dst_indices,
+        )
+        runner = SimpleNamespace(req_to_token_pool=self.pool, is_draft_worker=False)
+        self.ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(runner, fb)
+        tokens = list(req.full_untruncated_fill_ids)
+        work = int(req.kv.mamba_pool_idx)
+        want = state_value(tokens[:start]) if start > 0 else 0.0
+        self.t.assertEqual(self.state_of(work), want, f"{req.rid}: working state before the chunk")
+        if entry is not None and entry.track_mask:
+            slot = int(req.kv.mamba_ping_pong_track_buffer[entry.track_position])
+            self.write_state(slot, tokens[: req.kv.mamba_last_track_seqlen])
+        self.write_state(work, tokens[:end])
+        if end < len(req.origin_input_ids) or not req.finished():
+            checkpoint_kv_cache(req, self.cache)
+
+    def prefill(self, req, chunk=32):
+        while req.prefix_len < len(req.origin_input_ids):
+            self.forward_extend(req, min(req.prefix_len + chunk, len(req.origin_input_ids)))
+
+    def decode(self, req, new_tokens):
+        """Decode steps as SGLang runs them with extra_buffer: the first token comes from
+        the prefill; each step allocates KV, advances the state and, at a
+        ``--mamba-track-interval`` boundary, writes the ping-pong checkpoint and records it
+        the way ``_handle_finish_state_updated_req`` does."""
+        row = req.kv.req_pool_idx
+        for i, tok in enumerate(new_tokens):
+            req.output_ids.append(tok)
+            if i == len(new_tokens) - 1:
+                break
+            pos = req.kv.kv_committed_len
+            kv = self.alloc_token_slots(self.cache, 1)
+            self.pool.req_to_token[row, pos] = kv.to(torch.int32)
+            req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + 1
+            req.refresh_fill_ids()
+            tokens = list(req.full_untruncated_fill_ids)[: pos + 1]
+            self.write_state(int(req.kv.mamba_pool_idx), tokens)
+            if req.kv.mamba_ping_pong_track_buffer is not None and (pos + 1) % INTERVAL == 0:
+                nxt = req.kv.mamba_next_track_idx
+                self.write_state(int(req.kv.mamba_ping_pong_track_buffer[nxt]), tokens)
+                req.kv.mamba_prev_track_seqlen = req.kv.mamba_last_track_seqlen
+                req.kv.mamba_last_track_idx = nxt
+                req.kv.mamba_last_track_seqlen = pos + 1
+                req.kv.mamba_next_track_idx = 1 - nxt
+
+    def finish(self, req):
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        req.finished_reason = FINISH_LENGTH(len(req.output_ids))
+        release_kv_cache(req, self.cache, checkpoint=True)
+
+    # -- checks --------------------------------------------------------------------------
+    def check_tree_states(self):
+        """Every node's SSM slot holds the state of exactly its root-to-node tokens."""
+        stack = [(self.cache.root_node, [])]
+        n = 0
+        while stack:
+            node, path = stack.pop()
+            for child in node.children.values():
+                full = path + list(child.key)
+                if child.mamba_value is not None:
+                    self.t.assertEqual(self.state_of(child.mamba_value), state_value(full), f"node at {len(full)}")
+                    n += 1
+                stack.append((child, full))
+        return n
+
+    def check_idle(self):
+        """SGLang's idle invariants (``invariant_checker``) plus the core's exact checks."""
+        c = self.cache
+        self.t.assertEqual(c.full_protected_size(), 0)
+        self.t.assertEqual(c.mamba_protected_size(), 0)
+        self.t.assertEqual(self.allocator.available_size() + c.full_evictable_size(), self.allocator.size)
+        self.t.assertEqual(
+            self.pool.mamba_allocator.available_size() + c.mamba_evictable_size(), self.pool.mamba_pool.size
+        )
+        self.t.assertEqual(len(self.pool.free_slots), self.pool.size)
+        c.sanity_check()
+        self.t.assertEqual(
+            sorted(self.pool.mamba_allocator.free_slots.tolist() + c.all_mamba_values_flatten().tolist()),
+            list(range(1, self.pool.mamba_pool.size + 1)),
+        )
+
+
+class _ContextTest(unittest.TestCase):
+    ARGV = (
+        "--enable-mamba-radix", "--mamba-track-interval", str(INTERVAL), "--chunked-prefill-size", "32",
+        "--max-mamba-cache-size", str(MAMBA_SIZE),
+    )
+
+    @classmethod
+    def setUpClass(cls):
+        cls.ctx, cls.server_args = F.scheduler_context(F.base_argv(*cls.ARGV))
+
+    def setUp(self):
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(F.in_context(self.ctx))
+        self.addCleanup(self._stack.close)
+
+
+class TestFlags(unittest.TestCase):
+    def test_flags_reach_scheduler_side_server_args(self):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(["You are a helpful assistant."], f)
+        self.addCleanup(os.unlink, f.name)
+        ctx, sa = F.scheduler_context(
+            F.base_argv("--enable-mamba-radix", "--warmups", "kda_cache", "--warmup-prompts-file", f.name)
+        )
+        from sglang.srt.runtime_context import get_exec, get_memory, get_schedule
+
+        from sglang_mamba_ext.sglang.settings import current_settings
+
+        self.assertEqual(sa.radix_cache_backend, "mamba_radix_ext")
+        with F.in_context(ctx):
+            self.assertEqual(get_memory().radix_cache_backend, "mamba_radix_ext")
+            self.assertTrue(get_exec().mamba.enable_mamba_extra_buffer)  # CPU refusal lifted
+            self.assertTrue(get_schedule().disable_overlap_schedule)
+            settings = current_settings()
+        self.assertEqual(settings["warmup_prompts_file"], f.name)
+        self.assertTrue(settings["enable"])
+
+    def test_flag_off_changes_nothing(self):
+        sa = F.parse_args(F.base_argv())
+        self.assertIsNone(sa.radix_cache_backend)
+        self.assertEqual(sa.mamba_radix_cache_strategy, "auto")
+        self.assertFalse(sa.__dict__["_mamba_radix_ext"]["enable"])
+
+    def test_user_strategy_wins(self):
+        ctx, sa = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--mamba-radix-cache-strategy", "no_buffer"))
+        from sglang.srt.runtime_context import get_exec
+
+        with F.in_context(ctx):
+            self.assertFalse(get_exec().mamba.enable_mamba_extra_buffer)
+
+    def test_bad_combinations_name_the_flags(self):
+        cases = [
+            (["--enable-mamba-radix", "--disable-radix-cache"], "--disable-radix-cache"),
+            (["--enable-mamba-radix", "--radix-cache-backend", "other"], "--radix-cache-backend other"),
+            (["--enable-mamba-radix", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+            (["--enable-mamba-radix", "--mamba-radix-cache-strategy", "extra_buffer_lazy"], "extra_buffer_lazy"),
+            (["--warmups", "kda_cache"], "--warmup-prompts-file"),
+        ]
+        for extra, needle in cases:
+            with self.subTest(extra=extra):
+                with self.assertRaises(ValueError) as cm:
+                    F.parse_args(F.base_argv(*extra))
+                self.assertIn(needle, str(cm.exception))
+                if "--enable-mamba-radix" in extra:
+                    self.assertIn("--enable-mamba-radix", str(cm.exception))
+
+    def test_bad_prompts_file_fails_at_parsing(self):
+        with self.assertRaises(ValueError) as cm:
+            F.parse_args(F.base_argv("--warmups", "kda_cache", "--warmup-prompts-file", "/nonexistent/p.json"))
+        self.assertIn("/nonexistent/p.json", str(cm.exception))
+
+    def test_non_hybrid_model_is_refused(self):
+        d = tempfile.TemporaryDirectory()
+        self.addCleanup(d.cleanup)
+        cfg = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
+            "torch_dtype": "float32",
+        }
+        with open(os.path.join(d.name, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        with self.assertRaises(ValueError) as cm:
+            F.scheduler_context(["--model-path", d.name, "--device", "cpu", "--enable-mamba-radix"])
+        self.assertIn("--enable-mamba-radix needs a hybrid model", str(cm.exception))
+
+
+class TestPoolAndCacheCreation(_ContextTest):
+    def test_pool_built_through_hook(self):
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+        from sglang_mamba_ext.sglang.pool import MambaRadixReqToTokenPool
+
+        pool = F.build_req_pool(max_num_reqs=4)
+        self.assertIsInstance(pool, MambaRadixReqToTokenPool)
+        self.assertIsInstance(pool, HybridReqToTokenPool)
+        self.assertEqual(pool.req_to_token.device.type, "cpu")
+        # One set of tensors: the core reads SGLang's maps and state tensors.
+        self.assertIs(pool.core.req_to_token, pool.req_to_token)
+        self.assertIs(pool.core.req_index_to_mamba_index_mapping, pool.req_index_to_mamba_index_mapping)
+        self.assertIs(pool.core_mamba_pool.conv_state, pool.mamba_pool.mamba_cache.conv[0])
+        self.assertIs(pool.core_mamba_pool.temporal_state, pool.mamba_pool.mamba_cache.temporal)
+        self.assertEqual(pool.mamba_initial_tracking_slots, 2)
+        # One free list: a slot taken through SGLang's allocator API is gone from the core.
+        a = pool.mamba_allocator
+        self.assertEqual(a.available_size(), 16)
+        got = a.alloc(3)
+        self.assertEqual(got.dtype, torch.int64)
+        self.assertEqual(pool.core_mamba_pool.available_size(), 13)
+        self.assertNotIn(int(got[0]), a.free_slots.tolist())
+        a.free(got)
+        self.assertEqual(pool.core_mamba_pool.available_size(), 16)
+        self.assertEqual(pool.available_size(), 4)
+        self.assertEqual(len(pool.free_slots), 4)
+        rows = pool.alloc_rows(2)
+        self.assertEqual(pool.available_size(), 2)
+        pool.free_rows(rows)
+        self.assertEqual(pool.available_size(), 4)
+        # The padding row maps to the padding SSM slot.
+        self.assertEqual(int(pool.req_index_to_mamba_index_mapping[0]), 0)
+
+    def test_create_tree_cache_returns_ours(self):
+        from sglang_mamba_ext.sglang.cache import MambaRadixCacheAdapter
+
+        pool = F.build_req_pool()
+        cache, _ = F.build_tree_cache(pool, KV_SIZE)
+        self.assertIsInstance(cache, MambaRadixCacheAdapter)
+        self.assertTrue(cache.supports_mamba())
+        self.assertEqual(cache.core.finish_state, "working")  # overlap off on CPU
+
+    def test_flag_off_gives_sglang_cache_and_pool(self):
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        from sglang_mamba_ext.sglang.pool import MambaRadixReqToTokenPool
+
+        ctx, _ = F.scheduler_context(F.base_argv("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"))
+        with F.in_context(ctx):
+            pool = F.build_req_pool()
+            self.assertIs(type(pool), HybridReqToTokenPool)
+            self.assertNotIsInstance(pool, MambaRadixReqToTokenPool)
+            cache, _ = F.build_tree_cache(pool, KV_SIZE)
+            self.assertIsInstance(cache, UnifiedRadixCache)
+
+
+class TestLifecycle(_ContextTest):
+    def setUp(self):
+        super().setUp()
+        self.pool = F.build_req_pool(max_num_reqs=4)
+        self.cache, self.allocator = F.build_tree_cache(self.pool, KV_SIZE)
+        self.h = _Harness(self, self.pool, self.cache, self.allocator)
+
+    def test_chunked_prefill_decode_finish_then_hit(self):
+        h = self.h
+        prompt = list(range(10, 50))  # 40 tokens: chunks of 32 + 8
+        a = F.make_req("a", prompt)
+        h.admit(a)
+        self.assertEqual(a.prefix_len, 0)
+        self.assertEqual(len(a.kv.mamba_ping_pong_track_buffer), 2)
+        h.prefill(a)
+        # The first chunk's checkpoint (at 32) and the prompt's (at 40) are in the tree.
+        self.assertEqual(a.kv.cache_protected_len, 40)
+        outs = list(range(300, 310))
+        h.decode(a, outs)  # committed 40 + 9 = 49: a decode checkpoint at 48
+        self.assertEqual(a.kv.mamba_last_track_seqlen, 48)
+        h.finish(a)
+        self.assertIsNone(a.kv.req_pool_idx)
+        self.assertIsNone(a.kv.mamba_pool_idx)
+        self.assertGreaterEqual(h.check_tree_states(), 3)
+        h.check_idle()
+
+        # Same prompt + more: hits the finished sequence's state (49 tokens) by COW.
+        b = F.make_req("b", prompt + outs[:9] + [7, 8, 9])
+        h.admit(b)
+        self.assertEqual(b.prefix_len, 49)
+        src = int(b.kv.mamba_cow_src_index[0])
+        self.assertEqual(h.state_of(src), state_value(prompt + outs[:9]))
+        h.prefill(b)  # checks the working state == the COW'd prefix state first
+        self.assertEqual(h.state_of(src), state_value(prompt + outs[:9]))  # tree slot untouched
+        h.decode(b, [1, 2, 3])
+        h.finish(b)
+        h.check_tree_states()
+        h.check_idle()
+
+    def test_namespaces_never_share(self):
+        h = self.h
+        prompt = list(range(60, 100))
+        a = F.make_req("a", prompt, cache_salt="tenant-a")
+        h.admit(a)
+        h.prefill(a)
+        h.decode(a, [5, 6])
+        h.finish(a)
+        b = F.make_req("b", prompt + [5, 9], cache_salt="tenant-b")
+        b.init_next_round_input(self.cache)
+        self.assertEqual(b.prefix_len, 0)
+        d = F.make_req("d", prompt + [5, 9])  # no salt: its own namespace too
+        d.init_next_round_input(self.cache)
+        self.assertEqual(d.prefix_len, 0)
+        c = F.make_req("c", prompt + [5, 9], cache_salt="tenant-a")
+        c.init_next_round_input(self.cache)
+        self.assertEqual(c.prefix_len, 41)
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(c, self.cache, checkpoint=False)  # matched (COW slot), never admitted
+        h.check_idle()
+
+    def test_abort_before_alloc_and_retraction_leave_no_leak(self):
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        h = self.h
+        prompt = list(range(100, 140))
+        a = F.make_req("a", prompt)
+        h.admit(a)
+        h.prefill(a)
+        h.decode(a, [9, 9])
+        h.finish(a)
+        # Abort after match_prefix allocated the COW slot, before the pool took it.
+        b = F.make_req("b", prompt + [9, 1])
+        b.init_next_round_input(self.cache)
+        self.assertTrue(b.kv.holds_mamba)
+        release_kv_cache(b, self.cache, checkpoint=False)
+        self.assertIsNone(b.kv.mamba_pool_idx)
+        h.check_idle()
+        # Retraction mid-decode (ScheduleBatch.retract_decode -> release_kv_cache).
+        c = F.make_req("c", prompt + [9, 1, 2, 3])
+        h.admit(c)
+        h.prefill(c)
+        h.decode(c, [4, 5, 6, 7, 8])
+        release_kv_cache(c, self.cache, checkpoint=False)
+        c.reset_for_retract()
+        h.check_idle()
+        h.check_tree_states()
+
+    def test_flush_cache(self):
+        """``Scheduler.flush_cache``: ``tree_cache.reset()``, then the pools' ``clear()``."""
+        h = self.h
+        a = F.make_req("a", list(range(5, 45)))
+        h.admit(a)
+        h.prefill(a)
+        h.decode(a, [1, 2])
+        h.finish(a)
+        self.assertGreater(self.cache.total_size(), 0)
+        self.cache.reset()
+        self.pool.clear()
+        self.allocator.clear()
+        self.assertEqual(self.cache.total_size(), 0)
+        self.assertEqual(self.pool.mamba_allocator.available_size(), MAMBA_SIZE)
+        h.check_idle()
+        b = F.make_req("b", list(range(5, 45)) + [1, 7])
+        h.admit(b)
+        self.assertEqual(b.prefix_len, 0)
+        h.prefill(b)
+        h.finish(b)
+        h.check_idle()
+
+    def test_eviction_under_pressure(self):
+        """More distinct prompts than the pools hold: SSM states and KV are evicted through
+        ``ensure_mamba_capacity`` / ``evict_for_alloc``; every request still runs."""
+        h = self.h
+        for i in range(12):
+            prompt = [700 + i] + list(range(i * 50, i * 50 + 59))  # 12 x 62 tokens > 512 KV slots
+            r = F.make_req(f"r{i}", prompt)
+            h.admit(r)
+            h.prefill(r)
+            h.decode(r, [1, 2, 3])
+            h.finish(r)
+            h.check_idle()
+        self.assertGreater(self.cache.core.evicted_states_total, 0)
+        self.assertGreater(self.cache.core.evicted_tokens_total, 0)
+        self.assertGreater(h.check_tree_states(), 0)
+
+
+class TestLifecycleNoBuffer(_ContextTest):
+    """``--mamba-radix-cache-strategy no_buffer`` (explicit user choice): no ping-pong
+    slots; a chunk checkpoint copies the live state into a fresh slot."""
+
+    ARGV = _ContextTest.ARGV + ("--mamba-radix-cache-strategy", "no_buffer")
+
+    def test_chunked_prefill_finish_hit(self):
+        pool = F.build_req_pool(max_num_reqs=4)
+        self.assertFalse(pool.enable_mamba_extra_buffer)
+        self.assertEqual(pool.mamba_initial_tracking_slots, 0)
+        cache, allocator = F.build_tree_cache(pool, KV_SIZE)
+        h = _Harness(self, pool, cache, allocator)
+        prompt = list(range(10, 50))
+        a = F.make_req("a", prompt)
+        h.admit(a)
+        self.assertIsNone(a.kv.mamba_ping_pong_track_buffer)
+        h.prefill(a)
+        self.assertEqual(a.kv.cache_protected_len, 40)  # chunk end 32, then the prompt end
+        h.decode(a, [1, 2, 3])
+        h.finish(a)
+        self.assertEqual(h.check_tree_states(), 3)  # states at 32, 40 and 42
+        h.check_idle()
+        b = F.make_req("b", prompt + [1, 2, 9])
+        h.admit(b)
+        self.assertEqual(b.prefix_len, 42)
+        h.prefill(b)
+        h.finish(b)
+        h.check_idle()
+
+
+if __name__ == "__main__":
+    unittest.main()

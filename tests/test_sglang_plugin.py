@@ -1,0 +1,64 @@
+"""The plugin as SGLang finds it: the ``sglang.srt.plugins`` entry point of the installed
+package (``pip install -e .``), ``load_plugins()`` in a fresh process, and the flags in
+``python -m sglang.launch_server --help``."""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+from importlib.metadata import entry_points
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class TestEntryPoint(unittest.TestCase):
+    def test_entry_point_is_installed(self):
+        eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "mamba_radix"]
+        self.assertEqual(len(eps), 1, "pip install -e . registers the entry point")
+        self.assertEqual(eps[0].value, "sglang_mamba_ext.sglang.plugin:register")
+
+    def test_load_plugins_in_fresh_process(self):
+        code = (
+            "import json\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+            "load_plugins()\n"
+            "from sglang.srt.mem_cache.registry import get_radix_cache_factory\n"
+            "from sglang.srt.entrypoints.warmup import _warmup_registry\n"
+            "import sglang_mamba_ext.sglang.plugin as p\n"
+            "print(json.dumps({\n"
+            "  'backend': get_radix_cache_factory('mamba_radix_ext') is not None,\n"
+            "  'warmup': 'kda_cache' in _warmup_registry,\n"
+            "  'patched': sorted(t for t in HookRegistry._patched if t in (p.ADD_CLI_ARGS, p.FROM_CLI_ARGS,\n"
+            "      p.VALIDATE_EXTRA_BUFFER, p.HANDLE_MAMBA_RADIX, p.BUILD_HYBRID_REQ_POOL, p.PREPARE_FOR_DECODE)),\n"
+            "  'file': p.__file__}))\n"
+        )
+        env = _env()
+        env["SGLANG_PLUGINS"] = "mamba_radix"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        self.assertTrue(got["backend"])
+        self.assertTrue(got["warmup"])
+        self.assertEqual(len(got["patched"]), 6, got["patched"])
+        self.assertTrue(got["file"].startswith(REPO), got["file"])
+
+    def test_launch_server_help_lists_flags(self):
+        out = subprocess.run(
+            [sys.executable, "-m", "sglang.launch_server", "--help"],
+            capture_output=True, text=True, env=_env(), timeout=300,
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        self.assertIn("--enable-mamba-radix", out.stdout)
+        self.assertIn("--warmup-prompts-file PATH", out.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()

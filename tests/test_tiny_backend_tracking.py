@@ -1,0 +1,94 @@
+"""The tiny backend writes SGLang's extra_buffer ping-pong checkpoints from SGLang's own
+track metadata (``TinyHybridLinearAttnBackend.sglang_track_plan``), as SGLang's GPU backends
+do with their kernels. No server."""
+
+import unittest
+from types import SimpleNamespace
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
+from sglang_mamba_ext.sglang.tiny_hybrid.backend import TinyHybridLinearAttnBackend
+
+
+class _Pool:
+    def __init__(self, slots, shape):
+        self.conv = torch.zeros(slots, *shape.conv_state_shape)
+        self.temporal = torch.zeros(slots, *shape.temporal_state_shape)
+
+    def mamba2_layer_cache(self, layer_id):
+        return SimpleNamespace(conv=[self.conv], temporal=self.temporal)
+
+
+class TestSGLangTrackPlan(unittest.TestCase):
+    def setUp(self):
+        torch.manual_seed(0)
+        self.shape = LinearAttnShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=12, conv_kernel=4)
+        self.mixer = GatedDeltaRuleMixer(32, self.shape, gate_low_rank_dim=8)
+        with torch.no_grad():
+            for p in self.mixer.parameters():
+                p.normal_(0, 0.3)
+        self.pool = _Pool(16, self.shape)
+        self.backend = object.__new__(TinyHybridLinearAttnBackend)
+        self.backend.req_to_token_pool = self.pool
+        self.backend._plan = {}
+        self.layer = SimpleNamespace(layer_id=1, mixer=self.mixer)
+
+    def _md(self, track, qsl=None, slots=None):
+        self.backend.forward_metadata = SimpleNamespace(
+            mamba_track_indices=None if track is None else torch.tensor(track),
+            query_start_loc=None if qsl is None else torch.tensor(qsl, dtype=torch.int32),
+            mamba_cache_indices=None if slots is None else torch.tensor(slots),
+        )
+
+    def test_declares_it_writes_track_states(self):
+        self.assertTrue(TinyHybridLinearAttnBackend.writes_mamba_track_states)
+
+    def test_extend_plan(self):
+        self._md([11, 12, -1])
+        fb = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            mamba_prefill_track_mask_cpu=[True, False, True],
+            mamba_track_aligned_lens=lambda: torch.tensor([8, 0, 16]),
+        )
+        self.assertEqual(self.backend.sglang_track_plan(fb), {0: [(8, 11)]})  # -1: no slot
+
+    def test_decode_plan(self):
+        self._md([3, 4, 5])
+        fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, mamba_track_mask=torch.tensor([False, True, True]))
+        self.assertEqual(self.backend.sglang_track_plan(fb), {1: [(1, 4)], 2: [(1, 5)]})
+
+    def test_no_tracking_no_plan(self):
+        self._md(None)
+        fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, mamba_prefill_track_mask_cpu=[True])
+        self.assertEqual(self.backend.sglang_track_plan(fb), {})
+        self._md([3])
+        fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, mamba_track_mask=None)
+        self.assertEqual(self.backend.sglang_track_plan(fb), {})
+
+    def test_extend_writes_checkpoint_from_metadata(self):
+        x = torch.randn(12, 32)
+        mixed, g, beta = self.mixer.project(x)
+        self._md([9], qsl=[0, 12], slots=[2])
+        fb = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            extend_prefix_lens_cpu=[0],
+            mamba_prefill_track_mask_cpu=[True],
+            mamba_track_aligned_lens=lambda: torch.tensor([8]),
+        )
+        self.backend._plan = self.backend._validated_plan(fb)
+        self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(12, -1), b=beta)
+        # Oracle: the mixer over the first 8 tokens.
+        m8, g8, b8 = self.mixer.project(x[:8])
+        y, conv8 = self.mixer.conv(m8, None)
+        q, k, v = self.mixer.split_qkv(y)
+        _, ssm8 = self.mixer.recurrence(q, k, v, g8, b8, None)
+        torch.testing.assert_close(self.pool.conv[9], conv8)
+        torch.testing.assert_close(self.pool.temporal[9], ssm8, atol=1e-5, rtol=1e-5)
+        self.assertFalse(torch.equal(self.pool.temporal[2], self.pool.temporal[9]))  # working state is at 12
+
+
+if __name__ == "__main__":
+    unittest.main()
