@@ -32,7 +32,10 @@ from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 
 from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
 
-_CAN_TRITON = load_triton_kernels_for_cpu()
+# With SGLang imported in this process, Triton's interpreter cannot be switched on for our
+# kernels alone (SGLang's own Triton modules were set up compiled); on a CPU host the Triton
+# part of these tests runs in a fresh process started with TRITON_INTERPRET=1 instead.
+_CAN_TRITON = (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1") and load_triton_kernels_for_cpu()
 _CAN_TRITON_INPROC = _CAN_TRITON
 SELECT = 'CommitReplayPath'
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

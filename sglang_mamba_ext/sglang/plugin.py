@@ -53,11 +53,14 @@ def install_mamba_radix() -> None:
 def register() -> None:
     """Register this package's SGLang extensions: the tiny hybrid model, CPU-safe
     defaults for flags the user did not pass with ``--device cpu``
-    (:mod:`sglang_mamba_ext.sglang.cpu_defaults`), and the mamba-radix cache
-    (:func:`install_mamba_radix`)."""
+    (:mod:`sglang_mamba_ext.sglang.cpu_defaults`), the mamba-radix cache
+    (:func:`install_mamba_radix`) and the deferred-update speculative verify
+    (``--mamba-spec-state-update``, :mod:`sglang_mamba_ext.sglang.spec`)."""
     from sglang_mamba_ext.sglang.cpu_defaults import install_cpu_defaults
+    from sglang_mamba_ext.sglang.spec import register_spec_hooks
     from sglang_mamba_ext.sglang.tiny_hybrid import register_tiny_hybrid
 
     register_tiny_hybrid()
     install_cpu_defaults()
     install_mamba_radix()
+    register_spec_hooks()

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_mamba_ext.spec.triton_launch import launch_scope
+
 __all__ = ["replay_triton"]
 
 
@@ -212,17 +214,18 @@ def replay_triton(
     BVv = min(BV, triton.next_power_of_2(V))
     has_bias = weights.conv_bias is not None
     cb = weights.conv_bias if has_bias else weights.conv_weight  # dummy pointer
-    _replay_recurrent_kernel[(N * L, HV, triton.cdiv(V, BVv))](
-        mixed_qkv, g_raw, b_raw, *idx,
-        conv_state, *conv_state.stride(),
-        temporal_state, *temporal_state.stride(),
-        weights.conv_weight, cb, weights.A_log, weights.dt_bias,
-        L=L, R=R, A=A, D=D, GD=GD, BD_=b_raw.shape[-1], H=H, HV=HV, K=K, V=V, W=W,
-        BK=BK, BV=BVv, EPS=1e-6, HAS_BIAS=has_bias,
-    )
     BDv = min(BD, triton.next_power_of_2(D))
-    _replay_conv_window_kernel[(N * L, triton.cdiv(D, BDv))](
-        mixed_qkv, *idx,
-        conv_state, *conv_state.stride(),
-        L=L, R=R, A=A, D=D, W=W, BD=BDv,
-    )
+    with launch_scope(_replay_recurrent_kernel):
+        _replay_recurrent_kernel[(N * L, HV, triton.cdiv(V, BVv))](
+            mixed_qkv, g_raw, b_raw, *idx,
+            conv_state, *conv_state.stride(),
+            temporal_state, *temporal_state.stride(),
+            weights.conv_weight, cb, weights.A_log, weights.dt_bias,
+            L=L, R=R, A=A, D=D, GD=GD, BD_=b_raw.shape[-1], H=H, HV=HV, K=K, V=V, W=W,
+            BK=BK, BV=BVv, EPS=1e-6, HAS_BIAS=has_bias,
+        )
+        _replay_conv_window_kernel[(N * L, triton.cdiv(D, BDv))](
+            mixed_qkv, *idx,
+            conv_state, *conv_state.stride(),
+            L=L, R=R, A=A, D=D, W=W, BD=BDv,
+        )

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_mamba_ext.spec.triton_launch import launch_scope
+
 from sglang_mamba_ext.spec.verify import TreeIndex
 
 __all__ = ["tree_recurrence_triton", "tree_recurrence_onchip"]
@@ -168,16 +170,17 @@ def tree_recurrence_triton(
         pq = pk = pv = pg = pb = q
         pc = slots
         A = 1
-    _tree_verify_kernel[(N, HV, triton.cdiv(V, BVv))](
-        q, k, v, g, beta, o,
-        state_pool, slots.to(torch.int64).contiguous(), *state_pool.stride(),
-        par, path, depth,
-        buf, brows.to(torch.int64).contiguous(), *bstr,
-        pq, pk, pv, pg, pb, pc,
-        scale,
-        T=T, DMAX=path.shape[-1], A=A, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVv, GK=K if gate_per_k else 1,
-        ON_CHIP=on_chip, HAS_PENDING=pending is not None, GATE_PER_K=gate_per_k,
-    )
+    with launch_scope(_tree_verify_kernel):
+        _tree_verify_kernel[(N, HV, triton.cdiv(V, BVv))](
+            q, k, v, g, beta, o,
+            state_pool, slots.to(torch.int64).contiguous(), *state_pool.stride(),
+            par, path, depth,
+            buf, brows.to(torch.int64).contiguous(), *bstr,
+            pq, pk, pv, pg, pb, pc,
+            scale,
+            T=T, DMAX=path.shape[-1], A=A, H=H, HV=HV, K=K, V=V, BK=BK, BV=BVv, GK=K if gate_per_k else 1,
+            ON_CHIP=on_chip, HAS_PENDING=pending is not None, GATE_PER_K=gate_per_k,
+        )
     return o
 
 
