@@ -88,7 +88,7 @@ def build_tree_cache(pool, kv_size: int, page_size: int = 1):
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-    from sglang.srt.runtime_context import get_exec, get_server_args
+    from sglang.srt.runtime_context import get_exec, get_memory, get_server_args
 
     allocator = TokenToKVPoolAllocator(kv_size, torch.float32, "cpu", None, False)
     params = CacheInitParams(
@@ -98,6 +98,7 @@ def build_tree_cache(pool, kv_size: int, page_size: int = 1):
         page_size=page_size,
         enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
         enable_mamba_extra_buffer_lazy=get_exec().mamba.enable_mamba_extra_buffer_lazy,
+        eviction_policy=get_memory().radix_eviction_policy,
     )
     ctx = TreeCacheBuildContext(
         server_args=get_server_args(),

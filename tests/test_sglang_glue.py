@@ -276,6 +276,36 @@ class TestFlags(unittest.TestCase):
         self.assertIn("--enable-mamba-radix needs a hybrid model", str(cm.exception))
 
 
+class TestEvictionPolicyFlag(unittest.TestCase):
+    """``--radix-eviction-policy recompute`` (issue 6) selects the core's recompute-aware
+    SSM eviction through SGLang's existing flag."""
+
+    def test_recompute_policy_reaches_the_core_cache(self):
+        from sglang.srt.runtime_context import get_memory
+
+        ctx, sa = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--radix-eviction-policy", "recompute"))
+        self.assertEqual(sa.radix_eviction_policy, "recompute")
+        with F.in_context(ctx):
+            self.assertEqual(get_memory().radix_eviction_policy, "recompute")
+            cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
+            self.assertEqual(cache.core.eviction_policy, "recompute")
+        ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix"))
+        with F.in_context(ctx):
+            cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
+            self.assertEqual(cache.core.eviction_policy, "lru")
+
+    def test_policy_refusals_name_the_flags(self):
+        with self.assertRaises(ValueError) as cm:
+            F.parse_args(F.base_argv("--radix-eviction-policy", "recompute"))
+        self.assertIn("--enable-mamba-radix", str(cm.exception))
+        self.assertIn("--radix-eviction-policy recompute", str(cm.exception))
+        for other in ("lfu", "tlru"):
+            with self.subTest(policy=other):
+                with self.assertRaises(ValueError) as cm:
+                    F.parse_args(F.base_argv("--enable-mamba-radix", "--radix-eviction-policy", other))
+                self.assertIn(f"--radix-eviction-policy {other}", str(cm.exception))
+
+
 class TestPoolAndCacheCreation(_ContextTest):
     def test_pool_built_through_hook(self):
         from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool

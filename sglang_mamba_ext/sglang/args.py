@@ -101,7 +101,13 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         else:
             logger.info("%s %s: %d prompts", PROMPTS_FLAG, prompts_file, len(prompts))
     settings: Dict[str, Any] = {"enable": bool(enable), "warmup_prompts_file": prompts_file}
+    policy = getattr(server_args, "radix_eviction_policy", "lru")
     if not enable:
+        if policy == S.RECOMPUTE_POLICY:
+            raise ValueError(
+                f"--radix-eviction-policy {S.RECOMPUTE_POLICY} is sglang-mamba-ext's policy: "
+                f"add {ENABLE_FLAG} (or choose another policy)"
+            )
         return settings
 
     def refuse(flag: str, why: str = "") -> None:
@@ -125,8 +131,12 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     for field, flag in checks:
         if getattr(server_args, field, False):
             refuse(flag, " (it needs SGLang's own UnifiedRadixCache or pool)")
-    if getattr(server_args, "radix_eviction_policy", None) == "tlru":
-        refuse("--radix-eviction-policy tlru", " (it needs SGLang's own UnifiedRadixCache)")
+    if policy not in S.SUPPORTED_POLICIES:
+        refuse(
+            f"--radix-eviction-policy {policy}",
+            f" (its cache supports {' and '.join(S.SUPPORTED_POLICIES)})",
+        )
+    settings["eviction_policy"] = policy
     strategy = server_args.mamba_radix_cache_strategy
     if strategy == "extra_buffer_lazy":
         refuse("--mamba-radix-cache-strategy extra_buffer_lazy", "; use extra_buffer or no_buffer")

@@ -73,6 +73,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             slots).
         checkpoint_grid: tokens; ``mamba_branching_seqlen`` is reported on this grid
             (SGLang's ``mamba_checkpoint_grid(page_size)``).
+        eviction_policy: ``--radix-eviction-policy``: ``"lru"`` or ``"recompute"`` (the
+            core's recompute-aware SSM eviction).
+        kv_bytes_per_token: bytes of one token's KV, weighed by the recompute policy.
         enable_metrics: create SGLang's radix-cache metrics collector.
 
     Raises:
@@ -90,6 +93,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         enable_mamba_extra_buffer: bool = True,
         checkpoint_grid: int = 1,
         enable_metrics: bool = False,
+        eviction_policy: str = "lru",
+        kv_bytes_per_token: int = 0,
     ):
         if not isinstance(req_to_token_pool, MambaRadixReqToTokenPool):
             raise TypeError(
@@ -110,6 +115,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             page_size=page_size,
             mamba_track_interval=mamba_track_interval,
             finish_state=finish_state,
+            eviction_policy=eviction_policy,
+            kv_bytes_per_token=kv_bytes_per_token,
         )
         self._checked_version = None
         self._version = 0
@@ -288,6 +295,32 @@ def _finish_state(overlap: bool, extra_buffer: bool) -> str:
     return choice
 
 
+def _eviction_policy(params) -> str:
+    """``--radix-eviction-policy`` as the core cache names it.
+
+    Raises:
+        ValueError: a policy the plugin's cache does not implement (naming the flag)."""
+    from sglang_mamba_ext.sglang.settings import SUPPORTED_POLICIES
+
+    policy = str(getattr(params, "eviction_policy", None) or "lru")
+    if policy not in SUPPORTED_POLICIES:
+        raise ValueError(
+            f"--enable-mamba-radix supports --radix-eviction-policy {' or '.join(SUPPORTED_POLICIES)}, "
+            f"not {policy}"
+        )
+    return policy
+
+
+def _kv_bytes_per_token(allocator) -> int:
+    """Bytes of one token's KV over all attention layers (0 if the pool does not say)."""
+    try:
+        kvcache = allocator.get_kvcache()
+        k, v = kvcache.get_kv_size_bytes()
+        return int((k + v) // max(int(kvcache.size + kvcache.page_size), 1))
+    except Exception:  # noqa: BLE001 - an estimate only; the policy works without it
+        return 0
+
+
 def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     """Factory registered as ``--radix-cache-backend mamba_radix_ext``
     (``registry.register_radix_cache_backend``); ``ctx`` is SGLang's
@@ -330,15 +363,18 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         enable_mamba_extra_buffer=extra_buffer,
         checkpoint_grid=grid,
         enable_metrics=params.enable_metrics,
+        eviction_policy=_eviction_policy(params),
+        kv_bytes_per_token=_kv_bytes_per_token(params.token_to_kv_pool_allocator),
     )
     logger.info(
         "sglang-mamba-ext: %s tree cache (page_size=%d, finish_state=%s, ping-pong tracking %s, "
-        "track interval %d, checkpoint grid %d)",
+        "track interval %d, checkpoint grid %d, eviction %s)",
         BACKEND_NAME,
         params.page_size,
         cache.core.finish_state,
         "on" if extra_buffer else "off",
         get_exec().mamba.mamba_track_interval,
         grid,
+        cache.core.eviction_policy,
     )
     return cache

@@ -46,6 +46,14 @@ def install_mamba_radix() -> None:
     HookRegistry.register(PREPARE_FOR_DECODE, prepare_for_decode_around, HookType.AROUND)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+    # --radix-eviction-policy recompute (the core's recompute-aware SSM eviction), added to
+    # SGLang's choices before any argument parser is built.
+    from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
+
+    from sglang_mamba_ext.sglang.settings import RECOMPUTE_POLICY
+
+    if RECOMPUTE_POLICY not in RADIX_EVICTION_POLICY_CHOICES:
+        add_radix_eviction_policy_choices([RECOMPUTE_POLICY])
     register_warmup()
     _installed = True
 

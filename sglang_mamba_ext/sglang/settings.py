@@ -18,6 +18,11 @@ BACKEND_NAME = "mamba_radix_ext"
 WARMUP_NAME = "kda_cache"
 #: Extra ``ServerArgs`` attribute with the plugin's settings.
 SETTINGS_ATTR = "_mamba_radix_ext"
+#: ``--radix-eviction-policy`` value added by the plugin: the core cache's recompute-aware
+#: SSM eviction (``MambaRadixCache(eviction_policy="recompute")``).
+RECOMPUTE_POLICY = "recompute"
+#: ``--radix-eviction-policy`` values the plugin's cache accepts.
+SUPPORTED_POLICIES = ("lru", RECOMPUTE_POLICY)
 
 # Settings of this process's last ``from_cli_args`` (the launcher, which also runs the
 # HTTP server and its warmups); used when ``get_server_args()`` is not published yet.

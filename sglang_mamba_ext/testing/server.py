@@ -138,6 +138,29 @@ class ServerProcess:
         except ProcessLookupError:
             pass
 
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def generate(self, input_ids=None, text=None, max_new_tokens: int = 16, timeout: float = 300, **extra) -> dict:
+        """POST ``/generate`` with greedy sampling (``ignore_eos``); ``extra`` fields are
+        added to the request body. Returns the JSON response.
+
+        Raises:
+            requests.HTTPError: on a non-2xx answer."""
+        import requests
+
+        body = {
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+            **extra,
+        }
+        if input_ids is not None:
+            body["input_ids"] = list(input_ids)
+        else:
+            body["text"] = text
+        r = requests.post(self.base_url + "/generate", json=body, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
     def log_text(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()

@@ -12,16 +12,10 @@ Servers are killed (process group) in the class cleanup, also when start-up fail
 """
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START_TIMEOUT_S = 240
 NEW_TOKENS = 24
 
@@ -38,23 +32,6 @@ SERVER_FLAGS = [
     "--max-mamba-cache-size", "16",
     "--chunked-prefill-size", "32",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the server's whole process group (scheduler and detokenizer included: they
-    rename themselves, so name-based kills miss them). The server holds no state worth a
-    graceful shutdown."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
 
 
 class _ServerCase(unittest.TestCase):
@@ -78,53 +55,20 @@ class _ServerCase(unittest.TestCase):
         cls.ref = TinyHybridReference.from_pretrained(cls.model_dir)
         cls.tok = AutoTokenizer.from_pretrained(cls.model_dir)
 
-        cls.port = _free_port()
-        cls.base_url = f"http://127.0.0.1:{cls.port}"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        for key, value in cls.ENV.items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = value
-        cls.log_path = os.path.join(tmp.name, "server.log")
-        cls.log = open(cls.log_path, "w")
-        cls.addClassCleanup(cls.log.close)
-        cmd = [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", cls.model_dir,
-            "--host", "127.0.0.1", "--port", str(cls.port),
-            *cls.FLAGS,
-        ]
-        t0 = time.time()
-        cls.proc = subprocess.Popen(
-            cmd, env=env, stdout=cls.log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp.name
+        from sglang_mamba_ext.testing.server import ServerProcess
+
+        cls.server = ServerProcess(
+            cls.model_dir, cls.FLAGS, env=cls.ENV, start_timeout_s=START_TIMEOUT_S,
+            log_path=os.path.join(tmp.name, "server.log"),
         )
-        cls.addClassCleanup(_kill_group, cls.proc)
-        cls._wait_healthy()
-        cls.startup_s = time.time() - t0
-
-    @classmethod
-    def _wait_healthy(cls):
-        import requests
-
-        deadline = time.time() + START_TIMEOUT_S
-        while time.time() < deadline:
-            if cls.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {cls.proc.returncode}:\n{cls._log_tail()}")
-            try:
-                if requests.get(cls.base_url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"server not healthy after {START_TIMEOUT_S}s:\n{cls._log_tail()}")
+        cls.addClassCleanup(cls.server.stop)
+        cls.server.start()
+        cls.base_url = cls.server.base_url
+        cls.startup_s = cls.server.startup_s
 
     @classmethod
     def _log_tail(cls, n=4000):
-        cls.log.flush()
-        with open(cls.log_path) as f:
-            return f.read()[-n:]
+        return cls.server.log_tail(n)
 
     def _generate(self, input_ids, max_new_tokens=NEW_TOKENS, return_logprob=False):
         import requests

@@ -119,6 +119,25 @@ class TestProductLaunch(_Base):
         self.assertGreater(again["meta_info"]["cached_tokens"], 0)  # a prefill checkpoint
         self.assertEqual(again["output_ids"], first["output_ids"])
 
+    def test_b_warm_prompt_hit_by_requests_diverging_inside_it(self):
+        """Issue 6: requests that share only the first part of the warmed text prompt. The
+        tree has KV for all of it but states only at its end, so the first diverging request
+        cannot use it; its match reports the branch point, its prefill saves the state there
+        (on SGLang's 8-token checkpoint grid for the tiny model), and the next request
+        diverging at the same place hits it."""
+        warm = self.tok.encode(POLICY)
+        k = 2 * len(warm) // 3
+        branch = k - k % 8
+        self.assertGreater(branch, 0)
+        first = warm[:k] + self.tok.encode(" Unrelated question one?", add_special_tokens=False)
+        second = warm[:k] + self.tok.encode(" A different question two?", add_special_tokens=False)
+        self.assertNotEqual(first[k], second[k])
+        out1 = self.server.generate(input_ids=first, max_new_tokens=NEW_TOKENS)
+        self.assertLess(out1["meta_info"]["cached_tokens"], branch)  # no state inside the prompt yet
+        out2 = self.server.generate(input_ids=second, max_new_tokens=NEW_TOKENS)
+        self.assertEqual(out2["meta_info"]["cached_tokens"], branch)
+        self.assertEqual(out2["output_ids"], self.ref.generate_greedy(second, NEW_TOKENS))
+
     def test_c_chat_completions(self):
         import requests
 
@@ -250,6 +269,20 @@ class TestGreedyEquivalence(_Base):
         cls.radix_log = radix.log_text()
         cls.radix_alive = radix.alive()
         radix.stop()
+        # The recompute-aware SSM eviction (issue 6, --radix-eviction-policy recompute),
+        # with the live-state donation of non-overlap serving, under the same pressure.
+        recompute = cls._start(
+            "recompute",
+            [
+                "--device", "cpu", "--enable-mamba-radix", "--mamba-track-interval", "16",
+                "--radix-eviction-policy", "recompute", *cls.POOLS,
+            ],
+            env=SERVER_ENV,
+        )
+        cls.recompute_outs, cls.recompute_cached, marker = _run_workload(recompute, cls.tok)
+        cls.recompute_idle = wait_for(lambda: idle_checks(recompute.log_text()[marker:]), 120)
+        cls.recompute_log = recompute.log_text()
+        recompute.stop()
         plain = cls._start(
             "plain",
             ["--device", "cpu", "--disable-radix-cache", "--disable-overlap-schedule", *cls.POOLS],
@@ -264,6 +297,17 @@ class TestGreedyEquivalence(_Base):
         for name in sorted(self.radix_outs):
             self.assertEqual(self.radix_outs[name], self.plain_outs[name], name)
         self.assertEqual(sum(self.plain_cached.values()), 0)  # the baseline caches nothing
+
+    def test_recompute_policy_identical_and_evicting(self):
+        for name in sorted(self.plain_outs):
+            self.assertEqual(self.recompute_outs[name], self.plain_outs[name], name)
+        self.assertIn("eviction recompute", self.recompute_log)
+        self.assertTrue(self.recompute_idle, self.recompute_log[-4000:])
+        last = self.recompute_idle[-1]
+        self.assertGreater(last["evicted_ssm"], 0)
+        self.assertEqual((last["kv_protected"], last["ssm_protected"]), (0, 0))
+        self.assertGreaterEqual(sum(1 for n in self.recompute_cached.values() if n > 0), 3, self.recompute_cached)
+        self.assertNotIn("memory leak detected", self.recompute_log)
 
     def test_outputs_match_reference_model(self):
         inputs = {}
