@@ -71,7 +71,10 @@ def interleave(convs):
 def main(argv=None) -> int:
     args = parse_args(argv)
     import requests
+    import transformers
     from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
 
     url = args.url or f"http://127.0.0.1:{args.port}"
     if not os.path.isdir(args.model_path):
