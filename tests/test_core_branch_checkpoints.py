@@ -3,6 +3,8 @@
 
 import unittest
 
+import torch
+
 from cache_sim import SimModel, make_cache
 from sglang_mamba_ext.mem_cache import CacheReq, RadixKey
 
@@ -84,23 +86,68 @@ class TestBranchCheckpoints(unittest.TestCase):
         sim.check_tree()
         cache.check_slot_accounting()
 
-    def test_max_states_per_path_and_abort(self):
-        """With max_states_per_path the plan stops at the bound; an aborted request frees
-        its planned checkpoint slots."""
-        cache = make_cache(kv_size=512, mamba_size=32, branch_checkpoints=True, max_states_per_path=1)
+    def test_max_states_per_path_keeps_forks_and_locked(self):
+        """With max_states_per_path=2 (SGLang's --mamba-max-states-per-path), an insert that
+        makes a third state on its path drops the shallowest surplus state — but never a
+        fork (a branch point shared by several requests) nor a locked one."""
+        cache = make_cache(kv_size=512, mamba_size=32, max_states_per_path=2)
+        kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+        seq = list(range(100, 112))
+
+        def put(n, tokens=None):
+            tokens = tokens or seq[:n]
+            m = cache.match_prefix(RadixKey(tokens))
+            # Reuse the tree's KV where present, fresh slots for the rest.
+            node = m.kv_last_node
+            have = cache.path_device_indices(node) if node is not cache.root_node else torch.empty(0, dtype=torch.int64)
+            value = torch.cat([have[: m.kv_match_len], kv.alloc(len(tokens) - m.kv_match_len)])
+            return cache.insert(RadixKey(tokens), value, pool.alloc_list(1)[0], prev_prefix_len=m.kv_match_len)
+
+        def states():
+            out, stack = [], [cache.root_node]
+            while stack:
+                n = stack.pop()
+                for c in n.children.values():
+                    if c.mamba_value is not None:
+                        out.append(c.seq_len)
+                    stack.append(c)
+            return sorted(out)
+
+        put(4), put(8)
+        self.assertEqual(states(), [4, 8])
+        put(12)  # three on one path: the shallowest (4) goes, its KV stays
+        self.assertEqual(states(), [8, 12])
+        self.assertEqual(cache.match_prefix(RadixKey(seq[:4])).kv_match_len, 4)
+        # A fork at 8: another branch from 8, then a deeper state on the first branch.
+        put(10, seq[:8] + [7, 7])
+        self.assertEqual(states(), [8, 10, 12])  # 8 is now a fork: kept on both paths
+        cache.sanity_check()
+        cache.check_slot_accounting()
+        # A locked state survives too (cap 1).
+        cache = make_cache(kv_size=512, mamba_size=32, max_states_per_path=1)
+        kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+        r = put(4)
+        cache.inc_lock_ref(r.last_node)
+        put(8)
+        self.assertEqual(states(), [4, 8])
+        cache.dec_lock_ref(r.last_node)
+        put(12)
+        self.assertEqual(states(), [12])
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+    def test_abort_frees_planned_checkpoints(self):
+        """A request aborted (or rejected) after planning frees its checkpoint slots."""
+        cache = make_cache(kv_size=512, mamba_size=32, branch_checkpoints=True)
         sim = SimModel(cache)
         sim.run(SYS + user(1), [1, 2], rid="r1")
-        r2 = CacheReq(rid="r2", token_ids=SYS + user(1) + [1] + user(3))
-        self.assertTrue(sim.admit(r2))  # hits r1's end state: one state on the path
-        self.assertGreater(r2.cache_protected_len, 0)
-        self.assertEqual(r2.mamba_prefix_checkpoints, [])
         r3 = CacheReq(rid="r3", token_ids=SYS + user(4))
         free = cache.mamba_pool.available_size()
         self.assertTrue(sim.admit(r3))
-        self.assertEqual(len(r3.mamba_prefix_checkpoints), 1)  # bound 1, nothing on its path
+        self.assertEqual(len(r3.mamba_prefix_checkpoints), 2)
+        self.assertEqual(cache.mamba_pool.available_size(), free - 5)  # 1 + 2 ping-pong + 2
         cache.release_req(r3)
-        cache.release_req(r2)
-        self.assertEqual(cache.mamba_pool.available_size(), free + 3)
+        self.assertEqual(cache.mamba_pool.available_size(), free)
         cache.sanity_check()
         cache.check_slot_accounting()
 

@@ -293,6 +293,13 @@ class TestEvictionPolicyFlag(unittest.TestCase):
         with F.in_context(ctx):
             cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
             self.assertEqual(cache.core.eviction_policy, "lru")
+            self.assertEqual(cache.core.max_states_per_path, 0)  # SGLang's default -1: no bound
+
+    def test_max_states_per_path_reaches_the_core_cache(self):
+        ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--mamba-max-states-per-path", "3"))
+        with F.in_context(ctx):
+            cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
+            self.assertEqual(cache.core.max_states_per_path, 3)
 
     def test_policy_refusals_name_the_flags(self):
         with self.assertRaises(ValueError) as cm:

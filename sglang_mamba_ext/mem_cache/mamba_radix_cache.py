@@ -208,8 +208,11 @@ class MambaRadixCache:
         branch_checkpoints: save extra SSM checkpoints during prefill where they pay off
             (see :meth:`plan_prefix_checkpoints`): at the branch point ``match_prefix``
             reports, and at prompt length - 1.
-        max_states_per_path: with ``branch_checkpoints``, plan no checkpoint for a request
-            whose matched path already holds this many states (0: no bound).
+        max_states_per_path: at most this many SSM states on any root-to-node path
+            (SGLang's ``--mamba-max-states-per-path``; 0 or negative: no bound): after an
+            insert places a state, the shallowest surplus states on its path are dropped
+            (tombstoned, KV kept) — never the new state, a fork (a node with several
+            children, shared by several branches) or a locked one.
         eviction_policy: ``"lru"`` (seed §3.3) or ``"recompute"`` (recency blended with
             recompute saved per byte, see :meth:`_recompute_victim`).
         kv_bytes_per_token: bytes of one token's KV over all attention layers, so the
@@ -430,6 +433,8 @@ class MambaRadixCache:
             mamba_exist = False
         else:
             mamba_exist = True
+        if not mamba_exist and self.max_states_per_path > 0:
+            self._enforce_path_cap(node)
         self._touch_path(node)
         return InsertResult(prefix_len, mamba_exist, node)
 
@@ -504,8 +509,7 @@ class MambaRadixCache:
         Positions are floored to whole pages and kept only inside ``(cache_protected_len,
         prompt_len)``. Each gets an SSM slot now (evicting one state if the pool is full:
         the slot is counted against the SSM pool like any other); a position whose slot
-        cannot be had is dropped. With ``max_states_per_path``, no checkpoint is planned
-        beyond that many states on the matched path. The forward writes the states
+        cannot be had is dropped. The forward writes the states
         (``HybridReqToTokenPool.prefix_checkpoints_in``); ``cache_unfinished_req`` /
         ``cache_finished_req`` insert them; ``release_req`` frees unused ones.
 
@@ -522,9 +526,6 @@ class MambaRadixCache:
         last = prompt_len - 1
         wanted.add(last - last % ps)
         positions = sorted(c for c in wanted if p < c < prompt_len)
-        if self.max_states_per_path > 0:
-            room = self.max_states_per_path - self._states_on_path(req.last_node)
-            positions = positions[: max(room, 0)]
         planned: List[Tuple[int, int]] = []
         for c in positions:
             slot = self._alloc_mamba_slot()
@@ -553,13 +554,25 @@ class MambaRadixCache:
                 self.mamba_pool.free([slot])
         req.mamba_prefix_checkpoints = keep
 
-    def _states_on_path(self, node: Optional[TreeNode]) -> int:
-        n = 0
+    def _enforce_path_cap(self, node: TreeNode) -> None:
+        """Drop the shallowest surplus states on ``node``'s root path beyond
+        ``max_states_per_path`` (see the constructor); ``node`` itself, forks and locked
+        nodes keep theirs."""
+        cap = self.max_states_per_path
+        path = []
+        anc = node.parent
         root = self.root_node
-        while node is not None and node is not root:
-            n += node.mamba_value is not None
-            node = node.parent
-        return n
+        while anc is not root:
+            if anc.mamba_value is not None:
+                path.append(anc)
+            anc = anc.parent
+        surplus = len(path) + 1 - cap
+        for anc in reversed(path):  # shallowest first
+            if surplus <= 0:
+                return
+            if anc.mamba_lock_ref == 0 and len(anc.children) == 1:
+                self._drop_state(anc)
+                surplus -= 1
 
     def insert_finished_req(self, req: CacheReq, up_to: Optional[int] = None, adopt: bool = True) -> int:
         """The insert half of :meth:`cache_finished_req` (seed §4.1 step 4, §5.1 step 4),

@@ -76,6 +76,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         eviction_policy: ``--radix-eviction-policy``: ``"lru"`` or ``"recompute"`` (the
             core's recompute-aware SSM eviction).
         kv_bytes_per_token: bytes of one token's KV, weighed by the recompute policy.
+        max_states_per_path: SGLang's ``--mamba-max-states-per-path`` (-1: no bound).
         enable_metrics: create SGLang's radix-cache metrics collector.
 
     Raises:
@@ -95,6 +96,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         enable_metrics: bool = False,
         eviction_policy: str = "lru",
         kv_bytes_per_token: int = 0,
+        max_states_per_path: int = -1,
     ):
         if not isinstance(req_to_token_pool, MambaRadixReqToTokenPool):
             raise TypeError(
@@ -117,6 +119,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             finish_state=finish_state,
             eviction_policy=eviction_policy,
             kv_bytes_per_token=kv_bytes_per_token,
+            max_states_per_path=max(int(max_states_per_path), 0),
         )
         self._checked_version = None
         self._version = 0
@@ -365,6 +368,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         enable_metrics=params.enable_metrics,
         eviction_policy=_eviction_policy(params),
         kv_bytes_per_token=_kv_bytes_per_token(params.token_to_kv_pool_allocator),
+        max_states_per_path=get_exec().mamba.mamba_max_states_per_path,
     )
     logger.info(
         "sglang-mamba-ext: %s tree cache (page_size=%d, finish_state=%s, ping-pong tracking %s, "
