@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from bench_common import CacheDriver, TraceRecord
 from sglang_mamba_ext.mem_cache import (

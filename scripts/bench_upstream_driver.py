@@ -51,7 +51,7 @@ import logging
 import warnings
 from array import array
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 from unittest import mock
 
 import torch

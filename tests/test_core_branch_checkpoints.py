@@ -51,7 +51,7 @@ class TestBranchCheckpoints(unittest.TestCase):
         cache = make_cache(kv_size=512, mamba_size=32, branch_checkpoints=True)
         sim = SimModel(cache)
         prompt = SYS + user(1)
-        first = sim.run(prompt, [5, 6, 7], rid="first")
+        sim.run(prompt, [5, 6, 7], rid="first")
         again = CacheReq(rid="again", token_ids=list(prompt))
         self.assertTrue(sim.admit(again))
         self.assertEqual(again.cache_protected_len, len(prompt) - 1)

@@ -3,7 +3,6 @@
 
 import unittest
 
-import torch
 
 from cache_sim import SimModel, make_cache
 from sglang_mamba_ext.mem_cache import CacheReq, RadixKey

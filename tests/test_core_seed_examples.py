@@ -3,10 +3,9 @@ tests of the core cache. No SGLang import."""
 
 import unittest
 
-import torch
 
 from cache_sim import SimModel, make_cache
-from sglang_mamba_ext.mem_cache import CacheReq, RadixKey
+from sglang_mamba_ext.mem_cache import CacheReq
 
 
 def toks(s: str):
@@ -112,7 +111,7 @@ class TestSeedExamples(unittest.TestCase):
         abcd_slots = a.prefix_indices.tolist()
 
         # Request B: prompt ABCDEF, hits [A..D] (copy-on-write of its state), computes E,F.
-        b = sim.run(toks("ABCDEF"), [ord("x")], rid="B")
+        sim.run(toks("ABCDEF"), [ord("x")], rid="B")
         ef = cache.root_node.children[ord("A")].children[ord("E")]
         self.assertEqual(ef.key, toks("EF"))
         b_ef_slots = ef.value.tolist()

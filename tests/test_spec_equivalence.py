@@ -10,14 +10,12 @@ exactly ``prompt + output[:-1]`` (accepted tokens only, none missing). A second 
 first request's cached output starts from that state (a cache hit) and decodes correctly.
 """
 
-import os
-import sys
 import unittest
 
 import torch
 
 from sglang_mamba_ext.spec.engine import PrefixStore, SpecConfig, SpecEngine
-from sglang_mamba_ext.spec.testing import tiny_spec_pair
+from sglang_mamba_ext.spec.testing import tiny_spec_pair, triton_subprocess_case
 
 from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
 
@@ -204,17 +202,7 @@ class TestCacheReuse(_Base):
         torch.testing.assert_close(temp, ptemp, rtol=0, atol=ATOL_PLAIN)
 
 
-@unittest.skipIf(_CAN_TRITON_INPROC, "ran in this process")
-class TestUnderTritonInterpreter(unittest.TestCase):
-    """Triton was imported before this module could switch the CPU interpreter on: run the
-    Triton tests of this module in a fresh process with TRITON_INTERPRET=1."""
-
-    def test_in_subprocess(self):
-        from sglang_mamba_ext.spec.testing import run_tests_with_triton_interpreter
-
-        r = run_tests_with_triton_interpreter(os.path.abspath(__file__), SELECT)
-        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-4000:])
-        self.assertIn("passed", r.stdout)
+TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_CAN_TRITON_INPROC)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnS
 from sglang_mamba_ext.spec.replay import ReplayWeights, replay_torch
 from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 
-from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
+from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu, triton_subprocess_case  # noqa: E402
 
 # With SGLang imported in this process, Triton's interpreter cannot be switched on for our
 # kernels alone (SGLang's own Triton modules were set up compiled); on a CPU host the Triton
@@ -336,17 +336,7 @@ class TestCommitReplayPath(unittest.TestCase):
         self.assertEqual(len(called), 1)
 
 
-@unittest.skipIf(_CAN_TRITON_INPROC, "ran in this process")
-class TestUnderTritonInterpreter(unittest.TestCase):
-    """Triton was imported before this module could switch the CPU interpreter on: run the
-    Triton tests of this module in a fresh process with TRITON_INTERPRET=1."""
-
-    def test_in_subprocess(self):
-        from sglang_mamba_ext.spec.testing import run_tests_with_triton_interpreter
-
-        r = run_tests_with_triton_interpreter(os.path.abspath(__file__), SELECT)
-        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-4000:])
-        self.assertIn("passed", r.stdout)
+TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_CAN_TRITON_INPROC)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ Without CUDA the kernel modules are imported under ``TRITON_INTERPRET=1``
 them earlier without it, the tests re-run in a subprocess (``TestUnderTritonInterpreter``).
 """
 
-import os
-import sys
 import unittest
 
 import torch
@@ -17,7 +15,7 @@ from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
 from sglang_mamba_ext.spec.tree import stack_trees
 from sglang_mamba_ext.spec.verify import OneLayerBuffer, TreeIndex, tree_conv, tree_recurrence
 
-from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
+from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu, triton_subprocess_case  # noqa: E402
 
 _CAN_RUN = load_triton_kernels_for_cpu()
 _CAN_TRITON_INPROC = _CAN_RUN
@@ -177,17 +175,7 @@ class TestTreeVerifyTriton(unittest.TestCase):
         torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
 
 
-@unittest.skipIf(_CAN_TRITON_INPROC, "ran in this process")
-class TestUnderTritonInterpreter(unittest.TestCase):
-    """Triton was imported before this module could switch the CPU interpreter on: run the
-    Triton tests of this module in a fresh process with TRITON_INTERPRET=1."""
-
-    def test_in_subprocess(self):
-        from sglang_mamba_ext.spec.testing import run_tests_with_triton_interpreter
-
-        r = run_tests_with_triton_interpreter(os.path.abspath(__file__), SELECT)
-        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-4000:])
-        self.assertIn("passed", r.stdout)
+TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_CAN_TRITON_INPROC)
 
 
 if __name__ == "__main__":

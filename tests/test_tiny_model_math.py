@@ -5,7 +5,6 @@ Oracles: fla-core's torch recurrences (``naive_recurrent_kda``,
 one-shot vs in pieces (chunked prefill / decode with carried state).
 """
 
-import math
 import tempfile
 import unittest
 
@@ -22,7 +21,6 @@ from sglang_mamba_ext.models.linear_attn import (
 )
 from sglang_mamba_ext.models.tiny_builder import build_tiny_model
 from sglang_mamba_ext.models.tiny_hybrid import (
-    TinyHybridCache,
     TinyHybridReference,
     apply_rope,
     attention,

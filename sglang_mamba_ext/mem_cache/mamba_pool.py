@@ -8,7 +8,7 @@ same tensors can be read by SGLang's linear-attention backends; written from the
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 

@@ -311,7 +311,6 @@ class MambaRadixCache:
         node = self.root_node
         pos = 0
         best_node = node
-        best_pos = 0
         values: List[torch.Tensor] = []
         best_nvals = 0
         step = self._step
@@ -324,7 +323,7 @@ class MambaRadixCache:
             pos += m
             node = child
             if child.mamba_value is not None:
-                best_node, best_pos, best_nvals = child, pos, len(values)
+                best_node, best_nvals = child, len(values)
             if not full:
                 break
 

@@ -31,7 +31,6 @@ and what each becomes (call paths: ``shared/design`` protocol report, ``docs/sgl
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Optional
 

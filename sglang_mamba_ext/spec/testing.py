@@ -11,6 +11,7 @@ equivalence tests need. No trained weights are involved.
 
 from __future__ import annotations
 
+import subprocess
 from typing import Tuple
 
 import torch
@@ -129,23 +130,27 @@ def triton_interpreter_env():
     """Context manager: ``TRITON_INTERPRET=1`` while Triton kernels run on CPU (the interpreter
     also reads it at launch); a no-op with CUDA. Restores the previous value on exit."""
     import contextlib
-    import os
 
     import torch
 
-    @contextlib.contextmanager
-    def _cm():
-        if torch.cuda.is_available():
-            yield
-            return
-        old = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = old
+    from sglang_mamba_ext.spec.triton_launch import interpreter_env
 
-    return _cm()
+    return contextlib.nullcontext() if torch.cuda.is_available() else interpreter_env()
+
+
+def triton_subprocess_case(test_file: str, select: str, skip: bool):
+    """A ``unittest.TestCase`` class that runs the Triton tests of ``test_file`` (``-k
+    select``) in a fresh process with ``TRITON_INTERPRET=1`` — for CPU hosts where Triton was
+    imported in this process before the interpreter could be switched on. Skipped when
+    ``skip`` (the tests already ran in this process)."""
+    import os
+    import unittest
+
+    @unittest.skipIf(skip, "ran in this process")
+    class TestUnderTritonInterpreter(unittest.TestCase):
+        def test_in_subprocess(self):
+            r = run_tests_with_triton_interpreter(os.path.abspath(test_file), select)
+            self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-4000:])
+            self.assertIn("passed", r.stdout)
+
+    return TestUnderTritonInterpreter

@@ -25,12 +25,8 @@ def is_interpreted(kernel: Any) -> bool:
 
 
 @contextlib.contextmanager
-def launch_scope(kernel: Any) -> Iterator[None]:
-    """Context for launching ``kernel``: ``TRITON_INTERPRET=1`` while inside if the kernel is
-    interpreted; the previous value is restored on exit."""
-    if not is_interpreted(kernel):
-        yield
-        return
+def interpreter_env() -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` while inside; the previous value is restored on exit."""
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -40,3 +36,9 @@ def launch_scope(kernel: Any) -> Iterator[None]:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old
+
+
+def launch_scope(kernel: Any) -> "contextlib.AbstractContextManager[None]":
+    """Context for launching ``kernel``: :func:`interpreter_env` if the kernel is
+    interpreted, else nothing."""
+    return interpreter_env() if is_interpreted(kernel) else contextlib.nullcontext()
