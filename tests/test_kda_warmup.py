@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import tempfile
+import types
 import unittest
 from unittest import mock
 
@@ -29,9 +30,11 @@ class _TokenizerManager:
     """Records every GenerateReqInput; answers with one output token (a function of the
     prompt) and ``cached_tokens`` = all but the last prompt token."""
 
-    def __init__(self, context_len=64):
+    def __init__(self, context_len=64, max_req_input_len=None, vocab_size=None):
         self.tokenizer = _Tokenizer()
         self.context_len = context_len
+        self.max_req_input_len = max_req_input_len
+        self.model_config = types.SimpleNamespace(vocab_size=vocab_size)
         self.requests = []
 
     async def generate_request(self, obj, request=None):
@@ -136,6 +139,25 @@ class TestWarmupRun(_Files):
             self._run(path, tm)
         self.assertEqual(len(tm.requests), 2)  # only "short", twice
         self.assertTrue(any(f"{path}:1: prompt of 101 tokens skipped" in m for m in logs.output), logs.output)
+
+    def test_prompt_over_sglang_input_limit_is_skipped(self):
+        """SGLang refuses inputs of max_req_input_len tokens or more (a few tokens under the
+        context length); the second pass sends one token more than the first."""
+        path = self.write('{"input_ids": [5, 6, 7, 8]}\n{"input_ids": [5, 6, 7, 8, 9, 10]}\n')
+        tm = _TokenizerManager(context_len=64, max_req_input_len=6)
+        with self.assertLogs(W.logger, "WARNING") as logs:
+            self._run(path, tm)
+        self.assertEqual([list(r.input_ids)[:4] for r in tm.requests], [[5, 6, 7, 8]] * 2)
+        self.assertTrue(any(f"{path}:2: prompt of 6 tokens skipped" in m for m in logs.output), logs.output)
+
+    def test_token_id_outside_vocabulary_fails_naming_file_and_line(self):
+        path = self.write('{"input_ids": [5, 6]}\n{"input_ids": [5, 6, 99999]}\n')
+        tm = _TokenizerManager(vocab_size=768)
+        with self.assertRaises(ValueError) as cm:
+            self._run(path, tm)
+        self.assertIn(f"{path}:2", str(cm.exception))
+        self.assertIn("99999", str(cm.exception))
+        self.assertEqual(tm.requests, [])  # checked before anything is sent
 
     def test_missing_file_setting_fails(self):
         tm = _TokenizerManager()

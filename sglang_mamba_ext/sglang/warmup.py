@@ -197,15 +197,23 @@ async def kda_cache_warmup(disaggregation_mode: str, tokenizer_manager) -> dict:
     prompts = load_prompts(path)
     tokenizer = getattr(tokenizer_manager, "tokenizer", None)
     context_len = getattr(tokenizer_manager, "context_len", None)
+    # SGLang refuses an input of max_req_input_len tokens or more (managers/utils.py
+    # validate_input_length); both passes must pass: the second sends one token more.
+    max_input = getattr(tokenizer_manager, "max_req_input_len", None)
+    vocab = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
     todo = []
     skipped = 0
     for p in prompts:
         ids = prompt_token_ids(p, tokenizer, path)
-        # Both passes must fit: the second sends one more token and generates one.
-        if context_len is not None and len(ids) + 2 > context_len:
+        if vocab is not None and ids and max(ids) >= vocab:
+            raise _fail(path, p.line, f'token id {max(ids)} is outside the vocabulary (size {vocab})')
+        too_long = (context_len is not None and len(ids) + 2 > context_len) or (
+            max_input is not None and len(ids) + 1 >= max_input
+        )
+        if too_long:
             logger.warning(
-                "%s %s:%d: prompt of %d tokens skipped (context length %d)",
-                FLAG, path, p.line, len(ids), context_len,
+                "%s %s:%d: prompt of %d tokens skipped (context length %s, longest input %s)",
+                FLAG, path, p.line, len(ids), context_len, max_input,
             )
             skipped += 1
             continue
