@@ -85,6 +85,9 @@ class TestPromptsFile(_Files):
             "ids type": (self.write('{"input_ids": [1, "x"]}\n', "i.jsonl"), ':1: "input_ids" must be'),
             "messages type": (self.write('{"messages": [{"content": "x"}]}\n', "m.jsonl"), ':1: "messages"[0]'),
             "line not object": (self.write('"just a string"\n', "s.jsonl"), ":1: expected an object"),
+            "pretty-printed object": (
+                self.write('{\n  "text": "a"\n}\n', "p.json"), "one JSON value spread over several lines"
+            ),
         }
         for name, (path, needle) in cases.items():
             with self.subTest(name):

@@ -530,3 +530,23 @@ class TestLifecycleNoBuffer(_ContextTest):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestEmptyPromptGuard(unittest.TestCase):
+    """A text prompt that tokenizes to nothing is refused before scheduling (SGLang refuses
+    only an empty input_ids list; an empty prompt kills its scheduler)."""
+
+    def test_guard(self):
+        from types import SimpleNamespace
+        from unittest import mock
+
+        from sglang_mamba_ext.sglang import compat
+
+        on = {"enable": True}
+        with mock.patch("sglang_mamba_ext.sglang.settings.current_settings", return_value=on):
+            with self.assertRaises(ValueError) as cm:
+                compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), [])
+            self.assertIn("empty", str(cm.exception))
+            self.assertIsNone(compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), [5]))
+        with mock.patch("sglang_mamba_ext.sglang.settings.current_settings", return_value={"enable": False}):
+            self.assertIsNone(compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), []))

@@ -37,7 +37,8 @@ class TestEntryPoint(unittest.TestCase):
             "  'backend': get_radix_cache_factory('mamba_radix_ext') is not None,\n"
             "  'warmup': 'kda_cache' in _warmup_registry,\n"
             "  'patched': sorted(t for t in HookRegistry._patched if t in (p.ADD_CLI_ARGS, p.FROM_CLI_ARGS,\n"
-            "      p.VALIDATE_EXTRA_BUFFER, p.HANDLE_MAMBA_RADIX, p.BUILD_HYBRID_REQ_POOL, p.PREPARE_FOR_DECODE)),\n"
+            "      p.VALIDATE_EXTRA_BUFFER, p.HANDLE_MAMBA_RADIX, p.BUILD_HYBRID_REQ_POOL, p.PREPARE_FOR_DECODE,\n"
+            "      p.VALIDATE_ONE_REQUEST)),\n"
             "  'file': p.__file__}))\n"
         )
         env = _env()
@@ -47,7 +48,7 @@ class TestEntryPoint(unittest.TestCase):
         got = json.loads(out.stdout.strip().splitlines()[-1])
         self.assertTrue(got["backend"])
         self.assertTrue(got["warmup"])
-        self.assertEqual(len(got["patched"]), 6, got["patched"])
+        self.assertEqual(len(got["patched"]), 7, got["patched"])
         self.assertTrue(got["file"].startswith(REPO), got["file"])
 
     def test_launch_server_help_lists_flags(self):
@@ -58,6 +59,8 @@ class TestEntryPoint(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertIn("--enable-mamba-radix", out.stdout)
         self.assertIn("--warmup-prompts-file PATH", out.stdout)
+        self.assertIn("recompute", out.stdout)  # --radix-eviction-policy choice
+        self.assertIn("--mamba-spec-state-update", out.stdout)
 
 
 if __name__ == "__main__":

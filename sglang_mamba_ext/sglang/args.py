@@ -139,7 +139,10 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     settings["eviction_policy"] = policy
     strategy = server_args.mamba_radix_cache_strategy
     if strategy == "extra_buffer_lazy":
-        refuse("--mamba-radix-cache-strategy extra_buffer_lazy", "; use extra_buffer or no_buffer")
+        raise ValueError(
+            f"{ENABLE_FLAG} cannot be combined with --mamba-radix-cache-strategy extra_buffer_lazy; "
+            "use extra_buffer (the default with the flag) or no_buffer"
+        )
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         refuse(f"--disaggregation-mode {server_args.disaggregation_mode}", " (not implemented)")
 

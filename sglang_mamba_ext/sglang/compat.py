@@ -49,3 +49,26 @@ def prepare_for_decode_around(original, batch, *args, **kwargs):
         return original(batch, *args, **kwargs)
     with _pin_memory_is_identity():
         return original(batch, *args, **kwargs)
+
+
+# -- empty prompts ------------------------------------------------------------------------
+#
+# SGLang 0.5.23 refuses an empty ``input_ids`` list (``managers/io_struct.py``) but not a
+# ``text`` that tokenizes to no token at all (``""`` with a tokenizer that adds no BOS, as the
+# tiny model's and Qwen's do): such a request reaches the model with zero tokens and the
+# scheduler process dies, taking the server down. Under ``--enable-mamba-radix`` the check
+# below refuses it in the tokenizer manager (HTTP 400), before it is scheduled.
+
+
+def validate_one_request_before(tokenizer_manager, obj, input_ids, *args, **kwargs):
+    """BEFORE hook on ``TokenizerManager._validate_one_request(obj, input_ids)``.
+
+    Raises:
+        ValueError: the prompt has no token (turned into an HTTP 400 by SGLang).
+    """
+    from sglang_mamba_ext.sglang.settings import current_settings
+
+    if input_ids is not None and len(input_ids) == 0 and current_settings().get("enable"):
+        if getattr(obj, "input_embeds", None) is None:
+            raise ValueError("the prompt is empty: it has no token after tokenization; send at least one token")
+    return None

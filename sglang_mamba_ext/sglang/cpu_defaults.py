@@ -42,8 +42,12 @@ HOOK_TARGET = "sglang.srt.server_args.prepare_server_args"
 DISABLE_ENV = "SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS"
 CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"
 
-DEFAULT_MAX_TOTAL_TOKENS = 8192
-DEFAULT_MAX_MAMBA_CACHE_SIZE = 32
+#: KV tokens: a few thousand-token conversations at once.
+DEFAULT_MAX_TOTAL_TOKENS = 16384
+#: SSM slots. Each running request holds up to 4 (working, copy-on-write, 2 ping-pong
+#: checkpoints), so 32 slots capped running requests at 8 and left no room for cached
+#: states under concurrency; 128 keeps ~100 states cached at 8 running requests.
+DEFAULT_MAX_MAMBA_CACHE_SIZE = 128
 
 _installed = False
 

@@ -20,6 +20,7 @@ VALIDATE_EXTRA_BUFFER = "sglang.srt.arg_groups.mamba_hook.validate_mamba_extra_b
 HANDLE_MAMBA_RADIX = "sglang.srt.arg_groups.model_hook.handle_mamba_radix_cache"
 BUILD_HYBRID_REQ_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
 PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
+VALIDATE_ONE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 
 
 def install_mamba_radix() -> None:
@@ -33,7 +34,7 @@ def install_mamba_radix() -> None:
 
     from sglang_mamba_ext.sglang import args
     from sglang_mamba_ext.sglang.cache import build_tree_cache
-    from sglang_mamba_ext.sglang.compat import prepare_for_decode_around
+    from sglang_mamba_ext.sglang.compat import prepare_for_decode_around, validate_one_request_before
     from sglang_mamba_ext.sglang.pool import build_hybrid_req_pool_around
     from sglang_mamba_ext.sglang.settings import BACKEND_NAME
     from sglang_mamba_ext.sglang.warmup import register_warmup
@@ -44,6 +45,7 @@ def install_mamba_radix() -> None:
     HookRegistry.register(HANDLE_MAMBA_RADIX, args.handle_mamba_radix_cache_around, HookType.AROUND)
     HookRegistry.register(BUILD_HYBRID_REQ_POOL, build_hybrid_req_pool_around, HookType.AROUND)
     HookRegistry.register(PREPARE_FOR_DECODE, prepare_for_decode_around, HookType.AROUND)
+    HookRegistry.register(VALIDATE_ONE_REQUEST, validate_one_request_before, HookType.BEFORE)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
     # --radix-eviction-policy recompute (the core's recompute-aware SSM eviction), added to

@@ -118,7 +118,16 @@ def _parse_jsonl(path: str, text: str) -> List[WarmPrompt]:
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise _fail(path, lineno, f"not valid JSON ({exc.msg})") from exc
+            hint = ""
+            try:
+                json.loads(text)
+                hint = (
+                    "; the whole file is one JSON value spread over several lines: write one "
+                    "JSON object per line (JSON lines), or a JSON list of strings"
+                )
+            except json.JSONDecodeError:
+                pass
+            raise _fail(path, lineno, f"not valid JSON ({exc.msg}){hint}") from exc
         out.append(_parse_object(path, lineno, obj))
     return out
 
