@@ -117,6 +117,18 @@ class _Harness:
         if entry is not None and entry.track_mask:
             slot = int(req.kv.mamba_ping_pong_track_buffer[entry.track_position])
             self.write_state(slot, tokens[: req.kv.mamba_last_track_seqlen])
+        # The plugin pool's planned prefix checkpoints inside this chunk, read through the
+        # backend plan API as the tiny model's backend reads it.
+        plan = self.pool.prefix_checkpoint_plan(
+            SimpleNamespace(
+                forward_mode=fb.forward_mode,
+                extend_prefix_lens_cpu=[start],
+                extend_seq_lens_cpu=[end - start],
+                req_pool_indices=torch.tensor([row]),
+            )
+        )
+        for off, slot in plan.get(0, []):
+            self.write_state(slot, tokens[: start + off])
         self.write_state(work, tokens[:end])
         if end < len(req.origin_input_ids) or not req.finished():
             checkpoint_kv_cache(req, self.cache)
@@ -496,6 +508,129 @@ class TestLifecycle(_ContextTest):
         self.assertGreater(self.cache.core.evicted_states_total, 0)
         self.assertGreater(self.cache.core.evicted_tokens_total, 0)
         self.assertGreater(h.check_tree_states(), 0)
+
+
+class TestPrefixCheckpoints(_ContextTest):
+    """Issue 6 in serving: with a backend that writes a state at any token (the pool's
+    ``prefix_checkpoint_writer``, set by the tiny model's backend), the pool plans the
+    core's prefix checkpoints when a request gets its row — the exact branch point of its
+    match and prompt length - 1 — the forward writes them, ``checkpoint`` inserts them, and
+    every release path frees the ones not reached."""
+
+    def setUp(self):
+        super().setUp()
+        self.pool = F.build_req_pool(max_num_reqs=4)
+        self.pool.prefix_checkpoint_writer = True
+        self.cache, self.allocator = F.build_tree_cache(self.pool, KV_SIZE)
+        self.h = _Harness(self, self.pool, self.cache, self.allocator)
+
+    def run_req(self, rid, prompt, outs=(1, 2)):
+        r = F.make_req(rid, prompt)
+        self.h.admit(r)
+        self.h.prefill(r)
+        self.h.decode(r, list(outs))
+        self.h.finish(r)
+        return r
+
+    def test_identical_grid_aligned_prompt_hits_all_but_last_token(self):
+        h = self.h
+        prompt = list(range(10, 50))  # 40 tokens: on the 8-token grid
+        a = F.make_req("a", prompt)
+        h.admit(a)
+        self.assertEqual(self.pool.prefix_checkpoints[a.kv.req_pool_idx][-1][0], 39)
+        h.prefill(a)
+        self.assertNotIn(a.kv.req_pool_idx, self.pool.prefix_checkpoints)  # inserted
+        h.decode(a, [1, 2])
+        h.finish(a)
+        h.check_idle()
+        b = F.make_req("b", prompt)
+        h.admit(b)
+        self.assertEqual(b.prefix_len, 39)
+        self.assertEqual(h.state_of(int(b.kv.mamba_cow_src_index[0])), state_value(prompt[:39]))
+        h.prefill(b)
+        h.finish(b)
+        self.assertGreaterEqual(h.check_tree_states(), 3)
+        h.check_idle()
+
+    def test_exact_branch_point_off_the_grid(self):
+        h = self.h
+        base = list(range(100, 140))
+        self.run_req("a", base)
+        first = base[:21] + [901, 902, 903, 904, 905]
+        b = F.make_req("b", first)
+        h.admit(b)
+        self.assertEqual(b.prefix_len, 0)  # KV for 21 tokens, no state inside them yet
+        self.assertEqual(b.mamba_branching_seqlen, 21)
+        planned = [c for c, _ in self.pool.prefix_checkpoints[b.kv.req_pool_idx]]
+        self.assertEqual(planned, [21, 25])
+        h.prefill(b)
+        h.finish(b)
+        c = F.make_req("c", base[:21] + [7, 7, 7])
+        h.admit(c)
+        self.assertEqual(c.prefix_len, 21)
+        self.assertEqual(h.state_of(int(c.kv.mamba_cow_src_index[0])), state_value(base[:21]))
+        h.prefill(c)
+        h.finish(c)
+        h.check_tree_states()
+        h.check_idle()
+
+    def test_release_paths_free_planned_checkpoints(self):
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        h = self.h
+        # Aborted after its first chunk (the prompt-end checkpoint not reached yet).
+        b = F.make_req("b", list(range(300, 360)))
+        h.admit(b)
+        h.forward_extend(b, 32)
+        self.assertEqual([c for c, _ in self.pool.prefix_checkpoints[b.kv.req_pool_idx]], [59])
+        release_kv_cache(b, self.cache, checkpoint=False)
+        self.assertEqual(self.pool.prefix_checkpoints, {})
+        h.check_idle()
+        # Retracted mid-prefill (ScheduleBatch.retract_decode -> release_kv_cache), then
+        # re-admitted and run to the end: planned again, inserted, nothing lost.
+        c = F.make_req("c", list(range(600, 650)))
+        h.admit(c)
+        h.forward_extend(c, 32)
+        self.assertTrue(self.pool.prefix_checkpoints)
+        release_kv_cache(c, self.cache, checkpoint=False)
+        c.reset_for_retract()
+        self.assertEqual(self.pool.prefix_checkpoints, {})
+        h.check_idle()
+        h.admit(c)
+        self.assertEqual(c.prefix_len, 32)
+        h.prefill(c)
+        h.finish(c)
+        self.assertEqual(self.pool.prefix_checkpoints, {})
+        h.check_tree_states()
+        h.check_idle()
+
+    def test_planned_checkpoints_give_way_to_admission(self):
+        """A request's own slots never wait for an optional checkpoint: a chunked request
+        holding planned checkpoints gives them back when a new request needs the slots."""
+        h = self.h
+        size = self.pool.mamba_pool.size
+        per_req = self.pool.core.mamba_slots_per_req()
+        a = F.make_req("a", list(range(400, 460)))
+        h.admit(a)
+        h.forward_extend(a, 32)
+        held = len(self.pool.prefix_checkpoints[a.kv.req_pool_idx])
+        self.assertEqual(held, 1)
+        # Fill the pool up to exactly the slots a new request needs minus one.
+        free = self.pool.core_mamba_pool.available_size()
+        filler = self.pool.core_mamba_pool.alloc_list(free - per_req + 1)
+        self.assertEqual(self.pool.mamba_allocator.available_size(), per_req)  # counts the planned one
+        b = F.make_req("b", list(range(500, 520)))
+        h.admit(b)  # SGLang's alloc_req_slots: would raise without the reclaim
+        self.assertIsNotNone(b.kv.req_pool_idx)
+        self.assertNotIn(a.kv.req_pool_idx, self.pool.prefix_checkpoints)
+        self.pool.core_mamba_pool.free(filler)
+        h.prefill(a)
+        h.prefill(b)
+        h.finish(a)
+        h.finish(b)
+        self.assertLessEqual(len(filler), size)
+        h.check_tree_states()
+        h.check_idle()
 
 
 class TestLifecycleNoBuffer(_ContextTest):

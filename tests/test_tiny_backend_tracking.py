@@ -89,6 +89,31 @@ class TestSGLangTrackPlan(unittest.TestCase):
         torch.testing.assert_close(self.pool.temporal[9], ssm8, atol=1e-5, rtol=1e-5)
         self.assertFalse(torch.equal(self.pool.temporal[2], self.pool.temporal[9]))  # working state is at 12
 
+    def test_pool_prefix_checkpoints_join_the_track_plan(self):
+        """Under --enable-mamba-radix the pool's planned prefix checkpoints (exact
+        positions, here 5 tokens: off SGLang's 8-token grid) are written beside SGLang's
+        own track checkpoint, each equal to the mixer over that many tokens."""
+        x = torch.randn(12, 32)
+        mixed, g, beta = self.mixer.project(x)
+        self._md([9], qsl=[0, 12], slots=[2])
+        self.pool.prefix_checkpoint_plan = lambda fb: {0: [(5, 7), (11, 6)]}
+        fb = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            extend_prefix_lens_cpu=[0],
+            mamba_prefill_track_mask_cpu=[True],
+            mamba_track_aligned_lens=lambda: torch.tensor([8]),
+        )
+        self.backend._plan = self.backend._validated_plan(fb)
+        self.assertEqual(self.backend._plan, {0: [(5, 7), (8, 9), (11, 6)]})
+        self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(12, -1), b=beta)
+        for n, slot in ((5, 7), (8, 9), (11, 6)):
+            m, gn, bn = self.mixer.project(x[:n])
+            y, conv = self.mixer.conv(m, None)
+            q, k, v = self.mixer.split_qkv(y)
+            _, ssm = self.mixer.recurrence(q, k, v, gn, bn, None)
+            torch.testing.assert_close(self.pool.conv[slot], conv)
+            torch.testing.assert_close(self.pool.temporal[slot], ssm, atol=1e-5, rtol=1e-5)
+
 
 if __name__ == "__main__":
     unittest.main()

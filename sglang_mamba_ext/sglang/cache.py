@@ -12,7 +12,12 @@ and what each becomes (call paths: ``shared/design`` protocol report, ``docs/sgl
   slot and records the copy-on-write source on ``req.kv``; SGLang runs the copy at forward
   start (``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` through this pool's
   ``copy_mamba_state``). ``mamba_branching_seqlen`` reports where the KV match goes past the
-  deepest state, so SGLang's tracking checkpoints that point during the prefill.
+  deepest state, so the prefill checkpoints that point: on SGLang's checkpoint grid through
+  its own tracking, or — when the linear-attention backend can write a state at any token
+  (``MambaRadixReqToTokenPool.prefix_checkpoint_writer``, the tiny model's backend) —
+  exactly, as a prefix checkpoint the pool plans with the core's
+  ``plan_prefix_checkpoints`` when the request gets its row (with one more at prompt
+  length - 1, so a resent identical prompt hits all but its last token).
 - ``checkpoint(req, up_to=...)`` — after each prefill chunk and each completed prefill
   (``common.checkpoint_kv_cache``), and for a finished request from
   ``common.release_kv_cache``: the core's ``cache_unfinished_req`` (unfinished) or
@@ -119,7 +124,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             eviction_policy=eviction_policy,
             kv_bytes_per_token=kv_bytes_per_token,
             max_states_per_path=max(int(max_states_per_path), 0),
+            branch_checkpoints=True,
         )
+        req_to_token_pool.tree_cache = self
         self._checked_version = None
         self._version = 0
         if enable_metrics:
@@ -159,10 +166,16 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             req_bridge.push_mamba(req, creq, self.device)
         self._version += 1
         branching = None
-        if self.enable_mamba_extra_buffer and res.kv_match_len > res.prefix_len:
-            aligned = (res.kv_match_len // self.checkpoint_grid) * self.checkpoint_grid
-            if aligned > res.prefix_len:
-                branching = aligned
+        if res.kv_match_len > res.prefix_len:
+            if self.req_to_token_pool.prefix_checkpoint_writer:
+                # The backend saves a state at any position: the exact branch point, planned
+                # as a prefix checkpoint when the request gets its row (SGLang's own tracking
+                # ignores a point off its grid and re-saves one on it, harmlessly).
+                branching = res.kv_match_len
+            elif self.enable_mamba_extra_buffer:
+                aligned = (res.kv_match_len // self.checkpoint_grid) * self.checkpoint_grid
+                if aligned > res.prefix_len:
+                    branching = aligned
         node = res.last_node
         return MatchResult(
             device_prefix_len=res.prefix_len,
@@ -177,13 +190,17 @@ class MambaRadixCacheAdapter(BasePrefixCache):
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
         fill = req.full_untruncated_fill_ids
         up_to = min(int(up_to), len(fill))
-        creq = req_bridge.pull(req, fill[:up_to].tolist() if hasattr(fill, "tolist") else list(fill[:up_to]))
+        pool = self.req_to_token_pool
+        tokens = fill[:up_to].tolist() if hasattr(fill, "tolist") else list(fill[:up_to])
+        creq = req_bridge.pull(req, tokens, pool=pool)
+        row = creq.req_pool_idx
         finished = req.finished()
         if finished:
             self.core.insert_finished_req(creq, up_to=up_to)
         else:
             creq.kv_committed_len = min(creq.kv_committed_len, up_to)
             self.core.cache_unfinished_req(creq)
+        req_bridge.push_prefix_checkpoints(pool, row, creq)
         req_bridge.push_checkpoint(req, creq, self.device, finished=finished)
         self._version += 1
 

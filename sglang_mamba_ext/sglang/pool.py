@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -84,16 +84,22 @@ class MambaSlotAllocatorFacade:
     allocation is a Python list pop, so there is nothing to amortize.
     """
 
-    def __init__(self, core_pool: CoreMambaPool):
+    def __init__(self, core_pool: CoreMambaPool, owner: Optional["MambaRadixReqToTokenPool"] = None):
         self._pool = core_pool
+        self._owner = owner
         self.size = core_pool.size
         self.device = core_pool.device
 
+    def _reclaimable(self) -> int:
+        return self._owner.reclaimable_prefix_checkpoints() if self._owner is not None else 0
+
     def available_size(self) -> int:
-        return self._pool.available_size()
+        """Free slots, counting the slots of planned prefix checkpoints (given up on
+        demand by :meth:`alloc`)."""
+        return self._pool.available_size() + self._reclaimable()
 
     def schedulable_available_size(self) -> int:
-        return self._pool.available_size()
+        return self.available_size()
 
     def alloc_group_begin(self, num_reqs: int) -> None:
         return None
@@ -102,6 +108,9 @@ class MambaSlotAllocatorFacade:
         return None
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        short = need_size - self._pool.available_size()
+        if short > 0 and self._owner is not None:
+            self._owner.reclaim_prefix_checkpoints(short)
         return self._pool.alloc(need_size)
 
     def free(self, free_index: torch.Tensor) -> None:
@@ -166,7 +175,16 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             req_index_to_mamba_index_mapping=self.req_index_to_mamba_index_mapping,
             req_index_to_mamba_ping_pong_track_buffer_mapping=ping_pong_map,
         )
-        self.mamba_allocator = MambaSlotAllocatorFacade(self.core_mamba_pool)
+        self.mamba_allocator = MambaSlotAllocatorFacade(self.core_mamba_pool, self)
+        #: row -> planned ``(seqlen, slot)`` prefix checkpoints not yet in the tree
+        #: (``MambaRadixCache.plan_prefix_checkpoints``); the slots are the request's.
+        self.prefix_checkpoints: Dict[int, List[Tuple[int, int]]] = {}
+        #: Set by a linear-attention backend that writes a state at any token position
+        #: (the tiny model's torch backend); SGLang's GPU backends write only their
+        #: checkpoint grid, so without it no prefix checkpoint is planned.
+        self.prefix_checkpoint_writer = False
+        #: The tree cache planning the checkpoints (set by ``MambaRadixCacheAdapter``).
+        self.tree_cache = None
 
     # -- rows: the core's free list ---------------------------------------------------
     @property
@@ -201,7 +219,35 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         if self._aux_cache is not None:
             for index in indices:
                 self._aux_cache.free(index)
+        self._drop_prefix_checkpoints(indices)
         self.core.free_rows(indices)
+
+    def reclaimable_prefix_checkpoints(self) -> int:
+        """SSM slots held by planned (not yet written) prefix checkpoints."""
+        return sum(len(v) for v in self.prefix_checkpoints.values())
+
+    def reclaim_prefix_checkpoints(self, num: int) -> int:
+        """Give up to ``num`` planned prefix checkpoints back to the SSM pool (deepest
+        first: a prompt-end checkpoint before a branch point) so that a request's own slots
+        never wait for an optional checkpoint. Safe without overlap scheduling (the only
+        mode the planning backend runs in): no forward is in flight, and the next forward's
+        plan is read from :attr:`prefix_checkpoints` after this. Returns slots freed."""
+        freed: List[int] = []
+        while len(freed) < num and self.prefix_checkpoints:
+            row = max(self.prefix_checkpoints, key=lambda r: self.prefix_checkpoints[r][-1][0])
+            planned = self.prefix_checkpoints[row]
+            freed.append(planned.pop()[1])
+            if not planned:
+                del self.prefix_checkpoints[row]
+        if freed:
+            self.core_mamba_pool.free(freed)
+        return len(freed)
+
+    def _drop_prefix_checkpoints(self, rows) -> None:
+        """Free the slots of prefix checkpoints still planned for ``rows``."""
+        slots = [slot for row in rows for _, slot in self.prefix_checkpoints.pop(row, ())]
+        if slots:
+            self.core_mamba_pool.free(slots)
 
     def alloc(self, reqs) -> Optional[List[int]]:
         """Rows, working SSM slots and ping-pong slots for the requests without a row (a
@@ -210,6 +256,13 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         if fresh:
             creqs = [req_bridge.pull(r) for r in fresh]
             rows = self.core.alloc(creqs)
+            if rows is None and self.prefix_checkpoints:
+                # Planned prefix checkpoints are optional: give them up before failing
+                # the batch (SGLang's admission counted them as available).
+                track = self.core.track_slots_per_req
+                need = sum(track + (1 if c.mamba_pool_idx is None else 0) for c in creqs)
+                self.reclaim_prefix_checkpoints(need - self.core_mamba_pool.available_size())
+                rows = self.core.alloc(creqs)
             if rows is None:
                 return None
             for r, c in zip(fresh, creqs):
@@ -217,15 +270,57 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
                 req_bridge.push_mamba(r, c, self.device)
                 req_bridge.push_track_buffer(r, c, self.device, fresh=True)
             self._rows_taken(rows)
+            # After every request of the batch has its own slots: the extra checkpoints
+            # only take what is left (evicting a state at most, never failing the batch).
+            for r, c in zip(fresh, creqs):
+                self._plan_prefix_checkpoints(r, c)
         return [r.kv.req_pool_idx for r in reqs]
+
+    def _plan_prefix_checkpoints(self, req, creq) -> None:
+        """Plan the request's prefix checkpoints (branch point, prompt length - 1; issue 6)
+        when the backend can write them and the tree cache plans them."""
+        cache = self.tree_cache
+        if not self.prefix_checkpoint_writer or cache is None or not cache.core.branch_checkpoints:
+            return
+        fill = getattr(req, "full_untruncated_fill_ids", None)
+        prompt_len = len(fill) if fill else len(req.origin_input_ids) + len(req.output_ids)
+        branching = getattr(req, "mamba_branching_seqlen", None)
+        cache.core.plan_prefix_checkpoints(creq, prompt_len, branching)
+        req_bridge.push_prefix_checkpoints(self, creq.req_pool_idx, creq)
+
+    def prefix_checkpoint_plan(self, forward_batch) -> Dict[int, List[Tuple[int, int]]]:
+        """The planned prefix checkpoints inside this extend, as a backend checkpoint plan:
+        ``{batch row: [(offset, slot), ...]}`` where ``offset`` (tokens into the row's new
+        tokens of this forward) is ``seqlen - extend_prefix_len``. Empty for other modes."""
+        if not self.prefix_checkpoints:
+            return {}
+        mode = getattr(forward_batch, "forward_mode", None)
+        if mode is None or not mode.is_extend() or mode.is_target_verify() or mode.is_draft_extend_v2():
+            return {}
+        prefix = forward_batch.extend_prefix_lens_cpu
+        new = forward_batch.extend_seq_lens_cpu
+        if prefix is None or new is None:
+            return {}
+        plan: Dict[int, List[Tuple[int, int]]] = {}
+        for i, row in enumerate(forward_batch.req_pool_indices.tolist()):
+            planned = self.prefix_checkpoints.get(row)
+            if not planned:
+                continue
+            start, end = int(prefix[i]), int(prefix[i]) + int(new[i])
+            items = [(c - start, slot) for c, slot in planned if start < c <= end]
+            if items:
+                plan[i] = items
+        return plan
 
     def free(self, req) -> None:
         """Release the request's row (and any SSM slot it still holds)."""
-        creq = req_bridge.pull(req)
+        creq = req_bridge.pull(req, pool=self)
+        row = creq.req_pool_idx
         held_mamba = creq.mamba_pool_idx is not None or bool(creq.mamba_ping_pong_track_buffer)
-        if self._aux_cache is not None and creq.req_pool_idx is not None:
-            self._aux_cache.free(creq.req_pool_idx)
+        if self._aux_cache is not None and row is not None:
+            self._aux_cache.free(row)
         self.core.free(creq)
+        self.prefix_checkpoints.pop(row, None)
         req.kv.req_pool_idx = None
         if held_mamba:
             req_bridge.push_mamba_released(req)
@@ -233,12 +328,13 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
     def free_mamba_cache(self, req, mamba_ping_pong_track_buffer_to_keep: Optional[int] = None) -> None:
         """Free the request's working and ping-pong SSM slots except ping-pong entry
         ``mamba_ping_pong_track_buffer_to_keep`` (SGLang's signature)."""
-        creq = req_bridge.pull(req)
+        creq = req_bridge.pull(req, pool=self)
         keep = None
         if mamba_ping_pong_track_buffer_to_keep is not None and creq.mamba_ping_pong_track_buffer:
             slot = creq.mamba_ping_pong_track_buffer[mamba_ping_pong_track_buffer_to_keep]
             keep = slot if slot >= 0 else None
         self.core.free_mamba_slots(creq, keep_slot=keep)
+        self.prefix_checkpoints.pop(creq.req_pool_idx, None)
         req_bridge.push_mamba_released(req)
 
     def clear(self) -> None:
@@ -250,6 +346,7 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         self.mamba_allocator.clear()
         self.short_conv_pool.clear()
         self.ngram_pool.clear()
+        self.prefix_checkpoints.clear()
         self.core.clear()
 
 

@@ -10,7 +10,10 @@ working SSM slot ``mamba_pool_idx`` as a 0-d int64 tensor, the deferred copy-on-
 
 Every adapter call builds a fresh :class:`CacheReq` from those fields (:func:`pull`), runs the
 core, and writes back what the core changed (the ``push_*`` functions). Nothing is cached on
-the ``Req``, so SGLang's own resets (retraction, abort, admission rejection) need no hook.
+the ``Req``, so SGLang's own resets (retraction, abort, admission rejection) need no hook. The
+one piece of per-request state SGLang has no field for — the prefix checkpoints planned for a
+prefill (issue 6) — is kept by the plugin's request pool per row, and every path that frees a
+row or its SSM slots frees them too.
 """
 
 from __future__ import annotations
@@ -39,13 +42,17 @@ def _as_int(t: Optional[torch.Tensor]) -> Optional[int]:
     return int(t.reshape(-1)[0])
 
 
-def pull(req, token_ids: Sequence[int] = ()) -> CacheReq:
+def pull(req, token_ids: Sequence[int] = (), pool=None) -> CacheReq:
     """A :class:`CacheReq` holding ``req``'s current cache fields.
 
     Args:
         req: SGLang ``Req``.
         token_ids: the tokens the core may read (a prefix of ``origin_input_ids +
             output_ids``); empty for calls that read no tokens.
+        pool: the plugin's request pool; when given, the prefix checkpoints it keeps for
+            the request's row (``MambaRadixReqToTokenPool.prefix_checkpoints``) are copied
+            into ``mamba_prefix_checkpoints`` (write them back with
+            :func:`push_prefix_checkpoints`).
 
     The ping-pong entry the core reads as "newest checkpoint" (``1 - mamba_next_track_idx``)
     is set to SGLang's ``mamba_last_track_idx`` (they agree with a two-entry buffer).
@@ -55,6 +62,7 @@ def pull(req, token_ids: Sequence[int] = ()) -> CacheReq:
     buf = kv.mamba_ping_pong_track_buffer
     last_idx = kv.mamba_last_track_idx
     next_idx = (1 - last_idx) if last_idx is not None else (kv.mamba_next_track_idx or 0)
+    planned = pool.prefix_checkpoints.get(kv.req_pool_idx) if pool is not None else None
     return CacheReq(
         rid=req.rid,
         token_ids=token_ids if isinstance(token_ids, list) else list(token_ids),
@@ -70,8 +78,21 @@ def pull(req, token_ids: Sequence[int] = ()) -> CacheReq:
         mamba_ping_pong_track_buffer=buf.tolist() if buf is not None else [],
         mamba_next_track_idx=next_idx,
         mamba_last_track_seqlen=kv.mamba_last_track_seqlen,
+        mamba_prefix_checkpoints=list(planned) if planned else [],
         user=req,
     )
+
+
+def push_prefix_checkpoints(pool, row: Optional[int], creq: CacheReq) -> None:
+    """Store the prefix checkpoints the core left on ``creq`` (planned, not yet inserted)
+    as row ``row``'s entry of ``pool.prefix_checkpoints``; drop the entry when none are
+    left. ``row`` is the row the request held when :func:`pull` ran."""
+    if row is None:
+        return
+    if creq.mamba_prefix_checkpoints:
+        pool.prefix_checkpoints[row] = list(creq.mamba_prefix_checkpoints)
+    else:
+        pool.prefix_checkpoints.pop(row, None)
 
 
 def _slot_tensor(slot: int, device) -> torch.Tensor:

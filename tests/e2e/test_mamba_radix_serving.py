@@ -123,12 +123,15 @@ class TestProductLaunch(_Base):
         """Issue 6: requests that share only the first part of the warmed text prompt. The
         tree has KV for all of it but states only at its end, so the first diverging request
         cannot use it; its match reports the branch point, its prefill saves the state there
-        (on SGLang's 8-token checkpoint grid for the tiny model), and the next request
-        diverging at the same place hits it."""
+        (exactly: the tiny model's backend writes a state at any token, so the point is not
+        rounded to SGLang's 8-token checkpoint grid), and the next request diverging at the
+        same place hits it."""
         warm = self.tok.encode(POLICY)
         k = 2 * len(warm) // 3
-        branch = k - k % 8
-        self.assertGreater(branch, 0)
+        if k % 8 == 0:
+            k -= 1  # off the grid: only an exact checkpoint can serve it
+        branch = k
+        self.assertGreater(branch, 8)
         first = warm[:k] + self.tok.encode(" Unrelated question one?", add_special_tokens=False)
         second = warm[:k] + self.tok.encode(" A different question two?", add_special_tokens=False)
         self.assertNotEqual(first[k], second[k])
@@ -248,6 +251,21 @@ def _run_workload(server, tok):
             outs[name] = r["output_ids"]
             cached[name] = r["meta_info"]["cached_tokens"]
     return outs, cached, marker
+
+
+    def test_b_identical_prompt_on_the_grid_hits_all_but_its_last_token(self):
+        """Issue 6: a resent identical prompt must recompute its last token (for logits), so
+        only a state at prompt length - 1 serves it. With a grid-aligned length, SGLang's own
+        checkpoints sit at the prompt's end and 8 tokens before; the prompt-end checkpoint
+        makes the first repeat hit ``len - 1`` tokens."""
+        ids = self.tok.encode("Count the stars, then the sheep, then the stars again: " * 3)
+        ids = ids[: len(ids) - len(ids) % 8]
+        self.assertGreater(len(ids), 32)
+        first = self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS)
+        self.assertEqual(first["output_ids"], self.ref.generate_greedy(ids, NEW_TOKENS))
+        again = self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS)
+        self.assertEqual(again["meta_info"]["cached_tokens"], len(ids) - 1)
+        self.assertEqual(again["output_ids"], first["output_ids"])
 
 
 class TestGreedyEquivalence(_Base):

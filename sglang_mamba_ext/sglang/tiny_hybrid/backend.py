@@ -25,7 +25,10 @@ plan. By default the plan is SGLang's own ping-pong track metadata (strategy
 ``mamba_prefill_track_mask_cpu`` + ``mamba_track_aligned_lens()`` for an extend,
 ``mamba_track_mask`` for a decode), so the backend writes the checkpoints SGLang's GPU
 backends write with their kernels (``_track_mamba_state_extend`` / ``_decode``); hence
-:attr:`writes_mamba_track_states`. Set :attr:`checkpoint_plan_fn` to use another plan.
+:attr:`writes_mamba_track_states`, plus, under ``--enable-mamba-radix``, the prefix
+checkpoints the plugin's pool planned (exact branch point, prompt length - 1; the backend
+marks the pool ``prefix_checkpoint_writer``). Set :attr:`checkpoint_plan_fn` to use another
+plan.
 
 Not supported: target-verify / draft modes (speculative decoding), tensor parallelism,
 CUDA graphs (CPU serving never captures).
@@ -58,6 +61,13 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
         self._plan: CheckpointPlan = {}
+        overlap = not getattr(getattr(model_runner, "server_args", None), "disable_overlap_schedule", True)
+        if hasattr(model_runner.req_to_token_pool, "prefix_checkpoint_writer") and not overlap:
+            # This backend writes a state at any token position: the mamba-radix pool may
+            # plan exact branch-point and prompt-end checkpoints (issue 6). Not under
+            # overlap scheduling, where the pool could give a planned slot away while the
+            # forward that writes it is in flight.
+            model_runner.req_to_token_pool.prefix_checkpoint_writer = True
         # MambaAttnBackendBase's extend track metadata reads the conv window length here.
         self.conv_states_shape = tuple(model_runner.req_to_token_pool.mamba_pool.mamba_cache.conv[0].shape)
 
@@ -75,7 +85,19 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         Default: :attr:`checkpoint_plan_fn` if set, else SGLang's track metadata
         (:meth:`sglang_track_plan`)."""
         fn = type(self).checkpoint_plan_fn
-        return fn(self, forward_batch) if fn is not None else self.sglang_track_plan(forward_batch)
+        if fn is not None:
+            return fn(self, forward_batch)
+        plan = self.sglang_track_plan(forward_batch)
+        extra = self._prefix_checkpoint_plan(forward_batch)
+        for row, items in extra.items():
+            plan[row] = plan.get(row, []) + items
+        return plan
+
+    def _prefix_checkpoint_plan(self, forward_batch) -> CheckpointPlan:
+        """The mamba-radix pool's planned prefix checkpoints inside this forward
+        (``MambaRadixReqToTokenPool.prefix_checkpoint_plan``); empty with another pool."""
+        fn = getattr(self.req_to_token_pool, "prefix_checkpoint_plan", None)
+        return fn(forward_batch) if fn is not None else {}
 
     def sglang_track_plan(self, forward_batch) -> CheckpointPlan:
         """SGLang's extra_buffer track metadata as a plan: an extend row with
