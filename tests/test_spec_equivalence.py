@@ -3,7 +3,7 @@
 Issue 5 part 2 / seed §9.9: for topk in {1, 2, 4} and steps in {1, 3}, a batch of requests with
 different accept lengths runs the snapshot engine and the deferred engine in lockstep; after
 every round the deferred main state (with its pending stash replayed into a copy) equals the
-snapshot main state within 1e-6 (fp32), the tokens equal plain greedy decoding, ping-pong
+snapshot main state within 1e-6 (fp32; absolute or relative, see ``RTOL_MODES``), the tokens equal plain greedy decoding, ping-pong
 checkpoints written when a run crosses a ``mamba_track_interval`` boundary equal a plain
 prefill to that length, and the state a finished request leaves in the prefix store reflects
 exactly ``prompt + output[:-1]`` (accepted tokens only, none missing). A second request reusing a
@@ -26,7 +26,14 @@ SELECT = 'onchip'
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3, 3, 3, 3, 3, 3, 11]]
 MAX_NEW = [19, 26, 23]
 INTERVAL = 8
-ATOL_MODES = 1e-6  # deferred vs snapshot
+# Deferred vs snapshot: within 1e-6, absolute or relative to the value
+# (|a - b| <= 1e-6 + 1e-6 * |b|). The two modes reach a layer's input through different but
+# equal orders of fp32 operations (per-node tree states vs the one-layer buffer / on-chip
+# verify), so they agree to a few ulps of the value, and states reach magnitude ~2 (ulp
+# 2.4e-7): a purely absolute 1e-6 failed by 7 % on one CPU and passed on another. The
+# differences stay at that level: they do not accumulate over rounds.
+ATOL_MODES = 1e-6
+RTOL_MODES = 1e-6
 ATOL_PLAIN = 2e-5  # vs a plain (differently chunked) forward
 
 
@@ -99,8 +106,8 @@ class _Base(unittest.TestCase):
                     continue
                 sc, st = snap.conv_state[:, a.slot], snap.temporal_state[:, a.slot]
                 dc, dt = defer.materialized_state(b)
-                torch.testing.assert_close(dc, sc, rtol=0, atol=ATOL_MODES)
-                torch.testing.assert_close(dt, st, rtol=0, atol=ATOL_MODES)
+                torch.testing.assert_close(dc, sc, rtol=RTOL_MODES, atol=ATOL_MODES)
+                torch.testing.assert_close(dt, st, rtol=RTOL_MODES, atol=ATOL_MODES)
         self.assertFalse(defer.running)
         for a, b in zip(rs, rd):
             # deferred writes a crossing one round later (at replay) and never past the
@@ -110,8 +117,8 @@ class _Base(unittest.TestCase):
             self.assertEqual(a.accept_lengths, b.accept_lengths)
             cs, ts = self.check_store(snap.prefix_store, a)
             cd, td = self.check_store(defer.prefix_store, b)
-            torch.testing.assert_close(cd, cs, rtol=0, atol=ATOL_MODES)
-            torch.testing.assert_close(td, ts, rtol=0, atol=ATOL_MODES)
+            torch.testing.assert_close(cd, cs, rtol=RTOL_MODES, atol=ATOL_MODES)
+            torch.testing.assert_close(td, ts, rtol=RTOL_MODES, atol=ATOL_MODES)
             # all replayed, nothing left in the stash of a finished request
             self.assertEqual(int(defer.stash.count[b.row]), 0)
         return snap, defer, rs, rd
