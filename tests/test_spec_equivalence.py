@@ -27,8 +27,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [3, 3, 3, 3, 3, 3, 3, 11]]
 MAX_NEW = [19, 26, 23]
 INTERVAL = 8
 # Deferred vs snapshot: within 1e-6, absolute or relative to the value
-# (|a - b| <= 1e-6 + 1e-6 * |b|). The two modes reach a layer's input through different but
-# equal orders of fp32 operations (per-node tree states vs the one-layer buffer / on-chip
+# (|a - b| <= 1e-6 + 1e-6 * |b|). The two modes reach a layer's input through different,
+# mathematically equivalent orders of fp32 operations (per-node tree states vs the one-layer buffer / on-chip
 # verify), so they agree to a few ulps of the value, and states reach magnitude ~2 (ulp
 # 2.4e-7): a purely absolute 1e-6 failed by 7 % on one CPU and passed on another. The
 # differences stay at that level: they do not accumulate over rounds.
