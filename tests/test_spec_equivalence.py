@@ -28,10 +28,10 @@ MAX_NEW = [19, 26, 23]
 INTERVAL = 8
 # Deferred vs snapshot: within 1e-6, absolute or relative to the value
 # (|a - b| <= 1e-6 + 1e-6 * |b|). The two modes reach a layer's input through different,
-# mathematically equivalent orders of fp32 operations (per-node tree states vs the one-layer buffer / on-chip
-# verify), so they agree to a few ulps of the value, and states reach magnitude ~2 (ulp
-# 2.4e-7): a purely absolute 1e-6 failed by 7 % on one CPU and passed on another. The
-# differences stay at that level: they do not accumulate over rounds.
+# mathematically equivalent orders of fp32 operations (per-node tree states vs the
+# one-layer buffer / on-chip verify), so they agree to a few ulps of the value, and states
+# reach magnitude ~2 (ulp 2.4e-7): a purely absolute 1e-6 failed by 7 % on one CPU and
+# passed on another. The differences stay at that level: they do not accumulate over rounds.
 ATOL_MODES = 1e-6
 RTOL_MODES = 1e-6
 ATOL_PLAIN = 2e-5  # vs a plain (differently chunked) forward
