@@ -43,6 +43,14 @@ class TestSGLangTrackPlan(unittest.TestCase):
             mamba_cache_indices=None if slots is None else torch.tensor(slots),
         )
 
+    def oracle(self, x, n):
+        """(conv window, temporal state) of the mixer over the first ``n`` rows of ``x``."""
+        m, g, beta = self.mixer.project(x[:n])
+        y, conv = self.mixer.conv(m, None)
+        q, k, v = self.mixer.split_qkv(y)
+        _, ssm = self.mixer.recurrence(q, k, v, g, beta, None)
+        return conv, ssm
+
     def test_declares_it_writes_track_states(self):
         self.assertTrue(TinyHybridLinearAttnBackend.writes_mamba_track_states)
 
@@ -80,11 +88,7 @@ class TestSGLangTrackPlan(unittest.TestCase):
         )
         self.backend._plan = self.backend._validated_plan(fb)
         self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(12, -1), b=beta)
-        # Oracle: the mixer over the first 8 tokens.
-        m8, g8, b8 = self.mixer.project(x[:8])
-        y, conv8 = self.mixer.conv(m8, None)
-        q, k, v = self.mixer.split_qkv(y)
-        _, ssm8 = self.mixer.recurrence(q, k, v, g8, b8, None)
+        conv8, ssm8 = self.oracle(x, 8)
         torch.testing.assert_close(self.pool.conv[9], conv8)
         torch.testing.assert_close(self.pool.temporal[9], ssm8, atol=1e-5, rtol=1e-5)
         self.assertFalse(torch.equal(self.pool.temporal[2], self.pool.temporal[9]))  # working state is at 12
@@ -107,10 +111,7 @@ class TestSGLangTrackPlan(unittest.TestCase):
         self.assertEqual(self.backend._plan, {0: [(5, 7), (8, 9), (11, 6)]})
         self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(12, -1), b=beta)
         for n, slot in ((5, 7), (8, 9), (11, 6)):
-            m, gn, bn = self.mixer.project(x[:n])
-            y, conv = self.mixer.conv(m, None)
-            q, k, v = self.mixer.split_qkv(y)
-            _, ssm = self.mixer.recurrence(q, k, v, gn, bn, None)
+            conv, ssm = self.oracle(x, n)
             torch.testing.assert_close(self.pool.conv[slot], conv)
             torch.testing.assert_close(self.pool.temporal[slot], ssm, atol=1e-5, rtol=1e-5)
 
