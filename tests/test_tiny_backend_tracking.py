@@ -43,6 +43,18 @@ class TestSGLangTrackPlan(unittest.TestCase):
             mamba_cache_indices=None if slots is None else torch.tensor(slots),
         )
 
+    def one_row_extend_tracked_at_8(self):
+        """A one-row extend batch (from an empty state) that SGLang tracks after 8 tokens;
+        the backend's plan is validated for it."""
+        fb = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND,
+            extend_prefix_lens_cpu=[0],
+            mamba_prefill_track_mask_cpu=[True],
+            mamba_track_aligned_lens=lambda: torch.tensor([8]),
+        )
+        self.backend._plan = self.backend._validated_plan(fb)
+        return fb
+
     def oracle(self, x, n):
         """(conv window, temporal state) of the mixer over the first ``n`` rows of ``x``."""
         m, g, beta = self.mixer.project(x[:n])
@@ -80,13 +92,7 @@ class TestSGLangTrackPlan(unittest.TestCase):
         x = torch.randn(12, 32)
         mixed, g, beta = self.mixer.project(x)
         self._md([9], qsl=[0, 12], slots=[2])
-        fb = SimpleNamespace(
-            forward_mode=ForwardMode.EXTEND,
-            extend_prefix_lens_cpu=[0],
-            mamba_prefill_track_mask_cpu=[True],
-            mamba_track_aligned_lens=lambda: torch.tensor([8]),
-        )
-        self.backend._plan = self.backend._validated_plan(fb)
+        fb = self.one_row_extend_tracked_at_8()
         self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(12, -1), b=beta)
         conv8, ssm8 = self.oracle(x, 8)
         torch.testing.assert_close(self.pool.conv[9], conv8)
@@ -101,13 +107,7 @@ class TestSGLangTrackPlan(unittest.TestCase):
         mixed, g, beta = self.mixer.project(x)
         self._md([9], qsl=[0, 12], slots=[2])
         self.pool.prefix_checkpoint_plan = lambda fb: {0: [(5, 7), (11, 6)]}
-        fb = SimpleNamespace(
-            forward_mode=ForwardMode.EXTEND,
-            extend_prefix_lens_cpu=[0],
-            mamba_prefill_track_mask_cpu=[True],
-            mamba_track_aligned_lens=lambda: torch.tensor([8]),
-        )
-        self.backend._plan = self.backend._validated_plan(fb)
+        fb = self.one_row_extend_tracked_at_8()
         self.assertEqual(self.backend._plan, {0: [(5, 7), (8, 9), (11, 6)]})
         self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(12, -1), b=beta)
         for n, slot in ((5, 7), (8, 9), (11, 6)):
