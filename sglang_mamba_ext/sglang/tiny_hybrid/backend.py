@@ -83,7 +83,8 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         Rows are batch rows (the order of ``forward_batch.req_pool_indices``); offsets are
         token counts into the row's new tokens of this forward (1 for a decode row).
         Default: :attr:`checkpoint_plan_fn` if set, else SGLang's track metadata
-        (:meth:`sglang_track_plan`)."""
+        (:meth:`sglang_track_plan`) joined with the mamba-radix pool's planned prefix
+        checkpoints (:meth:`_prefix_checkpoint_plan`)."""
         fn = type(self).checkpoint_plan_fn
         if fn is not None:
             return fn(self, forward_batch)
