@@ -131,7 +131,7 @@ class TestWarmupRun(_Files):
         tokens = sum(len(x) for x in firsts)
         hit = sum(len(x) - 1 for x in seconds)
         self.assertTrue(
-            any(f"3 prompts ({tokens} tokens) cached" in m and f"hit {hit} cached tokens" in m for m in logs.output),
+            any(f"3 prompts ({tokens} tokens) prefilled into the cache" in m and f"hit {hit} cached tokens" in m for m in logs.output),
             logs.output,
         )
 

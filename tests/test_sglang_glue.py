@@ -258,6 +258,8 @@ class TestFlags(unittest.TestCase):
             (["--enable-mamba-radix", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
             (["--enable-mamba-radix", "--mamba-radix-cache-strategy", "extra_buffer_lazy"], "extra_buffer_lazy"),
             (["--warmups", "kda_cache"], "--warmup-prompts-file"),
+            (["--enable-mamba-radix", "--max-mamba-cache-size", "0"], "--max-mamba-cache-size 0: give a positive"),
+            (["--enable-mamba-radix", "--max-mamba-cache-size", "-4"], "--max-mamba-cache-size -4"),
         ]
         for extra, needle in cases:
             with self.subTest(extra=extra):
@@ -663,13 +665,11 @@ class TestLifecycleNoBuffer(_ContextTest):
         h.check_idle()
 
 
-if __name__ == "__main__":
-    unittest.main()
-
 
 class TestEmptyPromptGuard(unittest.TestCase):
-    """A text prompt that tokenizes to nothing is refused before scheduling (SGLang refuses
-    only an empty input_ids list; an empty prompt kills its scheduler)."""
+    """A text prompt that tokenizes to nothing, and input ids outside the vocabulary, are
+    refused before scheduling (SGLang refuses only an empty input_ids list; either prompt
+    kills its scheduler)."""
 
     def test_guard(self):
         from types import SimpleNamespace
@@ -683,5 +683,15 @@ class TestEmptyPromptGuard(unittest.TestCase):
                 compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), [])
             self.assertIn("empty", str(cm.exception))
             self.assertIsNone(compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), [5]))
+            tm = SimpleNamespace(model_config=SimpleNamespace(vocab_size=768))
+            self.assertIsNone(compat.validate_one_request_before(tm, SimpleNamespace(input_embeds=None), [0, 767]))
+            for ids, bad in (([5, 768], "768"), ([-2, 5], "-2")):
+                with self.assertRaises(ValueError) as cm:
+                    compat.validate_one_request_before(tm, SimpleNamespace(input_embeds=None), ids)
+                self.assertIn(f"out-of-vocabulary token id {bad}", str(cm.exception))
         with mock.patch("sglang_mamba_ext.sglang.settings.current_settings", return_value={"enable": False}):
             self.assertIsNone(compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), []))
+
+
+if __name__ == "__main__":
+    unittest.main()

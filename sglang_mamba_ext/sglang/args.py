@@ -145,6 +145,15 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         )
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         refuse(f"--disaggregation-mode {server_args.disaggregation_mode}", " (not implemented)")
+    mamba_size = getattr(server_args, "max_mamba_cache_size", None)
+    if mamba_size is not None and mamba_size <= 0:
+        # SGLang would report it as "not enough GPU memory", also on CPU.
+        raise ValueError(
+            f"--max-mamba-cache-size {mamba_size}: give a positive number of SSM state slots "
+            f"(with {ENABLE_FLAG} each running request holds up to 4: working state, two "
+            "ping-pong checkpoints and a copy-on-write source), or leave it out to size the "
+            "pool from memory"
+        )
 
     server_args.radix_cache_backend = S.BACKEND_NAME
     if strategy == "auto":

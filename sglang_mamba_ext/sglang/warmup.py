@@ -11,7 +11,8 @@
    traffic; a request identical to a cached one cannot hit, SGLang caps a match at
    ``len - 1`` tokens).
 
-It logs how many prompts and tokens are cached and how many tokens the second pass hit.
+It logs how many prompts and tokens were prefilled and how many tokens the second pass hit
+(with a warning when that is less than the prompts: the pools are too small to keep them).
 
 File formats (:func:`load_prompts`): a JSON list of strings, or JSON lines each one object
 with exactly one of ``"text"`` (a string), ``"input_ids"`` (a list of token ids) or
@@ -237,10 +238,16 @@ async def kda_cache_warmup(disaggregation_mode: str, tokenizer_manager) -> dict:
         hit += int((out.get("meta_info") or {}).get("cached_tokens", 0) or 0)
     tokens = sum(len(ids) for ids in todo)
     logger.info(
-        "%s warmup: %d prompts (%d tokens) cached from %s, %d skipped; the second pass hit "
-        "%d cached tokens",
+        "%s warmup: %d prompts (%d tokens) prefilled into the cache from %s, %d skipped; the "
+        "second pass hit %d cached tokens",
         S.WARMUP_NAME, len(todo), tokens, path, skipped, hit,
     )
+    if todo and hit < tokens:
+        logger.warning(
+            "%s warmup: the second pass hit %d of %d prompt tokens: the pools hold less than the "
+            "prompts (raise --max-total-tokens / --max-mamba-cache-size, or warm fewer prompts)",
+            S.WARMUP_NAME, hit, tokens,
+        )
     return {"prompts": len(todo), "tokens": tokens, "skipped": skipped, "second_pass_cached_tokens": hit}
 
 

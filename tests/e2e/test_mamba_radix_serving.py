@@ -187,13 +187,22 @@ class TestProductLaunch(_Base):
         self.assertFalse(t.is_alive())
         self.assertEqual(result["out"]["meta_info"]["finish_reason"]["type"], "abort")
         self.assertLess(result["out"]["meta_info"]["completion_tokens"], 3000)
-        # 3. Still serving, correctly.
+        # 3. Prompts that would kill SGLang's scheduler are refused with HTTP 400: a text
+        # with no token, token ids outside the vocabulary.
+        for body in ({"text": ""}, {"input_ids": [5, 10**6]}, {"input_ids": [-1, 5]}):
+            r = requests.post(
+                self.server.base_url + "/generate",
+                json={**body, "sampling_params": {"max_new_tokens": 2}},
+                timeout=60,
+            )
+            self.assertEqual(r.status_code, 400, (body, r.text))
+        # 4. Still serving, correctly.
         self.assertTrue(self.server.alive())
         marker2 = len(self.server.log_text())
         ids = self.tok.encode("After the storm")
         out = self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS)
         self.assertEqual(out["output_ids"], self.ref.generate_greedy(ids, NEW_TOKENS))
-        # 4. SGLang's idle check ran with this cache after all of it (the cache logs one
+        # 5. SGLang's idle check ran with this cache after all of it (the cache logs one
         # line per idle check after a change; none can appear while a request runs), and
         # the pools balance.
         checks = wait_for(lambda: idle_checks(self.server.log_text()[marker2:]), 120)
