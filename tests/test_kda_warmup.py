@@ -153,6 +153,23 @@ class TestWarmupRun(_Files):
         self.assertEqual([list(r.input_ids)[:4] for r in tm.requests], [[5, 6, 7, 8]] * 2)
         self.assertTrue(any(f"{path}:2: prompt of 6 tokens skipped" in m for m in logs.output), logs.output)
 
+    def test_warns_when_the_pools_cannot_keep_the_prompts(self):
+        path = self.write('{"input_ids": [5, 6, 7, 8]}\n{"input_ids": [9, 10, 11]}\n')
+        tm = _TokenizerManager()
+        with self.assertNoLogs(W.logger, "WARNING"):
+            self._run(path, tm)  # the fake cache hits every prompt token: no warning
+        forgetful = _TokenizerManager()
+
+        async def generate_request(obj, request=None):
+            forgetful.requests.append(obj)
+            ids = list(obj.input_ids)
+            yield {"output_ids": [1], "meta_info": {"cached_tokens": min(2, len(ids) - 1)}}
+
+        forgetful.generate_request = generate_request
+        with self.assertLogs(W.logger, "WARNING") as logs:
+            self._run(path, forgetful)
+        self.assertTrue(any("hit 4 of 7 prompt tokens" in m for m in logs.output), logs.output)
+
     def test_token_id_outside_vocabulary_fails_naming_file_and_line(self):
         path = self.write('{"input_ids": [5, 6]}\n{"input_ids": [5, 6, 99999]}\n')
         tm = _TokenizerManager(vocab_size=768)
