@@ -163,12 +163,12 @@ class TestWarmupRun(_Files):
         async def generate_request(obj, request=None):
             forgetful.requests.append(obj)
             ids = list(obj.input_ids)
-            yield {"output_ids": [1], "meta_info": {"cached_tokens": min(2, len(ids) - 1)}}
+            yield {"output_ids": [1], "meta_info": {"cached_tokens": min(1, len(ids) - 1)}}
 
         forgetful.generate_request = generate_request
         with self.assertLogs(W.logger, "WARNING") as logs:
             self._run(path, forgetful)
-        self.assertTrue(any("hit 4 of 7 prompt tokens" in m for m in logs.output), logs.output)
+        self.assertTrue(any("hit 2 of 7 prompt tokens" in m for m in logs.output), logs.output)
 
     def test_token_id_outside_vocabulary_fails_naming_file_and_line(self):
         path = self.write('{"input_ids": [5, 6]}\n{"input_ids": [5, 6, 99999]}\n')

@@ -258,8 +258,9 @@ class TestFlags(unittest.TestCase):
             (["--enable-mamba-radix", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
             (["--enable-mamba-radix", "--mamba-radix-cache-strategy", "extra_buffer_lazy"], "extra_buffer_lazy"),
             (["--warmups", "kda_cache"], "--warmup-prompts-file"),
-            (["--enable-mamba-radix", "--max-mamba-cache-size", "0"], "--max-mamba-cache-size 0: give a positive"),
-            (["--enable-mamba-radix", "--max-mamba-cache-size", "-4"], "--max-mamba-cache-size -4"),
+            (["--enable-mamba-radix", "--max-mamba-cache-size", "0"], "--max-mamba-cache-size 0 is too small"),
+            (["--enable-mamba-radix", "--max-mamba-cache-size", "-4"], "--max-mamba-cache-size -4 is too small"),
+            (["--enable-mamba-radix", "--max-mamba-cache-size", "2"], "holds 3 SSM state slots"),
         ]
         for extra, needle in cases:
             with self.subTest(extra=extra):

@@ -145,15 +145,6 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         )
     if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
         refuse(f"--disaggregation-mode {server_args.disaggregation_mode}", " (not implemented)")
-    mamba_size = getattr(server_args, "max_mamba_cache_size", None)
-    if mamba_size is not None and mamba_size <= 0:
-        # SGLang would report it as "not enough GPU memory", also on CPU.
-        raise ValueError(
-            f"--max-mamba-cache-size {mamba_size}: give a positive number of SSM state slots "
-            f"(with {ENABLE_FLAG} each running request holds up to 4: working state, two "
-            "ping-pong checkpoints and a copy-on-write source), or leave it out to size the "
-            "pool from memory"
-        )
 
     server_args.radix_cache_backend = S.BACKEND_NAME
     if strategy == "auto":
@@ -164,7 +155,29 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         server_args.disable_overlap_schedule = True
         logger.info("%s: overlap scheduling off (CPU or no_buffer)", ENABLE_FLAG)
     settings["strategy"] = server_args.mamba_radix_cache_strategy
+    _check_mamba_cache_size(server_args)
     return settings
+
+
+def _check_mamba_cache_size(server_args) -> None:
+    """Refuse a ``--max-mamba-cache-size`` below what one running request holds in the
+    plugin's pool (SGLang would fail later with advice about GPU memory, also on CPU).
+
+    Raises:
+        ValueError: naming the flag and the smallest size that serves a request."""
+    size = getattr(server_args, "max_mamba_cache_size", None)
+    if size is None:
+        return
+    tracking = server_args.mamba_radix_cache_strategy != "no_buffer"
+    need = 1 + (2 if tracking else 0)  # working state (+ two ping-pong checkpoints)
+    if size < need:
+        what = "its working state and two ping-pong checkpoints" if tracking else "its working state"
+        raise ValueError(
+            f"--max-mamba-cache-size {size} is too small: with {ENABLE_FLAG} one running "
+            f"request holds {need} SSM state slots ({what}) and SGLang keeps one more per "
+            f"request, so give about {need + 1} per running request you want, or leave the "
+            "flag out (sized from memory; 128 slots on --device cpu)"
+        )
 
 
 def from_cli_args_after(result, cls, args, *rest, **kwargs):
