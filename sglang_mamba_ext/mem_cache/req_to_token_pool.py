@@ -115,6 +115,11 @@ class HybridReqToTokenPool:
         """SSM slots a running request holds (working + checkpoints)."""
         return 1 + self.track_slots_per_req
 
+    def mamba_slots_needed(self, reqs: Sequence[CacheReq]) -> int:
+        """SSM slots :meth:`alloc` takes for ``reqs``: their ping-pong slots, plus a working
+        slot for each request ``match_prefix`` did not already give one."""
+        return sum(self.track_slots_per_req + (1 if r.mamba_pool_idx is None else 0) for r in reqs)
+
     # -- alloc / free -----------------------------------------------------------------
     def alloc(self, reqs: Sequence[CacheReq]) -> Optional[List[int]]:
         """Give each request a row, a working SSM slot (unless ``match_prefix`` already
@@ -134,8 +139,7 @@ class HybridReqToTokenPool:
         if n > len(self._free_rows):
             return None
         pool = self.mamba_pool
-        need = sum(self.track_slots_per_req + (1 if r.mamba_pool_idx is None else 0) for r in reqs)
-        slots = pool.alloc_list(need)
+        slots = pool.alloc_list(self.mamba_slots_needed(reqs))
         if slots is None:
             return None
         rows = self.alloc_rows(n)

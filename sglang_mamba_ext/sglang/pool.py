@@ -259,8 +259,7 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             if rows is None and self.prefix_checkpoints:
                 # Planned prefix checkpoints are optional: give them up before failing
                 # the batch (SGLang's admission counted them as available).
-                track = self.core.track_slots_per_req
-                need = sum(track + (1 if c.mamba_pool_idx is None else 0) for c in creqs)
+                need = self.core.mamba_slots_needed(creqs)
                 self.reclaim_prefix_checkpoints(need - self.core_mamba_pool.available_size())
                 rows = self.core.alloc(creqs)
             if rows is None:
