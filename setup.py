@@ -28,7 +28,7 @@ setup(
         # (sglang/srt/plugins/__init__.py); register() does nothing visible until
         # --enable-mamba-radix is passed.
         "sglang.srt.plugins": [
-            "mamba_radix = sglang_mamba_ext.sglang.plugin:register",
+            "mamba_radix = sglang_mamba_ext.plugin:register",
         ],
     },
     include_package_data=True,

@@ -35,11 +35,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape  # noqa: E402
-from sglang_mamba_ext.spec.replay import ReplayWeights, replay  # noqa: E402
-from sglang_mamba_ext.spec.stash import ActivationStash, StashDims  # noqa: E402
-from sglang_mamba_ext.spec.tree import DraftTree  # noqa: E402
-from sglang_mamba_ext.spec.verify import OneLayerBuffer, TreeIndex, tree_recurrence  # noqa: E402
-from sglang_mamba_ext.spec.verify_triton import tree_recurrence_triton  # noqa: E402
+from sglang_mamba_ext.speculative.replay import ReplayWeights, replay  # noqa: E402
+from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims  # noqa: E402
+from sglang_mamba_ext.speculative.tree import DraftTree  # noqa: E402
+from sglang_mamba_ext.speculative.verify import OneLayerBuffer, TreeIndex, tree_recurrence  # noqa: E402
+from sglang_mamba_ext.speculative.verify_triton import tree_recurrence_triton  # noqa: E402
 
 
 def heap_tree(N: int, T: int, branching: int) -> DraftTree:

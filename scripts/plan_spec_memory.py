@@ -2,7 +2,7 @@
 """Plan the memory of the speculative SSM/conv buffers: snapshot (SGLang today) vs deferred.
 
 For Kimi-Linear-48B-A3B, Qwen3-Next-80B-A3B and Nemotron-H-8B (a Mamba2 hybrid) — shapes from
-their published ``config.json`` files, cited in ``sglang_mamba_ext/spec/sizing.py`` — and the
+their published ``config.json`` files, cited in ``sglang_mamba_ext/speculative/sizing.py`` — and the
 given ``--topk / --steps / --draft-token-num / --max-running-requests / --dtype``, prints the
 resident and peak bytes of
 
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from sglang_mamba_ext.spec.sizing import MODELS, VARIANTS, spec_memory_formula, spec_memory_measured  # noqa: E402
+from sglang_mamba_ext.speculative.reference.sizing import MODELS, VARIANTS, spec_memory_formula, spec_memory_measured  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,4 +1,4 @@
-"""Shared set-up for the tests of the SGLang glue (``sglang_mamba_ext/sglang``): the tiny
+"""Shared set-up for the tests of the SGLang glue (``sglang_mamba_ext/plugin``): the tiny
 model directory, the plugin's hooks applied in this process, a scheduler-side runtime
 context built from parsed command-line flags, and pools / caches built through SGLang's own
 code paths on ``device="cpu"``."""
@@ -37,7 +37,7 @@ def apply_plugin_hooks() -> None:
     ``load_plugins()`` does). Idempotent."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_mamba_ext.sglang.plugin import register
+    from sglang_mamba_ext.plugin.registration import register
 
     register()
     HookRegistry.apply_hooks()

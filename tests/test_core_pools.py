@@ -176,7 +176,7 @@ class TestNoSGLangImport(unittest.TestCase):
         imported at all."""
         code = (
             "import sys; sys.modules['sglang'] = None\n"
-            "import sglang_mamba_ext, sglang_mamba_ext.mem_cache, sglang_mamba_ext.spec\n"
+            "import sglang_mamba_ext, sglang_mamba_ext.mem_cache, sglang_mamba_ext.speculative\n"
             "assert not [m for m in sys.modules if m.startswith('sglang.')]\n"
             "print('ok')"
         )

@@ -1,4 +1,4 @@
-"""CPU-safe launch defaults added by the plugin (sglang_mamba_ext.sglang.cpu_defaults)."""
+"""CPU-safe launch defaults added by the plugin (sglang_mamba_ext.plugin.cpu_defaults)."""
 
 import json
 import os
@@ -6,8 +6,8 @@ import tempfile
 import unittest
 from unittest import mock
 
-from sglang_mamba_ext.sglang import cpu_defaults
-from sglang_mamba_ext.sglang.cpu_defaults import cpu_default_args
+from sglang_mamba_ext.plugin import cpu_defaults
+from sglang_mamba_ext.plugin.cpu_defaults import cpu_default_args
 
 
 class TestCpuDefaultArgs(unittest.TestCase):

@@ -9,7 +9,7 @@ import types
 import unittest
 from unittest import mock
 
-from sglang_mamba_ext.sglang import warmup as W
+from sglang_mamba_ext.plugin import warmup as W
 
 
 class _Tokenizer:

@@ -227,7 +227,7 @@ class TestFlags(unittest.TestCase):
         )
         from sglang.srt.runtime_context import get_exec, get_memory, get_schedule
 
-        from sglang_mamba_ext.sglang.settings import current_settings
+        from sglang_mamba_ext.plugin.settings import current_settings
 
         self.assertEqual(sa.radix_cache_backend, "mamba_radix_ext")
         with F.in_context(ctx):
@@ -332,7 +332,7 @@ class TestPoolAndCacheCreation(_ContextTest):
     def test_pool_built_through_hook(self):
         from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
-        from sglang_mamba_ext.sglang.pool import MambaRadixReqToTokenPool
+        from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 
         pool = F.build_req_pool(max_num_reqs=4)
         self.assertIsInstance(pool, MambaRadixReqToTokenPool)
@@ -363,7 +363,7 @@ class TestPoolAndCacheCreation(_ContextTest):
         self.assertEqual(int(pool.req_index_to_mamba_index_mapping[0]), 0)
 
     def test_create_tree_cache_returns_ours(self):
-        from sglang_mamba_ext.sglang.cache import MambaRadixCacheAdapter
+        from sglang_mamba_ext.plugin.cache import MambaRadixCacheAdapter
 
         pool = F.build_req_pool()
         cache, _ = F.build_tree_cache(pool, KV_SIZE)
@@ -375,7 +375,7 @@ class TestPoolAndCacheCreation(_ContextTest):
         from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        from sglang_mamba_ext.sglang.pool import MambaRadixReqToTokenPool
+        from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 
         ctx, _ = F.scheduler_context(F.base_argv("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"))
         with F.in_context(ctx):
@@ -676,22 +676,22 @@ class TestEmptyPromptGuard(unittest.TestCase):
         from types import SimpleNamespace
         from unittest import mock
 
-        from sglang_mamba_ext.sglang import compat
+        from sglang_mamba_ext.plugin import request_validation
 
         on = {"enable": True}
-        with mock.patch("sglang_mamba_ext.sglang.settings.current_settings", return_value=on):
+        with mock.patch("sglang_mamba_ext.plugin.settings.current_settings", return_value=on):
             with self.assertRaises(ValueError) as cm:
-                compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), [])
+                request_validation.validate_one_request_before(None, SimpleNamespace(input_embeds=None), [])
             self.assertIn("empty", str(cm.exception))
-            self.assertIsNone(compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), [5]))
+            self.assertIsNone(request_validation.validate_one_request_before(None, SimpleNamespace(input_embeds=None), [5]))
             tm = SimpleNamespace(model_config=SimpleNamespace(vocab_size=768))
-            self.assertIsNone(compat.validate_one_request_before(tm, SimpleNamespace(input_embeds=None), [0, 767]))
+            self.assertIsNone(request_validation.validate_one_request_before(tm, SimpleNamespace(input_embeds=None), [0, 767]))
             for ids, bad in (([5, 768], "768"), ([-2, 5], "-2")):
                 with self.assertRaises(ValueError) as cm:
-                    compat.validate_one_request_before(tm, SimpleNamespace(input_embeds=None), ids)
+                    request_validation.validate_one_request_before(tm, SimpleNamespace(input_embeds=None), ids)
                 self.assertIn(f"out-of-vocabulary token id {bad}", str(cm.exception))
-        with mock.patch("sglang_mamba_ext.sglang.settings.current_settings", return_value={"enable": False}):
-            self.assertIsNone(compat.validate_one_request_before(None, SimpleNamespace(input_embeds=None), []))
+        with mock.patch("sglang_mamba_ext.plugin.settings.current_settings", return_value={"enable": False}):
+            self.assertIsNone(request_validation.validate_one_request_before(None, SimpleNamespace(input_embeds=None), []))
 
 
 if __name__ == "__main__":

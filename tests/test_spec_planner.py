@@ -8,7 +8,7 @@ import unittest
 
 import torch
 
-from sglang_mamba_ext.spec.sizing import MODELS, VARIANTS, spec_memory_formula, spec_memory_measured
+from sglang_mamba_ext.speculative.reference.sizing import MODELS, VARIANTS, spec_memory_formula, spec_memory_measured
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 

@@ -1,4 +1,4 @@
-"""SGLang glue of --mamba-spec-state-update (sglang_mamba_ext/sglang/spec): flag handling,
+"""SGLang glue of --mamba-spec-state-update (sglang_mamba_ext/plugin/speculative): flag handling,
 start-up refusals, pool construction with one-layer buffers, and the verify -> commit ->
 replay -> release path on a real SGLang ``MambaPool`` (KDA layout) with fake batch objects.
 
@@ -20,17 +20,17 @@ try:
     from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape, Mamba2StateDType
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
-    from sglang_mamba_ext.sglang.spec import HOOK_TARGETS, hooks
+    from sglang_mamba_ext.plugin.speculative import HOOK_TARGETS, hooks
 
     _IMPORT_ERROR = None
 except Exception as e:  # pragma: no cover - sglang is installed in CI
     _IMPORT_ERROR = e
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.spec.replay import ReplayWeights, replay_torch
-from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
+from sglang_mamba_ext.speculative.replay import ReplayWeights, replay_torch
+from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
 
-from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu, triton_subprocess_case  # noqa: E402
+from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu, triton_subprocess_case  # noqa: E402
 
 # With SGLang imported in this process, Triton's interpreter cannot be switched on for our
 # kernels alone (SGLang's own Triton modules were set up compiled); on a CPU host the Triton
@@ -131,7 +131,7 @@ class TestFlags(unittest.TestCase):
         code = textwrap.dedent("""
             import argparse, pickle
             from sglang.srt.plugins.hook_registry import HookRegistry
-            from sglang_mamba_ext.sglang.spec import register_spec_hooks
+            from sglang_mamba_ext.plugin.speculative import register_spec_hooks
             register_spec_hooks(); HookRegistry.apply_hooks()
             from sglang.srt.server_args import ServerArgs
             p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)
@@ -202,7 +202,7 @@ class TestCommitReplayPath(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+        from sglang_mamba_ext.testing.spec_pair import triton_interpreter_env
 
         cls.enterClassContext(triton_interpreter_env())
 

@@ -1,7 +1,7 @@
 """Triton kernels of the deferred verify vs their torch references (CPU: Triton's interpreter).
 
 Without CUDA the kernel modules are imported under ``TRITON_INTERPRET=1``
-(:func:`sglang_mamba_ext.spec.testing.load_triton_kernels_for_cpu`); if another test imported
+(:func:`sglang_mamba_ext.testing.spec_pair.load_triton_kernels_for_cpu`); if another test imported
 them earlier without it, the tests re-run in a subprocess (``TestUnderTritonInterpreter``).
 """
 
@@ -10,12 +10,12 @@ import unittest
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape, gated_delta_rule
-from sglang_mamba_ext.spec.replay import ReplayWeights, replay
-from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
-from sglang_mamba_ext.spec.tree import stack_trees
-from sglang_mamba_ext.spec.verify import OneLayerBuffer, TreeIndex, tree_conv, tree_recurrence
+from sglang_mamba_ext.speculative.replay import ReplayWeights, replay
+from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
+from sglang_mamba_ext.speculative.tree import stack_trees
+from sglang_mamba_ext.speculative.verify import OneLayerBuffer, TreeIndex, tree_conv, tree_recurrence
 
-from sglang_mamba_ext.spec.testing import load_triton_kernels_for_cpu, triton_subprocess_case  # noqa: E402
+from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu, triton_subprocess_case  # noqa: E402
 
 _CAN_RUN = load_triton_kernels_for_cpu()
 _CAN_TRITON_INPROC = _CAN_RUN
@@ -42,7 +42,7 @@ def _mixers(L, shape, hidden=16, seed=0):
 class TestReplayTriton(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+        from sglang_mamba_ext.testing.spec_pair import triton_interpreter_env
 
         cls.enterClassContext(triton_interpreter_env())
 
@@ -111,7 +111,7 @@ class TestReplayTriton(unittest.TestCase):
 class TestTreeVerifyTriton(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        from sglang_mamba_ext.spec.testing import triton_interpreter_env
+        from sglang_mamba_ext.testing.spec_pair import triton_interpreter_env
 
         cls.enterClassContext(triton_interpreter_env())
 
@@ -136,7 +136,7 @@ class TestTreeVerifyTriton(unittest.TestCase):
         return m, idx, q, k, v, g, beta, pool, slots
 
     def test_onchip_and_buffered_match_torch(self):
-        from sglang_mamba_ext.spec.verify_triton import tree_recurrence_triton
+        from sglang_mamba_ext.speculative.verify_triton import tree_recurrence_triton
 
         for per_k in (True, False):
             m, idx, q, k, v, g, beta, pool, slots = self._inputs(per_k)
@@ -154,7 +154,7 @@ class TestTreeVerifyTriton(unittest.TestCase):
 
     def test_fused_pending_replay(self):
         """Folding stashed (post-conv) tokens into the state load == replay then verify."""
-        from sglang_mamba_ext.spec.verify_triton import tree_recurrence_triton
+        from sglang_mamba_ext.speculative.verify_triton import tree_recurrence_triton
 
         m, idx, q, k, v, g, beta, pool, slots = self._inputs()
         scale = m.shape.head_k_dim ** -0.5

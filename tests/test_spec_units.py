@@ -6,9 +6,9 @@ import unittest
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.spec.replay import ReplayWeights, replay_torch, track_steps
-from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
-from sglang_mamba_ext.spec.tree import (
+from sglang_mamba_ext.speculative.replay import ReplayWeights, replay_torch, track_steps
+from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
+from sglang_mamba_ext.speculative.tree import (
     DraftTree,
     chain_parents,
     eagle_tree_parents,
@@ -16,7 +16,7 @@ from sglang_mamba_ext.spec.tree import (
     max_draft_token_num,
     stack_trees,
 )
-from sglang_mamba_ext.spec.verify import (
+from sglang_mamba_ext.speculative.verify import (
     OneLayerBuffer,
     SnapshotBuffers,
     TreeIndex,

@@ -10,7 +10,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.sglang.tiny_hybrid.backend import TinyHybridLinearAttnBackend
+from sglang_mamba_ext.plugin.tiny_hybrid.backend import TinyHybridLinearAttnBackend
 
 
 class _Pool:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.sglang.tiny_hybrid.backend import TinyHybridLinearAttnBackend
+from sglang_mamba_ext.plugin.tiny_hybrid.backend import TinyHybridLinearAttnBackend
 
 
 class _Pool:

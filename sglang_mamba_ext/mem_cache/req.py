@@ -1,7 +1,7 @@
 """The per-request record the core cache works on.
 
 SGLang's scheduler keeps these fields on its ``Req`` (``sglang/srt/managers/schedule_batch.py``);
-the SGLang adapter (``sglang_mamba_ext/sglang/``) fills a :class:`CacheReq` from it and copies
+the SGLang adapter (``sglang_mamba_ext/plugin/``) fills a :class:`CacheReq` from it and copies
 the results back. The core never sees SGLang's objects.
 """
 

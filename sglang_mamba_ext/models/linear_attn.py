@@ -2,7 +2,7 @@
 
 This module is the project's one implementation of the linear-attention layer math. The
 reference model (``tiny_hybrid.py``), the SGLang model and backend
-(``sglang_mamba_ext/sglang/tiny_hybrid``) and the speculative verify / replay code all call
+(``sglang_mamba_ext/plugin/tiny_hybrid``) and the speculative verify / replay code all call
 the functions and the :class:`GatedDeltaRuleMixer` defined here, so "cached == uncached",
 "chunked == unchunked" and "deferred == snapshot" compare one piece of math against itself
 under different state handling. It imports torch only (never sglang, never fla at import).

@@ -5,7 +5,7 @@ causal softmax attention with RoPE (GQA) and the KDA-style linear mixer of
 :mod:`sglang_mamba_ext.models.linear_attn`, each followed by a SwiGLU MLP, with RMSNorm and
 an LM head. It loads the ``config.json`` + ``model.safetensors`` that
 ``scripts/make_tiny_model.py`` writes, and the SGLang model class
-(``sglang_mamba_ext/sglang/tiny_hybrid/model.py``) builds its layers from the very modules
+(``sglang_mamba_ext/plugin/tiny_hybrid/model.py``) builds its layers from the very modules
 defined here, so both run one implementation of every piece of math except the softmax
 attention kernel (SGLang's attention backend reads K/V from its pool there).
 

@@ -6,7 +6,7 @@ Starts ``python -m sglang.launch_server`` as a subprocess on a free port, sends 
 concurrent requests, a chunked prefill (``--chunked-prefill-size 32``) and a prefix-cache hit;
 checks ``/v1/chat/completions``. A second class launches with only
 ``--model-path --device cpu --host --port`` and relies on the plugin's CPU defaults
-(``sglang_mamba_ext/sglang/cpu_defaults.py``): same tokens, and log-probs within 1e-4 of the
+(``sglang_mamba_ext/plugin/cpu_defaults.py``): same tokens, and log-probs within 1e-4 of the
 reference (float32 weights and conv state; SGLang's own defaults would give fp16/bf16 drift).
 Servers are killed (process group) in the class cleanup, also when start-up fails.
 """

@@ -17,7 +17,7 @@ from typing import Tuple
 import torch
 
 from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig, TinyHybridReference
-from sglang_mamba_ext.spec.draft_head import FrozenKVDraftHead
+from sglang_mamba_ext.speculative.reference.draft_head import FrozenKVDraftHead
 
 __all__ = ["tiny_spec_pair"]
 
@@ -101,7 +101,7 @@ def load_triton_kernels_for_cpu() -> bool:
 
     import torch
 
-    names = ("sglang_mamba_ext.spec.replay_triton", "sglang_mamba_ext.spec.verify_triton")
+    names = ("sglang_mamba_ext.speculative.replay_triton", "sglang_mamba_ext.speculative.verify_triton")
     if torch.cuda.is_available():
         for n in names:
             importlib.import_module(n)
@@ -120,7 +120,7 @@ def load_triton_kernels_for_cpu() -> bool:
                 os.environ["TRITON_INTERPRET"] = old
     from triton.runtime.interpreter import InterpretedFunction
 
-    from sglang_mamba_ext.spec import replay_triton, verify_triton
+    from sglang_mamba_ext.speculative import replay_triton, verify_triton
 
     return isinstance(replay_triton._replay_recurrent_kernel, InterpretedFunction) and isinstance(
         verify_triton._tree_verify_kernel, InterpretedFunction)
@@ -133,7 +133,7 @@ def triton_interpreter_env():
 
     import torch
 
-    from sglang_mamba_ext.spec.triton_launch import interpreter_env
+    from sglang_mamba_ext.speculative.triton_launch import interpreter_env
 
     return contextlib.nullcontext() if torch.cuda.is_available() else interpreter_env()
 

@@ -29,7 +29,7 @@ import json
 import logging
 from typing import Any, List, Optional, Sequence
 
-from sglang_mamba_ext.sglang import settings as S
+from sglang_mamba_ext.plugin import settings as S
 
 logger = logging.getLogger(__name__)
 

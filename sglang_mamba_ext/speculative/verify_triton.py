@@ -1,5 +1,5 @@
 """Triton tree-verify recurrence for one linear layer (seed §9.5–9.6); torch reference:
-:func:`sglang_mamba_ext.spec.verify.tree_recurrence`.
+:func:`sglang_mamba_ext.speculative.verify.tree_recurrence`.
 
 One kernel, grid ``(N, HV, cdiv(V, BV))``: a program owns a ``[K, BV]`` tile of one value
 head's state for one request. It loads the request's main state tile once into registers
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_mamba_ext.spec.triton_launch import launch_scope
+from sglang_mamba_ext.speculative.triton_launch import launch_scope
 
-from sglang_mamba_ext.spec.verify import TreeIndex
+from sglang_mamba_ext.speculative.verify import TreeIndex
 
 __all__ = ["tree_recurrence_triton", "tree_recurrence_onchip"]
 

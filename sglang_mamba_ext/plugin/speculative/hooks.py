@@ -4,7 +4,7 @@ Each function below is a hook for :class:`sglang.srt.plugins.hook_registry.HookR
 (``AFTER``: ``fn(result, *args)``; ``BEFORE``: ``fn(*args)``; ``AROUND``:
 ``fn(original, *args)``). All of them are no-ops unless the server arguments carry
 ``_mamba_spec_state_update == "deferred"``; the SGLang-independent logic lives in
-:class:`sglang_mamba_ext.spec.deferred.DeferredSpecState`.
+:class:`sglang_mamba_ext.speculative.deferred.DeferredSpecState`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import torch
 
-from sglang_mamba_ext.spec.deferred import DeferredSpecState
-from sglang_mamba_ext.spec.stash import StashDims
+from sglang_mamba_ext.speculative.deferred import DeferredSpecState
+from sglang_mamba_ext.speculative.stash import StashDims
 
 logger = logging.getLogger(__name__)
 

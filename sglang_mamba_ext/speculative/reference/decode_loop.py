@@ -34,11 +34,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang_mamba_ext.models.tiny_hybrid import TinyHybridCache, TinyHybridReference, attention
-from sglang_mamba_ext.spec.draft_head import FrozenKVDraftHead, propose_tree, stack_proposals
-from sglang_mamba_ext.spec.replay import ReplayWeights, replay, track_steps
-from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
-from sglang_mamba_ext.spec.tree import greedy_accept, max_draft_token_num
-from sglang_mamba_ext.spec.verify import (
+from sglang_mamba_ext.speculative.reference.draft_head import FrozenKVDraftHead, propose_tree, stack_proposals
+from sglang_mamba_ext.speculative.replay import ReplayWeights, replay, track_steps
+from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
+from sglang_mamba_ext.speculative.tree import greedy_accept, max_draft_token_num
+from sglang_mamba_ext.speculative.verify import (
     OneLayerBuffer,
     SnapshotBuffers,
     TreeIndex,
@@ -367,7 +367,7 @@ class SpecEngine:
                 else:
                     pending.append((mq, gr, br))
                     if self.one_layer is None:
-                        from sglang_mamba_ext.spec.verify_triton import tree_recurrence_onchip
+                        from sglang_mamba_ext.speculative.verify_triton import tree_recurrence_onchip
 
                         o = tree_recurrence_onchip(q, k, v, g, beta, S0, index, scale=self.shape.head_k_dim ** -0.5)
                     else:

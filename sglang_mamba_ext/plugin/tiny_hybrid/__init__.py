@@ -1,7 +1,7 @@
 """SGLang registration of the tiny hybrid test model (config, model class, linear backend).
 
 :func:`register_tiny_hybrid` is called by the plugin entry point
-(``sglang_mamba_ext.sglang.plugin:register``, group ``sglang.srt.plugins``) in every SGLang
+(``sglang_mamba_ext.plugin.registration:register``, group ``sglang.srt.plugins``) in every SGLang
 process; it is idempotent and cheap (imports no model code unless the model registry is
 already loaded). Modules: ``config`` (config class with ``mamba2_cache_params``), ``model``
 (``TinyHybridForCausalLM``, ``EntryClass``), ``backend`` (the linear-attention backend).
@@ -14,7 +14,7 @@ import sys
 
 MODEL_TYPE = "tiny_hybrid"
 ARCHITECTURE = "TinyHybridForCausalLM"
-BACKEND_CLASS = "sglang_mamba_ext.sglang.tiny_hybrid.backend.TinyHybridLinearAttnBackend"
+BACKEND_CLASS = "sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend"
 _EXTERNAL_PKG_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 
 _registered = False
@@ -47,7 +47,7 @@ def register_tiny_hybrid() -> None:
         register_linear_attn_model,
     )
 
-    from sglang_mamba_ext.sglang.tiny_hybrid.config import TinyHybridSGLangConfig
+    from sglang_mamba_ext.plugin.tiny_hybrid.config import TinyHybridSGLangConfig
 
     AutoConfig.register(MODEL_TYPE, TinyHybridSGLangConfig, exist_ok=True)
     if get_linear_attn_spec_by_arch(ARCHITECTURE) is None:
@@ -71,6 +71,6 @@ def _register_model_class() -> None:
     from sglang.srt.models.registry import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.models:
-        from sglang_mamba_ext.sglang.tiny_hybrid.model import TinyHybridForCausalLM
+        from sglang_mamba_ext.plugin.tiny_hybrid.model import TinyHybridForCausalLM
 
         ModelRegistry.models[ARCHITECTURE] = TinyHybridForCausalLM

@@ -93,7 +93,7 @@ def register_spec_hooks() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mamba_ext.sglang.spec import hooks
+    from sglang_mamba_ext.plugin.speculative import hooks
 
     for target, kind, name in HOOK_TARGETS:
         HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))

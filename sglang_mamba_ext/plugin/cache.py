@@ -54,9 +54,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from sglang_mamba_ext.mem_cache import MambaRadixCache
 from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
-from sglang_mamba_ext.sglang import req_bridge
-from sglang_mamba_ext.sglang.pool import MambaRadixReqToTokenPool
-from sglang_mamba_ext.sglang.settings import BACKEND_NAME
+from sglang_mamba_ext.plugin import req_bridge
+from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
+from sglang_mamba_ext.plugin.settings import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ def _eviction_policy(params) -> str:
 
     Raises:
         ValueError: a policy the plugin's cache does not implement (naming the flag)."""
-    from sglang_mamba_ext.sglang.settings import SUPPORTED_POLICIES
+    from sglang_mamba_ext.plugin.settings import SUPPORTED_POLICIES
 
     policy = str(getattr(params, "eviction_policy", None) or "lru")
     if policy not in SUPPORTED_POLICIES:

@@ -39,8 +39,8 @@ from typing import Dict, Optional
 import torch
 
 from sglang_mamba_ext.models.linear_attn import LinearAttnShape
-from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
-from sglang_mamba_ext.spec.verify import OneLayerBuffer, SnapshotBuffers
+from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
+from sglang_mamba_ext.speculative.verify import OneLayerBuffer, SnapshotBuffers
 
 __all__ = ["HybridSpecModel", "MODELS", "SpecMemory", "spec_memory_formula", "spec_memory_measured", "VARIANTS"]
 

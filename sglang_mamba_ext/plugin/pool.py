@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 from sglang_mamba_ext.mem_cache import HybridReqToTokenPool as CoreReqToTokenPool
 from sglang_mamba_ext.mem_cache import MambaPool as CoreMambaPool
-from sglang_mamba_ext.sglang import req_bridge
+from sglang_mamba_ext.plugin import req_bridge
 
 logger = logging.getLogger(__name__)
 
@@ -368,7 +368,7 @@ def build_hybrid_req_pool_around(original, configurator, **kwargs):
     from sglang.srt.mem_cache import kv_cache_configurator
     from sglang.srt.runtime_context import get_memory
 
-    from sglang_mamba_ext.sglang.settings import BACKEND_NAME
+    from sglang_mamba_ext.plugin.settings import BACKEND_NAME
 
     if get_memory().radix_cache_backend != BACKEND_NAME:
         return original(configurator, **kwargs)

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape, gated_delta_rule_step
-from sglang_mamba_ext.spec.tree import DraftTree
+from sglang_mamba_ext.speculative.tree import DraftTree
 
 __all__ = [
     "TreeIndex",

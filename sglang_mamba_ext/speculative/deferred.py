@@ -31,8 +31,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from sglang_mamba_ext.models.linear_attn import LinearAttnShape
-from sglang_mamba_ext.spec.replay import ReplayWeights, replay
-from sglang_mamba_ext.spec.stash import ActivationStash, StashDims
+from sglang_mamba_ext.speculative.replay import ReplayWeights, replay
+from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
 
 __all__ = ["DeferredSpecState"]
 

@@ -24,7 +24,7 @@ import logging
 import pkgutil
 from typing import Any, Dict
 
-from sglang_mamba_ext.sglang import settings as S
+from sglang_mamba_ext.plugin import settings as S
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,9 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
 
     Raises:
         ValueError: naming the flags, for combinations that cannot work, and for a bad or
-            missing prompts file (see :func:`sglang_mamba_ext.sglang.warmup.load_prompts`).
+            missing prompts file (see :func:`sglang_mamba_ext.plugin.warmup.load_prompts`).
     """
-    from sglang_mamba_ext.sglang.warmup import load_prompts
+    from sglang_mamba_ext.plugin.warmup import load_prompts
 
     warmups = _warmup_names(server_args)
     if S.WARMUP_NAME in warmups and not prompts_file:

@@ -7,7 +7,7 @@ final norm. Only the state-touching cores are SGLang's:
 - full-attention layers: ``RadixAttention`` (K/V in SGLang's KV pool, softmax by the
   configured attention backend, e.g. ``torch_native``);
 - linear layers: ``RadixLinearAttention`` -> ``HybridLinearAttnBackend`` ->
-  :class:`~sglang_mamba_ext.sglang.tiny_hybrid.backend.TinyHybridLinearAttnBackend`, which
+  :class:`~sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend`, which
   runs the layer's mixer conv + recurrence on the Mamba pool's per-request states;
 - logits: ``LogitsProcessor`` over ``lm_head`` (an ``nn.Linear``; one rank only).
 

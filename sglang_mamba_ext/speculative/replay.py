@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.spec.stash import ActivationStash
+from sglang_mamba_ext.speculative.stash import ActivationStash
 
 __all__ = ["ReplayWeights", "track_steps", "replay_torch", "replay"]
 
@@ -199,7 +199,7 @@ def replay(
     if impl != "triton":
         raise ValueError(f"replay: impl must be 'triton' or 'torch', got {impl!r}")
     _check(stash, rows, slots, conv_state, temporal_state, weights)
-    from sglang_mamba_ext.spec.replay_triton import replay_triton
+    from sglang_mamba_ext.speculative.replay_triton import replay_triton
 
     counts, tsteps, track_slots, tracked = _plan(stash, rows, slots, mamba_track_interval, keep)
     replay_triton(

@@ -32,12 +32,13 @@ def install_mamba_radix() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mamba_ext.sglang import args
-    from sglang_mamba_ext.sglang.cache import build_tree_cache
-    from sglang_mamba_ext.sglang.compat import prepare_for_decode_around, validate_one_request_before
-    from sglang_mamba_ext.sglang.pool import build_hybrid_req_pool_around
-    from sglang_mamba_ext.sglang.settings import BACKEND_NAME
-    from sglang_mamba_ext.sglang.warmup import register_warmup
+    from sglang_mamba_ext.plugin import args
+    from sglang_mamba_ext.plugin.cache import build_tree_cache
+    from sglang_mamba_ext.plugin.cpu_pin_memory import prepare_for_decode_around
+    from sglang_mamba_ext.plugin.request_validation import validate_one_request_before
+    from sglang_mamba_ext.plugin.pool import build_hybrid_req_pool_around
+    from sglang_mamba_ext.plugin.settings import BACKEND_NAME
+    from sglang_mamba_ext.plugin.warmup import register_warmup
 
     HookRegistry.register(ADD_CLI_ARGS, args.add_cli_args_after, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, args.from_cli_args_after, HookType.AFTER)
@@ -52,7 +53,7 @@ def install_mamba_radix() -> None:
     # SGLang's choices before any argument parser is built.
     from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
 
-    from sglang_mamba_ext.sglang.settings import RECOMPUTE_POLICY
+    from sglang_mamba_ext.plugin.settings import RECOMPUTE_POLICY
 
     if RECOMPUTE_POLICY not in RADIX_EVICTION_POLICY_CHOICES:
         add_radix_eviction_policy_choices([RECOMPUTE_POLICY])
@@ -63,12 +64,12 @@ def install_mamba_radix() -> None:
 def register() -> None:
     """Register this package's SGLang extensions: the tiny hybrid model, CPU-safe
     defaults for flags the user did not pass with ``--device cpu``
-    (:mod:`sglang_mamba_ext.sglang.cpu_defaults`), the mamba-radix cache
+    (:mod:`sglang_mamba_ext.plugin.cpu_defaults`), the mamba-radix cache
     (:func:`install_mamba_radix`) and the deferred-update speculative verify
-    (``--mamba-spec-state-update``, :mod:`sglang_mamba_ext.sglang.spec`)."""
-    from sglang_mamba_ext.sglang.cpu_defaults import install_cpu_defaults
-    from sglang_mamba_ext.sglang.spec import register_spec_hooks
-    from sglang_mamba_ext.sglang.tiny_hybrid import register_tiny_hybrid
+    (``--mamba-spec-state-update``, :mod:`sglang_mamba_ext.plugin.speculative`)."""
+    from sglang_mamba_ext.plugin.cpu_defaults import install_cpu_defaults
+    from sglang_mamba_ext.plugin.speculative import register_spec_hooks
+    from sglang_mamba_ext.plugin.tiny_hybrid import register_tiny_hybrid
 
     register_tiny_hybrid()
     install_cpu_defaults()

@@ -1,5 +1,5 @@
 """Triton kernels of the deferred-verify replay (seed §9.8, §9.10); torch reference:
-:func:`sglang_mamba_ext.spec.replay.replay_torch`.
+:func:`sglang_mamba_ext.speculative.replay.replay_torch`.
 
 Two launches cover all linear layers and all requests of a batch:
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_mamba_ext.spec.triton_launch import launch_scope
+from sglang_mamba_ext.speculative.triton_launch import launch_scope
 
 __all__ = ["replay_triton"]
 
@@ -187,7 +187,7 @@ def replay_triton(
             counts (0 skips).
         tsteps: ``[N]`` step after which to checkpoint, ``-1`` none; ``track_slots``: ``[N]``.
         conv_state: ``[L, slots, conv_dim, W-1]`` view; temporal_state ``[L, slots, HV, K, V]``.
-        weights: :class:`sglang_mamba_ext.spec.replay.ReplayWeights`.
+        weights: :class:`sglang_mamba_ext.speculative.replay.ReplayWeights`.
     """
     sh = weights.shape
     L, R, A, D = mixed_qkv.shape

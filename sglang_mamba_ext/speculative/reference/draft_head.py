@@ -28,7 +28,7 @@ from sglang_mamba_ext.models.tiny_hybrid import (
     TinyHybridReference,
     attention,
 )
-from sglang_mamba_ext.spec.tree import DraftTree
+from sglang_mamba_ext.speculative.tree import DraftTree
 
 __all__ = ["FrozenKVDraftHead", "propose_tree"]
 
@@ -115,7 +115,7 @@ def propose_tree(
     Raises:
         ValueError: ``draft_token_num`` exceeds the candidates.
     """
-    from sglang_mamba_ext.spec.tree import max_draft_token_num
+    from sglang_mamba_ext.speculative.tree import max_draft_token_num
 
     T = draft_token_num
     if not 1 <= T <= max_draft_token_num(topk, steps):
