@@ -5,16 +5,10 @@ Depends on torch only; never imports SGLang (DESIGN.md layer rule).
 
 from .allocator import KVSlotAllocator
 from .mamba_pool import MambaPool
-from .mamba_radix_cache import (
-    EvictResult,
-    InsertResult,
-    MambaRadixCache,
-    MatchResult,
-    RadixKey,
-    TreeNode,
-)
+from .radix_cache import MambaRadixCache
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
+from .tree_node import EvictResult, InsertResult, MatchResult, RadixKey, TreeNode
 
 __all__ = [
     "CacheReq",
