@@ -1,6 +1,6 @@
-"""The core of sglang-mamba-ext (seed §1–§7): pools and the hybrid radix cache.
-
-Depends on torch only; never imports SGLang (DESIGN.md layer rule).
+"""The core of sglang-mamba-ext: the KV and SSM pools and the hybrid radix cache
+(``docs/design.md``). Depends on torch only and never imports SGLang (the layer rule): the
+SGLang-facing adapter in ``sglang_mamba_ext/plugin/`` translates SGLang's objects into these.
 """
 
 from .allocator import KVSlotAllocator

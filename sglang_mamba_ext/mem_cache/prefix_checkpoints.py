@@ -3,16 +3,19 @@ which of them the tree keeps (``docs/design.md``, "Prefix checkpoints" and "Ping
 checkpoints"): planning extra checkpoints for a prefill (at the branch point a match
 reports and at prompt length - 1), committing them once the forward has written them, the
 per-path cap ``max_states_per_path``, and the choice of the state a finished request
-donates (``finish_state``). :class:`PrefixCheckpoints` is mixed into
-:class:`~.radix_cache.MambaRadixCache` and uses its tree operations.
+donates (``finish_state``); also how an insert of a request's prefix is adopted by the
+request (lock moved, ``req_to_token`` pointed at the tree's KV). :class:`PrefixCheckpoints`
+is mixed into :class:`~.radix_cache.MambaRadixCache` and uses its tree operations.
 """
 
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+import torch
+
 from .req import CacheReq
-from .tree_node import TreeNode
+from .tree_node import InsertResult, TreeNode
 
 #: What a finished request donates to the tree (``MambaRadixCache(finish_state=...)``).
 FINISH_STATES = ("working", "checkpoint")
@@ -172,3 +175,41 @@ class PrefixCheckpoints:
         if c is not None and slot is not None and 0 < c <= min(done, limit):
             return c, slot
         return 0, None
+
+    def _adopt_prefix(self, req: CacheReq, n: int, slot: int) -> InsertResult:
+        """Insert the request's first ``n`` tokens with SSM slot ``slot`` (the state after
+        them). When ``n`` passes ``cache_protected_len``, the request's lock moves to the
+        node ending at ``n``, ``req_to_token[row, p:n]`` is pointed at the tree's KV slots
+        and ``cache_protected_len`` becomes ``n``. The caller still owns ``slot`` when the
+        result says ``mamba_exist``."""
+        pool = self.req_to_token_pool
+        row = req.req_pool_idx
+        p = req.cache_protected_len
+        kv = pool.req_to_token[row, :n].to(torch.int64)
+        res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n))
+        if n > p:
+            node = res.last_node
+            # Lock the new node before anything can evict (a replacement slot may).
+            self.inc_lock_ref(node)
+            if req.last_node is not None:
+                self.dec_lock_ref(req.last_node)
+            req.last_node = node
+            new_indices = self._path_values(node)
+            pool.req_to_token[row, p:n] = new_indices[p:n].to(torch.int32)
+            req.prefix_indices = new_indices
+            req.cache_protected_len = n
+        return res
+
+    def _walk_start(self, req: CacheReq, n: int) -> TreeNode:
+        """Where an insert of the request's first ``n`` tokens may start walking: its locked
+        ``last_node`` (its whole path is in the tree and cannot be evicted) if that lies
+        within the key, else the root."""
+        node = req.last_node
+        if node is None or node.seq_len > n:
+            return self.root_node
+        if node.seq_len != req.cache_protected_len:
+            raise RuntimeError(
+                f"request {req.rid!r}: locked node ends at {node.seq_len}, "
+                f"cache_protected_len is {req.cache_protected_len}"
+            )
+        return node

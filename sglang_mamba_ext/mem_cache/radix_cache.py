@@ -363,45 +363,6 @@ class MambaRadixCache(PrefixCheckpoints):
         """:func:`.invariants.pretty_print` of this tree."""
         return invariants.pretty_print(self)
 
-    # ================================================================ request helpers
-    def _adopt_prefix(self, req: CacheReq, n: int, slot: int) -> InsertResult:
-        """Insert the request's first ``n`` tokens with SSM slot ``slot`` (the state after
-        them). When ``n`` passes ``cache_protected_len``, the request's lock moves to the
-        node ending at ``n``, ``req_to_token[row, p:n]`` is pointed at the tree's KV slots
-        and ``cache_protected_len`` becomes ``n``. The caller still owns ``slot`` when the
-        result says ``mamba_exist``."""
-        pool = self.req_to_token_pool
-        row = req.req_pool_idx
-        p = req.cache_protected_len
-        kv = pool.req_to_token[row, :n].to(torch.int64)
-        res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n))
-        if n > p:
-            node = res.last_node
-            # Lock the new node before anything can evict (a replacement slot may).
-            self.inc_lock_ref(node)
-            if req.last_node is not None:
-                self.dec_lock_ref(req.last_node)
-            req.last_node = node
-            new_indices = self._path_values(node)
-            pool.req_to_token[row, p:n] = new_indices[p:n].to(torch.int32)
-            req.prefix_indices = new_indices
-            req.cache_protected_len = n
-        return res
-
-    def _walk_start(self, req: CacheReq, n: int) -> TreeNode:
-        """Where an insert of the request's first ``n`` tokens may start walking: its locked
-        ``last_node`` (its whole path is in the tree and cannot be evicted) if that lies
-        within the key, else the root."""
-        node = req.last_node
-        if node is None or node.seq_len > n:
-            return self.root_node
-        if node.seq_len != req.cache_protected_len:
-            raise RuntimeError(
-                f"request {req.rid!r}: locked node ends at {node.seq_len}, "
-                f"cache_protected_len is {req.cache_protected_len}"
-            )
-        return node
-
     # ================================================================ tree helpers
     def _child_key(self, tokens: List[int], pos: int, extra_key: Optional[str]):
         if self.page_size == 1:

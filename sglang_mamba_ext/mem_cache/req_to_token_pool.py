@@ -1,8 +1,7 @@
-"""Hybrid request-to-token pool (seed §1.4, §3.4): the ``req_to_token`` map of KV slots,
+"""Hybrid request-to-token pool (``docs/design.md``, "Ping-pong checkpoints"): the ``req_to_token`` map of KV slots,
 the request -> working SSM slot map, and the ping-pong checkpoint slots per request.
 
-Plays the role of SGLang's ``HybridReqToTokenPool`` (``sglang/srt/mem_cache/memory_pool.py``);
-written from the seed.
+Plays the role of SGLang's ``HybridReqToTokenPool`` (``sglang/srt/mem_cache/memory_pool.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ class HybridReqToTokenPool:
       ``[size + 1, track_slots_per_req]``; the row's checkpoint slots (``-1`` where missing).
 
     A request holds ``1 + track_slots_per_req`` SSM slots while it runs: with the default
-    ``track_slots_per_req=2`` that is seed §1.3's "1 working + 2 ping-pong" (extra_buffer);
+    ``track_slots_per_req=2`` that is "1 working + 2 ping-pong" (SGLang's extra_buffer);
     ``0`` means no tracking (SGLang's no_buffer strategy).
 
     Args:
@@ -190,7 +189,7 @@ class HybridReqToTokenPool:
 
     def free_mamba_slots(self, req: CacheReq, keep_slot: Optional[int] = None) -> None:
         """Release the request's working and checkpoint SSM slots, except ``keep_slot``
-        (a slot donated to the radix tree, seed §4.1 step 4); keep its row. Clears the
+        (a slot donated to the radix tree by ``MambaRadixCache.checkpoint``); keep its row. Clears the
         request's SSM fields. Idempotent."""
         slots = []
         if req.mamba_pool_idx is not None:
