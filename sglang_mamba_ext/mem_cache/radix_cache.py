@@ -376,10 +376,10 @@ class MambaRadixCache(PrefixCheckpoints):
         passed (the last one split when the match ends inside it) and where the match
         ends."""
         path: List[TreeNode] = []
-        children_key = self._child_key
+        child_key = self._child_key
         page_size = self.page_size
         while pos < end:
-            child = node.children.get(children_key(tokens, pos, extra_key))
+            child = node.children.get(child_key(tokens, pos, extra_key))
             if child is None:
                 break
             m = match_len(child.key, tokens, pos, end, page_size)
