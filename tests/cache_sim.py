@@ -1,5 +1,12 @@
-"""A deterministic stand-in for a hybrid model and a scheduler, driving the real core pools
-and cache, for the core's tests (no SGLang, no neural network).
+"""A deterministic stand-in for a hybrid model and for SGLang's scheduler side, driving the
+real core pools and cache, for the core's tests (no SGLang, no neural network).
+
+The scheduler side does what SGLang 0.5.23 does around the cache's lifecycle
+(``MambaRadixCache.checkpoint`` / ``on_release``): allocate KV with evict-if-short
+(:meth:`SimModel.alloc_kv`), run the pending copy-on-write copies and clears at forward
+start (:meth:`SimModel.run_deferred_cow`), plan the ping-pong checkpoint of a forward
+(:meth:`SimModel.plan_track`), and release a request (:meth:`SimModel.release`: checkpoint
+if finished, free its KV tail, unlock, free the row, ``on_release``).
 
 The "model" writes into the real pools:
 
@@ -18,7 +25,7 @@ request's prefix KV and working state are right (catching a missing copy-on-writ
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
@@ -128,7 +135,7 @@ class SimModel:
             cache.evict(mamba_num=need - self.mamba.available_size())
             rows = self.pool.alloc([req])
         if rows is None:
-            cache.release_req(req)
+            self.release(req, checkpoint=False)
             return False
         self.pool.req_to_token[req.req_pool_idx, :p] = m.device_indices.to(torch.int32)
         req.prefix_indices = m.device_indices
@@ -153,7 +160,7 @@ class SimModel:
         pages = -(-new_len // ps) - first_new_page
         fresh = None
         if pages:
-            fresh = self.cache.alloc_kv(pages * ps)
+            fresh = self.alloc_kv(pages * ps)
             if fresh is None:
                 return False
         pos = a
@@ -171,16 +178,14 @@ class SimModel:
         """Process ``num_tokens`` tokens from ``kv_committed_len``: check the prefix KV and
         the working state first, then write KV and advance the state, writing the planned
         ping-pong checkpoint."""
-        self.pool.execute_deferred_cow([req])
+        self.run_deferred_cow([req])
         row = req.req_pool_idx
         s = req.kv_committed_len
         toks = req.token_ids
         self.check_kv(self.pool.req_to_token[row, :s], toks[:s], 0, f"req {req.rid} prefix")
         self.check_state(req.mamba_pool_idx, toks[:s], f"req {req.rid} working state")
         assert req.kv_allocated_len >= s + num_tokens, "KV not allocated before the forward"
-        plan = self.pool.plan_track(
-            req, s, num_tokens, self.cache.mamba_track_interval, self.page_size, chunk_end=chunk_end
-        )
+        plan = self.plan_track(req, s, num_tokens, chunk_end=chunk_end)
         new_slots = self.pool.req_to_token[row, s : s + num_tokens].to(torch.int64)
         self.kv_token[new_slots] = torch.tensor(toks[s : s + num_tokens], dtype=torch.int64)
         self.kv_pos[new_slots] = torch.arange(s, s + num_tokens, dtype=torch.int64)
@@ -199,20 +204,104 @@ class SimModel:
             self.mamba.temporal_state[layer, slot] = torch.tensor([count, h])
             self.mamba.conv_state[layer, slot] = torch.tensor(window)
 
+    def alloc_kv(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """KV slots, evicting unlocked KV first if the pool is short (the scheduler's
+        evict-if-short rule, SGLang's ``alloc_token_slots``). ``None`` if still short."""
+        alloc = self.cache.token_to_kv_pool_allocator
+        short = num_tokens - alloc.available_size()
+        if short > 0:
+            self.cache.evict(num_tokens=short)
+        return alloc.alloc(num_tokens)
+
+    def run_deferred_cow(self, reqs: Iterable[CacheReq]) -> int:
+        """At forward start (SGLang: ``_execute_deferred_mamba_cow_and_clear``): copy each
+        pending copy-on-write source into the request's working slot and zero each fresh
+        working slot, one batched copy and one batched clear. Returns the states copied.
+
+        Raises:
+            RuntimeError: a request has a COW source but no working slot."""
+        src: List[int] = []
+        dst: List[int] = []
+        clear: List[int] = []
+        for r in reqs:
+            if r.mamba_cow_src_index is not None:
+                if r.mamba_pool_idx is None:
+                    raise RuntimeError(f"request {r.rid!r} has a COW source but no working slot")
+                src.append(r.mamba_cow_src_index)
+                dst.append(r.mamba_pool_idx)
+                r.mamba_cow_src_index = None
+            elif r.mamba_needs_clear:
+                clear.append(r.mamba_pool_idx)
+            r.mamba_needs_clear = False
+        if src:
+            self.mamba.copy_from(src, dst)
+        if clear:
+            self.mamba.clear(clear)
+        return len(src)
+
+    def plan_track(
+        self, req: CacheReq, seq_len_before: int, num_new_tokens: int, chunk_end: bool = False
+    ) -> Optional[Tuple[int, int]]:
+        """Where this forward writes the request's next ping-pong checkpoint: the largest
+        ``c`` in ``(seq_len_before, seq_len_before + num_new_tokens]`` that is a multiple of
+        ``mamba_track_interval`` or, when ``chunk_end``, the chunk's last page boundary,
+        whichever is larger. On a plan the entry flips and ``mamba_last_track_seqlen``
+        becomes ``c``. Returns ``(slot, c)`` or ``None`` (no checkpoint, or no slot)."""
+        if not self.pool.track_slots_per_req or num_new_tokens <= 0:
+            return None
+        end = seq_len_before + num_new_tokens
+        interval = self.cache.mamba_track_interval
+        c = (end // interval) * interval
+        if chunk_end:
+            c = max(c, (end // self.page_size) * self.page_size)
+        if c <= seq_len_before:
+            return None
+        entry = req.mamba_next_track_idx
+        slot = req.mamba_ping_pong_track_buffer[entry]
+        if slot < 0:
+            return None
+        req.mamba_next_track_idx = 1 - entry
+        req.mamba_last_track_seqlen = c
+        return slot, c
+
+    def release(self, req: CacheReq, checkpoint: bool = True) -> None:
+        """Finish (``checkpoint``) or abort / reject / retract a request as SGLang's
+        ``release_kv_cache`` does: ``checkpoint(req, finished=True)`` first when asked and
+        the request has a row, then free its KV above ``cache_protected_len``, free the
+        row, unlock its node and call ``on_release``. Safe at any stage."""
+        cache = self.cache
+        row = req.req_pool_idx
+        if row is not None:
+            if checkpoint:
+                cache.checkpoint(req, finished=True)
+            p, a = req.cache_protected_len, req.kv_allocated_len
+            if a > p:
+                cache.token_to_kv_pool_allocator.free(self.pool.req_to_token[row, p:a].to(torch.int64))
+            self.pool.free_rows([row])
+            req.req_pool_idx = None
+        if req.last_node is not None:
+            cache.dec_lock_ref(req.last_node)
+        cache.on_release(req)
+        req.last_node = None
+        req.prefix_indices = None
+        req.cache_protected_len = 0
+        req.kv_allocated_len = 0
+        req.kv_committed_len = 0
+
     # ------------------------------------------------------------------ whole lifecycles
     def prefill(self, req: CacheReq, chunk: Optional[int] = None) -> bool:
-        """Prefill the prompt (``req.token_ids``) in chunks; cache_unfinished_req after every
-        chunk but the last. False if KV ran out (the request is then released)."""
+        """Prefill the prompt (``req.token_ids``) in chunks; ``checkpoint`` after every chunk
+        but the last. False if KV ran out (the request is then released)."""
         total = len(req.token_ids)
         while req.kv_committed_len < total:
             k = total - req.kv_committed_len if chunk is None else min(chunk, total - req.kv_committed_len)
             if not self.extend_kv(req, req.kv_committed_len + k):
-                self.cache.release_req(req)
+                self.release(req, checkpoint=False)
                 return False
             last = req.kv_committed_len + k == total
             self.forward(req, k, chunk_end=not last)
             if not last:
-                self.cache.cache_unfinished_req(req)
+                self.cache.checkpoint(req)
         return True
 
     def decode(self, req: CacheReq, new_tokens: List[int]) -> bool:
@@ -222,7 +311,7 @@ class SimModel:
             if i == len(new_tokens) - 1:
                 break
             if not self.extend_kv(req, req.kv_committed_len + 1):
-                self.cache.release_req(req)
+                self.release(req, checkpoint=False)
                 return False
             self.forward(req, 1)
         return True
@@ -233,5 +322,5 @@ class SimModel:
         assert self.admit(req), f"request {rid} rejected"
         assert self.prefill(req, chunk), f"request {rid} ran out of KV"
         assert self.decode(req, output), f"request {rid} ran out of KV in decode"
-        self.cache.cache_finished_req(req)
+        self.release(req)
         return req

@@ -34,12 +34,12 @@ class TestBranchCheckpoints(unittest.TestCase):
                 self.assertEqual(r2.mamba_prefix_checkpoints, [])
             self.assertTrue(sim.prefill(r2))
             sim.decode(r2, [8, 8])
-            cache.cache_finished_req(r2)
+            sim.release(r2)
             r3 = CacheReq(rid="r3", token_ids=SYS + user(3))
             self.assertTrue(sim.admit(r3))
             self.assertEqual(r3.cache_protected_len, len(SYS) if branch else 0)
             self.assertTrue(sim.prefill(r3))  # checks the COW'd state is S's exactly
-            cache.cache_finished_req(r3)
+            sim.release(r3)
             sim.check_tree()
             cache.sanity_check()
             cache.check_slot_accounting()
@@ -56,14 +56,14 @@ class TestBranchCheckpoints(unittest.TestCase):
         self.assertTrue(sim.admit(again))
         self.assertEqual(again.cache_protected_len, len(prompt) - 1)
         self.assertTrue(sim.prefill(again))
-        cache.cache_finished_req(again)
+        sim.release(again)
         # Next turn: the previous sequence (prompt + output; the last output token was never
         # fed to the model) plus a new user message.
         turn2 = CacheReq(rid="turn2", token_ids=prompt + [5, 6, 7] + user(2))
         self.assertTrue(sim.admit(turn2))
         self.assertEqual(turn2.cache_protected_len, len(prompt) + 2)
         self.assertTrue(sim.prefill(turn2))
-        cache.cache_finished_req(turn2)
+        sim.release(turn2)
         sim.check_tree()
         cache.sanity_check()
         cache.check_slot_accounting()
@@ -79,7 +79,7 @@ class TestBranchCheckpoints(unittest.TestCase):
         planned = [c for c, _ in r2.mamba_prefix_checkpoints]
         self.assertEqual(planned, [len(SYS), len(SYS) + 29])
         self.assertTrue(sim.prefill(r2, chunk=13))  # 40 lies inside the 4th chunk
-        cache.cache_finished_req(r2)
+        sim.release(r2)
         node = cache.match_prefix(RadixKey(SYS)).last_node
         self.assertEqual(node.seq_len, len(SYS))
         sim.check_state(node.mamba_value, SYS, "branch checkpoint")
@@ -146,7 +146,7 @@ class TestBranchCheckpoints(unittest.TestCase):
         self.assertTrue(sim.admit(r3))
         self.assertEqual(len(r3.mamba_prefix_checkpoints), 2)
         self.assertEqual(cache.mamba_pool.available_size(), free - 5)  # 1 + 2 ping-pong + 2
-        cache.release_req(r3)
+        sim.release(r3, checkpoint=False)
         self.assertEqual(cache.mamba_pool.available_size(), free)
         cache.sanity_check()
         cache.check_slot_accounting()

@@ -1,6 +1,6 @@
 """The finish split used by SGLang 0.5.23 (``checkpoint`` of a finished request, then
-``release_kv_cache`` frees the row): :meth:`MambaRadixCache.insert_finished_req` inserts and
-donates, the caller frees the rest. No SGLang import."""
+``release_kv_cache`` frees the row): ``MambaRadixCache.checkpoint(req, finished=True)``
+inserts and donates, the caller frees the rest. No SGLang import."""
 
 import unittest
 
@@ -41,7 +41,7 @@ class TestInsertFinishedReq(unittest.TestCase):
         committed = req.kv_committed_len
         self.assertEqual(committed, 12)
         working = req.mamba_pool_idx
-        protected = cache.insert_finished_req(req, up_to=committed)
+        protected = cache.checkpoint(req, up_to=committed, finished=True)
         self.assertEqual(protected, committed)
         self.assertEqual(req.cache_protected_len, committed)
         self.assertEqual(req.last_node.seq_len, committed)
@@ -69,7 +69,7 @@ class TestInsertFinishedReq(unittest.TestCase):
         sim, req = self._run_until_finish(cache, seq(10), [7, 8, 9, 10, 11])
         self.assertEqual(req.kv_committed_len, 14)
         self.assertEqual(req.mamba_last_track_seqlen, 12)  # decode checkpoint at 12
-        protected = cache.insert_finished_req(req, up_to=13)
+        protected = cache.checkpoint(req, up_to=13, finished=True)
         self.assertEqual(protected, 12)
         self.assertEqual(req.last_node.seq_len, 12)
         release_like_sglang(cache, req)
@@ -86,7 +86,7 @@ class TestInsertFinishedReq(unittest.TestCase):
         sim = SimModel(cache)
         for rid in ("first", "second"):
             sim, req = self._run_until_finish(cache, seq(9), [3, 4], sim=sim)
-            cache.insert_finished_req(req, up_to=req.kv_committed_len)
+            cache.checkpoint(req, up_to=req.kv_committed_len, finished=True)
             release_like_sglang(cache, req)
             cache.sanity_check()
             cache.check_slot_accounting()

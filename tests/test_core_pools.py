@@ -1,4 +1,5 @@
-"""Unit tests of the core pools: KVSlotAllocator, MambaPool, HybridReqToTokenPool."""
+"""Unit tests of the core pools (KVSlotAllocator, MambaPool, HybridReqToTokenPool) and of the
+scheduler stand-in the core tests use (``tests/cache_sim.py``)."""
 
 import sys
 import subprocess
@@ -6,6 +7,7 @@ import unittest
 
 import torch
 
+from cache_sim import SimModel, make_cache
 from sglang_mamba_ext.mem_cache import CacheReq, HybridReqToTokenPool, KVSlotAllocator, MambaPool
 
 
@@ -139,33 +141,39 @@ class TestHybridReqToTokenPool(unittest.TestCase):
         self.assertEqual(pool.available_size(), 3)
         self.assertEqual(mp.available_size(), 5)
 
+
+class TestSchedulerStandIn(unittest.TestCase):
+    """The scheduler side the core tests drive (``tests/cache_sim.py``)."""
+
     def test_cow_and_clear_at_forward_start(self):
-        pool, mp = self._pool(track=0)
+        cache = make_cache(mamba_size=8, track_slots=0)
+        sim, mp, pool = SimModel(cache), cache.mamba_pool, cache.req_to_token_pool
         src = mp.alloc_list(1)[0]
-        mp.temporal_state[:, src] = 5.0
+        mp.temporal_state[:, src] = 5
         a = CacheReq("a", [1], mamba_cow_src_index=src)
         a.mamba_pool_idx = mp.alloc_list(1)[0]
         b = CacheReq("b", [2])
         pool.alloc([a, b])
-        mp.temporal_state[:, b.mamba_pool_idx] = 9.0  # garbage from an earlier user
-        self.assertEqual(pool.execute_deferred_cow([a, b]), 1)
-        self.assertEqual(float(mp.temporal_state[0, a.mamba_pool_idx, 0]), 5.0)
-        self.assertEqual(float(mp.temporal_state[0, b.mamba_pool_idx, 0]), 0.0)
+        mp.temporal_state[:, b.mamba_pool_idx] = 9  # garbage from an earlier user
+        self.assertEqual(sim.run_deferred_cow([a, b]), 1)
+        self.assertEqual(int(mp.temporal_state[0, a.mamba_pool_idx, 0]), 5)
+        self.assertEqual(int(mp.temporal_state[0, b.mamba_pool_idx, 0]), 0)
         self.assertIsNone(a.mamba_cow_src_index)
         self.assertFalse(b.mamba_needs_clear)
 
     def test_plan_track(self):
-        pool, mp = self._pool()
+        cache = make_cache(mamba_size=8, mamba_track_interval=8)
+        sim = SimModel(cache)
         r = CacheReq("r", list(range(40)))
-        pool.alloc([r])
+        cache.req_to_token_pool.alloc([r])
         first, second = r.mamba_ping_pong_track_buffer
         # A 10-token chunk ending a prefill chunk: checkpoint at its end.
-        self.assertEqual(pool.plan_track(r, 0, 10, 8, chunk_end=True), (first, 10))
+        self.assertEqual(sim.plan_track(r, 0, 10, chunk_end=True), (first, 10))
         self.assertEqual(r.last_track_slot(), first)
         # Decode tokens 11..15: no multiple of 8 crossed.
-        self.assertIsNone(pool.plan_track(r, 10, 5, 8))
+        self.assertIsNone(sim.plan_track(r, 10, 5))
         # Decode crossing 16: checkpoint at 16 into the other slot (ping-pong).
-        self.assertEqual(pool.plan_track(r, 15, 1, 8), (second, 16))
+        self.assertEqual(sim.plan_track(r, 15, 1), (second, 16))
         self.assertEqual(r.mamba_last_track_seqlen, 16)
         self.assertEqual(r.last_track_slot(), second)
 

@@ -85,7 +85,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 7), chunk=st.integers(1, 9))
     def prefill_chunk(self, i, chunk):
-        """Run one prefill chunk (cache_unfinished_req unless it was the last)."""
+        """Run one prefill chunk (``checkpoint`` unless it was the last)."""
         req = self.live[i % len(self.live)]
         total = self.prompt_len[req.rid]
         if req.kv_committed_len >= total:
@@ -94,13 +94,13 @@ class CacheMachine(RuleBasedStateMachine):
             chunk = max(self.page_size, chunk - chunk % self.page_size)
         k = min(chunk, total - req.kv_committed_len)
         if not self.sim.extend_kv(req, req.kv_committed_len + k):
-            self.cache.release_req(req)
+            self.sim.release(req, checkpoint=False)
             self._drop(req)
             return
         last = req.kv_committed_len + k == total
         self.sim.forward(req, k, chunk_end=not last)
         if not last:
-            self.cache.cache_unfinished_req(req)
+            self.cache.checkpoint(req)
         else:
             req.token_ids.append(req.rid % 4)  # the prefill's output token
 
@@ -114,7 +114,7 @@ class CacheMachine(RuleBasedStateMachine):
         if req.kv_committed_len >= 110:
             return
         if not self.sim.extend_kv(req, req.kv_committed_len + 1):
-            self.cache.release_req(req)
+            self.sim.release(req, checkpoint=False)
             self._drop(req)
             return
         self.sim.forward(req, 1)
@@ -125,20 +125,20 @@ class CacheMachine(RuleBasedStateMachine):
     def finish(self, i):
         """Finish a request at any stage (caches what it computed)."""
         req = self.live[i % len(self.live)]
-        self.cache.cache_finished_req(req)
+        self.sim.release(req)
         self._drop(req)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 7), cut=st.integers(0, 3))
     def finish_sglang_style(self, i, cut):
-        """Finish as SGLang 0.5.23 does it: ``insert_finished_req`` (its ``checkpoint``,
+        """Finish as SGLang 0.5.23 does it: ``checkpoint(finished=True)`` (its ``checkpoint``,
         possibly cut below the committed length), then the caller frees the row's KV above
         ``cache_protected_len``, unlocks and frees the row (``release_kv_cache``)."""
         req = self.live[i % len(self.live)]
         if req.req_pool_idx is None:
             return self.finish(i)
         up_to = max(req.kv_committed_len - cut, 0)
-        self.cache.insert_finished_req(req, up_to=up_to)
+        self.cache.checkpoint(req, up_to=up_to, finished=True)
         p, a = req.cache_protected_len, req.kv_allocated_len
         if a > p:
             self.cache.token_to_kv_pool_allocator.free(
@@ -154,7 +154,7 @@ class CacheMachine(RuleBasedStateMachine):
     def abort(self, i):
         """Abort / retract a request at any stage (caches nothing)."""
         req = self.live[i % len(self.live)]
-        self.cache.release_req(req)
+        self.sim.release(req, checkpoint=False)
         self._drop(req)
 
     @rule(
@@ -169,7 +169,7 @@ class CacheMachine(RuleBasedStateMachine):
         if cow:
             probe = CacheReq(rid="probe", token_ids=list(key))
             m = self.cache.match_prefix(RadixKey(key), cow_mamba=True, req=probe)
-            self.cache.release_req(probe)
+            self.sim.release(probe, checkpoint=False)
         else:
             m = self.cache.match_prefix(RadixKey(key))
         assert m.prefix_len <= m.kv_match_len <= len(key)
@@ -217,7 +217,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def teardown(self):
         for req in list(self.live):
-            self.cache.release_req(req)
+            self.sim.release(req, checkpoint=False)
         for node in self.locks:
             self.cache.dec_lock_ref(node)
         self.live, self.locks = [], []

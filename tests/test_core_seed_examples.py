@@ -42,7 +42,7 @@ class TestSeedExamples(unittest.TestCase):
             self.assertTrue(sim.admit(req))
             hits.append(req.cache_protected_len)
             self.assertTrue(sim.prefill(req))
-            cache.cache_finished_req(req)
+            sim.release(req)
         # R2 hit all of R1; R3 found "You are a " as KV only (no state there): no usable hit.
         self.assertEqual(hits, [0, len(r1), 0])
         self.assertEqual(
@@ -72,7 +72,7 @@ class TestSeedExamples(unittest.TestCase):
         own_abcd = cache.req_to_token_pool.req_to_token[req.req_pool_idx, :4].tolist()
         sim.forward(req, 4, chunk_end=True)
         track_slot = req.last_track_slot()
-        cache.cache_unfinished_req(req)
+        cache.checkpoint(req)
         # After chunk 1: one node [A..D] holding the ping-pong checkpoint slot, locked.
         self.assertEqual(tree_shape(cache), {"|ABCD": True})
         node = req.last_node
@@ -87,7 +87,7 @@ class TestSeedExamples(unittest.TestCase):
         sim.extend_kv(req, 8)
         sim.forward(req, 4)
         free_before = cache.token_to_kv_pool_allocator.available_size()
-        cache.cache_finished_req(req)
+        sim.release(req)
         self.assertEqual(tree_shape(cache), {"|ABCD": True, "|ABCD|EFGH": True})
         # Nothing of the request's KV was freed: all 8 slots are now the tree's.
         self.assertEqual(cache.token_to_kv_pool_allocator.available_size(), free_before)
@@ -107,7 +107,7 @@ class TestSeedExamples(unittest.TestCase):
         self.assertTrue(sim.admit(a, cap_one=False))
         sim.extend_kv(a, 4)
         sim.forward(a, 4, chunk_end=True)
-        cache.cache_unfinished_req(a)
+        cache.checkpoint(a)
         abcd_slots = a.prefix_indices.tolist()
 
         # Request B: prompt ABCDEF, hits [A..D] (copy-on-write of its state), computes E,F.
@@ -123,7 +123,7 @@ class TestSeedExamples(unittest.TestCase):
         own_gh = cache.req_to_token_pool.req_to_token[row, 6:8].tolist()
         sim.forward(a, 4, chunk_end=True)
         free_before = cache.token_to_kv_pool_allocator.available_size()
-        cache.cache_unfinished_req(a)
+        cache.checkpoint(a)
         # A's own E,F slots were freed (duplicates), nothing else.
         self.assertEqual(cache.token_to_kv_pool_allocator.available_size(), free_before + 2)
         free = set(cache.token_to_kv_pool_allocator.free_slots().tolist())
@@ -142,7 +142,7 @@ class TestSeedExamples(unittest.TestCase):
         sim.extend_kv(a, 10)
         sim.forward(a, 2)
         a.token_ids.append(ord("y"))
-        cache.cache_finished_req(a)
+        sim.release(a)
         sim.check_tree()
         cache.sanity_check()
         cache.check_slot_accounting()

@@ -425,6 +425,21 @@ class TestLifecycle(_ContextTest):
         h.check_tree_states()
         h.check_idle()
 
+    def test_sanity_check_is_the_core_check(self):
+        """SGLang's idle check (``sanity_check``) runs the core's invariant check: a size
+        counter out of step with the tree is reported."""
+        h = self.h
+        a = F.make_req("a", list(range(10, 50)))
+        h.admit(a)
+        h.prefill(a)
+        h.finish(a)
+        self.cache.sanity_check()
+        self.cache.core._full_evictable += 1
+        with self.assertRaisesRegex(AssertionError, "KV counters"):
+            self.cache.sanity_check()
+        self.cache.core._full_evictable -= 1
+        h.check_idle()
+
     def test_namespaces_never_share(self):
         h = self.h
         prompt = list(range(60, 100))

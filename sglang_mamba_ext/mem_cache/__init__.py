@@ -1,20 +1,14 @@
-"""The core of sglang-mamba-ext (seed §1–§7): pools and the hybrid radix cache.
-
-Depends on torch only; never imports SGLang (DESIGN.md layer rule).
+"""The core of sglang-mamba-ext: the KV and SSM pools and the hybrid radix cache
+(``docs/design.md``). Depends on torch only and never imports SGLang (the layer rule): the
+SGLang-facing adapter in ``sglang_mamba_ext/plugin/`` translates SGLang's objects into these.
 """
 
 from .allocator import KVSlotAllocator
 from .mamba_pool import MambaPool
-from .mamba_radix_cache import (
-    EvictResult,
-    InsertResult,
-    MambaRadixCache,
-    MatchResult,
-    RadixKey,
-    TreeNode,
-)
+from .radix_cache import MambaRadixCache
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
+from .tree_node import EvictResult, InsertResult, MatchResult, RadixKey, TreeNode
 
 __all__ = [
     "CacheReq",

@@ -1,4 +1,5 @@
-"""Free-list allocator of KV-pool slots (seed §1.2).
+"""Free-list allocator of KV-pool slots, handed out in pages (``docs/design.md``, "Tree and
+match").
 
 SGLang's scheduler hands the cache its own ``TokenToKVPoolAllocator`` /
 ``PagedTokenToKVPoolAllocator`` (``sglang/srt/mem_cache/allocator``); the core only relies on

@@ -1,5 +1,5 @@
-"""Intrusive doubly linked LRU list with O(1) touch / remove (seed §3.3: ``full_lru_list``
-and ``mamba_lru_list`` are two independent instances)."""
+"""Intrusive doubly linked LRU list with O(1) touch / remove (``docs/design.md``,
+"Eviction": ``full_lru_list`` and ``mamba_lru_list`` are two independent instances)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""SSM-state pool (seed §1.3, §3.2): one slot = the conv window and the recurrent
+"""SSM-state pool (``docs/design.md``, "Copy-on-write"): one slot = the conv window and the recurrent
 (temporal) state of every linear-attention layer.
 
 Mirrors the layout of SGLang's ``MambaPool`` (``sglang/srt/mem_cache/memory_pool.py``) so the
-same tensors can be read by SGLang's linear-attention backends; written from the seed.
+same tensors can be read by SGLang's linear-attention backends.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class MambaPool:
     # -- data movement ----------------------------------------------------------------
     def copy_from(self, src_slots: SlotsLike, dst_slots: SlotsLike) -> None:
         """``state[:, dst] = state[:, src]`` for conv and temporal state, every layer
-        (seed §3.2, the copy-on-write). One gather/scatter per tensor for the whole batch."""
+        (the copy-on-write, ``docs/design.md``). One gather/scatter per tensor for the whole batch."""
         src = _as_index(src_slots, self.device)
         dst = _as_index(dst_slots, self.device)
         if src.numel() != dst.numel():

@@ -32,12 +32,13 @@ class CacheReq:
         prefix_indices: int64 ``[cache_protected_len]`` KV slots of the tree-owned prefix.
         last_node: the tree node locked for this request (root when nothing is locked).
         cache_protected_len: tokens of the row owned (and locked) by the tree.
-        mamba_pool_idx: the working SSM slot (seed §3.4 ``mamba_pool_idx``), or ``None``.
+        mamba_pool_idx: the working SSM slot, or ``None``.
         mamba_cow_src_index: tree slot to copy into ``mamba_pool_idx`` at forward start
-            (seed §3.2), or ``None``.
+            (``docs/design.md``, "Copy-on-write"), or ``None``.
         mamba_needs_clear: the working slot is fresh and must be zeroed at forward start.
-        mamba_ping_pong_track_buffer: the request's checkpoint slots (seed §3.4), ``-1``
-            where a slot could not be (re)allocated; empty without tracking.
+        mamba_ping_pong_track_buffer: the request's checkpoint slots (``docs/design.md``,
+            "Ping-pong checkpoints"), ``-1`` where a slot could not be (re)allocated; empty
+            without tracking.
         mamba_next_track_idx: which ping-pong entry the next checkpoint goes to (0/1).
         mamba_last_track_seqlen: sequence length (tokens) of the state in the other entry,
             ``None`` if no checkpoint is held.

@@ -1,8 +1,7 @@
-"""Hybrid request-to-token pool (seed §1.4, §3.4): the ``req_to_token`` map of KV slots,
+"""Hybrid request-to-token pool (``docs/design.md``, "Ping-pong checkpoints"): the ``req_to_token`` map of KV slots,
 the request -> working SSM slot map, and the ping-pong checkpoint slots per request.
 
-Plays the role of SGLang's ``HybridReqToTokenPool`` (``sglang/srt/mem_cache/memory_pool.py``);
-written from the seed.
+Plays the role of SGLang's ``HybridReqToTokenPool`` (``sglang/srt/mem_cache/memory_pool.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ class HybridReqToTokenPool:
       ``[size + 1, track_slots_per_req]``; the row's checkpoint slots (``-1`` where missing).
 
     A request holds ``1 + track_slots_per_req`` SSM slots while it runs: with the default
-    ``track_slots_per_req=2`` that is seed §1.3's "1 working + 2 ping-pong" (extra_buffer);
+    ``track_slots_per_req=2`` that is "1 working + 2 ping-pong" (SGLang's extra_buffer);
     ``0`` means no tracking (SGLang's no_buffer strategy).
 
     Args:
@@ -127,10 +126,12 @@ class HybridReqToTokenPool:
 
         All or nothing: on failure nothing is taken and ``None`` is returned, so the caller
         can evict and retry or reject the requests (which then still own only what they held
-        before, e.g. a COW slot, released by ``MambaRadixCache.release_req``).
+        before, e.g. a COW slot, freed by ``MambaRadixCache.on_release``).
 
-        A fresh working slot (no COW source) is marked ``mamba_needs_clear``; it is zeroed
-        by :meth:`execute_deferred_cow` at forward start, batched with the copies.
+        A fresh working slot (no COW source) is marked ``mamba_needs_clear``: the
+        scheduler zeroes it at forward start, batched with the pending copy-on-write copies
+        (SGLang: ``_execute_deferred_mamba_cow_and_clear``; ``docs/design.md``,
+        "Copy-on-write").
 
         Returns:
             the rows (also written to ``req.req_pool_idx``), or ``None``.
@@ -188,7 +189,7 @@ class HybridReqToTokenPool:
 
     def free_mamba_slots(self, req: CacheReq, keep_slot: Optional[int] = None) -> None:
         """Release the request's working and checkpoint SSM slots, except ``keep_slot``
-        (a slot donated to the radix tree, seed §4.1 step 4); keep its row. Clears the
+        (a slot donated to the radix tree by ``MambaRadixCache.checkpoint``); keep its row. Clears the
         request's SSM fields. Idempotent."""
         slots = []
         if req.mamba_pool_idx is not None:
@@ -222,85 +223,13 @@ class HybridReqToTokenPool:
         if req.req_pool_idx is not None:
             self.req_index_to_mamba_ping_pong_track_buffer_mapping[req.req_pool_idx, entry] = slot
 
-    # -- copy-on-write (seed §3.2) ----------------------------------------------------
-    def execute_deferred_cow(self, reqs: Iterable[CacheReq]) -> int:
-        """At forward start (SGLang: ``_execute_deferred_mamba_cow_and_clear``): copy each
-        pending COW source slot into the request's working slot and zero each fresh
-        working slot, one batched copy and one batched clear; reset
-        ``mamba_cow_src_index`` / ``mamba_needs_clear``.
-
-        Returns:
-            the number of states copied.
-
-        Raises:
-            RuntimeError: a request has a COW source but no working slot.
-        """
-        src: List[int] = []
-        dst: List[int] = []
-        clear: List[int] = []
-        for r in reqs:
-            if r.mamba_cow_src_index is not None:
-                if r.mamba_pool_idx is None:
-                    raise RuntimeError(f"request {r.rid!r} has a COW source but no working slot")
-                src.append(r.mamba_cow_src_index)
-                dst.append(r.mamba_pool_idx)
-                r.mamba_cow_src_index = None
-            elif r.mamba_needs_clear:
-                clear.append(r.mamba_pool_idx)
-            r.mamba_needs_clear = False
-        if src:
-            self.mamba_pool.copy_from(src, dst)
-        if clear:
-            self.mamba_pool.clear(clear)
-        return len(src)
-
-    # -- ping-pong checkpoints (seed §3.4, §5.1 step 3) --------------------------------
-    def plan_track(
-        self,
-        req: CacheReq,
-        seq_len_before: int,
-        num_new_tokens: int,
-        mamba_track_interval: int,
-        page_size: int = 1,
-        chunk_end: bool = False,
-    ) -> Optional[Tuple[int, int]]:
-        """Decide where this forward writes the request's next checkpoint.
-
-        A checkpoint goes at the largest position ``c`` in ``(seq_len_before,
-        seq_len_before + num_new_tokens]`` that is a multiple of ``mamba_track_interval``,
-        or, when ``chunk_end`` (the forward ends a prefill chunk the cache will insert), at
-        the last page-aligned position of the chunk, whichever is larger.
-
-        On a plan, the ping-pong entry flips and ``mamba_last_track_seqlen`` becomes ``c``
-        (the forward that runs the plan completes before the cache reads it).
-
-        Returns:
-            ``(slot, c)`` — write the state after token ``c - 1`` (i.e. after
-            ``c - seq_len_before`` of this forward's tokens) into SSM slot ``slot`` — or
-            ``None`` when no checkpoint falls in this forward or no slot is available.
-        """
-        if not self.track_slots_per_req or num_new_tokens <= 0:
-            return None
-        end = seq_len_before + num_new_tokens
-        c = (end // mamba_track_interval) * mamba_track_interval
-        if chunk_end:
-            c = max(c, (end // page_size) * page_size)
-        if c <= seq_len_before:
-            return None
-        entry = req.mamba_next_track_idx
-        slot = req.mamba_ping_pong_track_buffer[entry]
-        if slot < 0:
-            return None
-        req.mamba_next_track_idx = 1 - entry
-        req.mamba_last_track_seqlen = c
-        return slot, c
-
+    # -- prefix checkpoints (docs/design.md, "Prefix checkpoints") --------------------
     @staticmethod
     def prefix_checkpoints_in(req: CacheReq, seq_len_before: int, num_new_tokens: int) -> List[Tuple[int, int]]:
         """The planned extra checkpoints (``MambaRadixCache.plan_prefix_checkpoints``) that
         fall inside this forward: ``(slot, c)`` pairs with ``seq_len_before < c <=
         seq_len_before + num_new_tokens`` — write the state after token ``c - 1`` into
-        ``slot``, as for :meth:`plan_track`."""
+        ``slot``."""
         end = seq_len_before + num_new_tokens
         return [(slot, c) for c, slot in req.mamba_prefix_checkpoints if seq_len_before < c <= end]
 

@@ -1,41 +1,22 @@
 """SGLang 0.5.23's prefix-cache protocol (``mem_cache/base_prefix_cache.py::BasePrefixCache``)
-spoken by the core :class:`~sglang_mamba_ext.mem_cache.MambaRadixCache`.
-
-Registered as ``--radix-cache-backend mamba_radix_ext`` (:func:`build_tree_cache`), built by
-``kv_cache_builder.build_kv_cache`` → ``registry.create_tree_cache``. The scheduler's calls,
-and what each becomes (call paths: ``shared/design`` protocol report, ``docs/sglang-hooks.md``):
-
-- ``match_prefix(MatchPrefixParams(key, cow_mamba, req))`` — from ``common.match_kv_cache``
-  (admission), the cache-aware sort and ``touch_prefix``: the core's ``match_prefix`` on the
-  key's raw tokens (``RadixKey.limit`` honoured) in the namespace
-  ``(key.extra_key, key.cache_salt)``; with ``cow_mamba`` the core allocates the request's SSM
-  slot and records the copy-on-write source on ``req.kv``; SGLang runs the copy at forward
-  start (``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` through this pool's
-  ``copy_mamba_state``). ``mamba_branching_seqlen`` reports where the KV match goes past the
-  deepest state, so the prefill checkpoints that point: on SGLang's checkpoint grid through
-  its own tracking, or — when the linear-attention backend can write a state at any token
-  (``MambaRadixReqToTokenPool.prefix_checkpoint_writer``, the tiny model's backend) —
-  exactly, as a prefix checkpoint the pool plans with the core's
-  ``plan_prefix_checkpoints`` when the request gets its row (with one more at prompt
-  length - 1, so a resent identical prompt hits all but its last token).
-- ``checkpoint(req, up_to=...)`` — after each prefill chunk and each completed prefill
-  (``common.checkpoint_kv_cache``), and for a finished request from
-  ``common.release_kv_cache``: the core's ``cache_unfinished_req`` (unfinished) or
-  ``insert_finished_req`` (finished; SGLang then frees the row tail, unlocks and frees the
-  row itself).
-- ``on_release(req, checkpointed)`` — frees the SSM slots a request still holds (abort,
-  retraction, release without checkpoint).
-- ``evict`` / ``evict_for_alloc`` (KV and SSM shortfalls from ``alloc_token_slots``,
-  ``ensure_mamba_capacity``), ``inc_lock_ref`` / ``dec_lock_ref`` (the base class builds
-  ``lock`` / ``unlock`` from them; a core lock always takes both counts, so no receipt is
-  needed), ``path_device_indices``, the size getters read by the scheduler's budget and its
-  idle leak check (``invariant_checker``), ``reset`` (flush), ``sanity_check``,
-  ``pretty_print``, ``all_values_flatten`` / ``all_mamba_values_flatten`` (leak dumps).
+over the core :class:`~sglang_mamba_ext.mem_cache.MambaRadixCache`, registered as
+``--radix-cache-backend mamba_radix_ext`` (:func:`build_tree_cache`; call paths in
+``docs/sglang-hooks.md``, mechanisms in ``docs/design.md``). The adapter only translates:
+SGLang's ``MatchPrefixParams`` / ``Req`` / ``EvictParams`` into the core's keys and
+:class:`~sglang_mamba_ext.mem_cache.CacheReq` (through :mod:`.req_bridge`) and the core's
+results back. The scheduler's ``match_prefix`` (admission, the cache-aware sort,
+``touch_prefix``) becomes the core's match in the namespace ``(extra_key, cache_salt)``, with
+copy-on-write when asked and ``mamba_branching_seqlen`` reported where a prefill should save a
+state; ``checkpoint(req, up_to=...)`` (``common.checkpoint_kv_cache`` after prefill chunks and
+completed prefills, ``common.release_kv_cache`` for a finished request) becomes the core's
+``checkpoint(req, up_to, finished=req.finished())``; ``on_release`` the core's ``on_release``;
+evictions, locks, sizes and diagnostics go to the core as they are.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -68,39 +49,47 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         req_to_token_pool: the plugin's :class:`MambaRadixReqToTokenPool`.
         token_to_kv_pool_allocator: SGLang's KV allocator (``alloc`` / ``free`` /
             ``available_size``).
-        page_size: tokens per KV page.
-        mamba_track_interval: ``--mamba-track-interval`` (tokens).
-        finish_state: what a finished request donates: ``"working"`` (its live state,
-            exact without overlap scheduling) or ``"checkpoint"`` (its newest ping-pong
-            checkpoint, safe under overlap scheduling).
         enable_mamba_extra_buffer: SGLang's checkpoint tracking runs (the pool has ping-pong
             slots).
         checkpoint_grid: tokens; ``mamba_branching_seqlen`` is reported on this grid
             (SGLang's ``mamba_checkpoint_grid(page_size)``).
-        eviction_policy: ``--radix-eviction-policy``: ``"lru"`` or ``"recompute"`` (the
-            core's recompute-aware SSM eviction).
-        kv_bytes_per_token: bytes of one token's KV, weighed by the recompute policy.
-        max_states_per_path: SGLang's ``--mamba-max-states-per-path`` (-1: no bound).
         enable_metrics: create SGLang's radix-cache metrics collector.
+        **core_options: the core cache's keyword arguments (``page_size``,
+            ``mamba_track_interval``, ``finish_state``, ``eviction_policy``,
+            ``kv_bytes_per_token``, ``max_states_per_path`` — SGLang's -1 means no bound);
+            prefix checkpoints are always on.
 
     Raises:
         TypeError: the pool is not the plugin's (the pool hook did not run).
+        ValueError: a core option out of range (the core's message).
     """
+
+    #: Read-only queries answered by the core method of the same meaning (KV in tokens,
+    #: SSM in slots), bound per instance: no adapter frame on the scheduler's hot path.
+    _CORE_QUERIES = {
+        "evictable_size": "full_evictable_size",
+        "protected_size": "full_protected_size",
+        "full_evictable_size": "full_evictable_size",
+        "full_protected_size": "full_protected_size",
+        "mamba_evictable_size": "mamba_evictable_size",
+        "mamba_protected_size": "mamba_protected_size",
+        "total_size": "total_size",
+        "path_device_indices": "path_device_indices",
+        "all_values_flatten": "all_values_flatten",
+        "all_mamba_values_flatten": "all_mamba_values_flatten",
+        "pretty_print": "pretty_print",
+        "sanity_check": "sanity_check",
+    }
 
     def __init__(
         self,
         *,
         req_to_token_pool: MambaRadixReqToTokenPool,
         token_to_kv_pool_allocator: Any,
-        page_size: int = 1,
-        mamba_track_interval: int = 256,
-        finish_state: str = "working",
         enable_mamba_extra_buffer: bool = True,
         checkpoint_grid: int = 1,
         enable_metrics: bool = False,
-        eviction_policy: str = "lru",
-        kv_bytes_per_token: int = 0,
-        max_states_per_path: int = -1,
+        **core_options: Any,
     ):
         if not isinstance(req_to_token_pool, MambaRadixReqToTokenPool):
             raise TypeError(
@@ -108,27 +97,20 @@ class MambaRadixCacheAdapter(BasePrefixCache):
                 "not MambaRadixReqToTokenPool (the pool hook on "
                 "KVCacheConfigurator._build_hybrid_req_pool did not run)"
             )
+        core = MambaRadixCache(
+            token_to_kv_pool_allocator, req_to_token_pool.core, branch_checkpoints=True, **core_options
+        )
+        self.core = core
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
-        self.page_size = page_size
+        self.page_size = core.page_size
+        self.device = req_to_token_pool.device
         self.disable = False
         self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
         self.checkpoint_grid = max(1, int(checkpoint_grid))
-        self.device = req_to_token_pool.device
-        self.core = MambaRadixCache(
-            token_to_kv_pool_allocator,
-            req_to_token_pool.core,
-            page_size=page_size,
-            mamba_track_interval=mamba_track_interval,
-            finish_state=finish_state,
-            eviction_policy=eviction_policy,
-            kv_bytes_per_token=kv_bytes_per_token,
-            max_states_per_path=max(int(max_states_per_path), 0),
-            branch_checkpoints=True,
-        )
+        for name, core_name in self._CORE_QUERIES.items():
+            setattr(self, name, getattr(core, core_name))
         req_to_token_pool.tree_cache = self
-        self._checked_version = None
-        self._version = 0
         if enable_metrics:
             self.init_metrics_collector()
 
@@ -149,7 +131,6 @@ class MambaRadixCacheAdapter(BasePrefixCache):
     def reset(self) -> None:
         """Drop the tree (``Scheduler.flush_cache`` clears the pools right after)."""
         self.core.reset()
-        self._version += 1
 
     # -- match -------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -164,7 +145,6 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         res = self.core.match_prefix(CoreRadixKey(list(tokens), ns), cow_mamba=cow, req=creq)
         if cow:
             req_bridge.push_mamba(req, creq, self.device)
-        self._version += 1
         branching = None
         if res.kv_match_len > res.prefix_len:
             if self.req_to_token_pool.prefix_checkpoint_writer:
@@ -195,27 +175,25 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         creq = req_bridge.pull(req, tokens, pool=pool)
         row = creq.req_pool_idx
         finished = req.finished()
-        if finished:
-            self.core.insert_finished_req(creq, up_to=up_to)
-        else:
-            creq.kv_committed_len = min(creq.kv_committed_len, up_to)
-            self.core.cache_unfinished_req(creq)
+        self.core.checkpoint(creq, up_to=up_to, finished=finished)
         req_bridge.push_prefix_checkpoints(pool, row, creq)
         req_bridge.push_checkpoint(req, creq, self.device, finished=finished)
-        self._version += 1
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         kv = req.kv
-        if kv.mamba_pool_idx is not None or kv.mamba_ping_pong_track_buffer is not None:
-            self.req_to_token_pool.free_mamba_cache(req)
-        self._version += 1
+        if kv.mamba_pool_idx is None and kv.mamba_ping_pong_track_buffer is None:
+            return
+        pool = self.req_to_token_pool
+        creq = req_bridge.pull(req, pool=pool)
+        self.core.on_release(creq)
+        req_bridge.push_prefix_checkpoints(pool, creq.req_pool_idx, creq)
+        req_bridge.push_mamba_released(req)
 
     # -- eviction and locks ------------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
         start = time.perf_counter()
         res = self.core.evict(num_tokens=params.num_tokens, mamba_num=params.mamba_num)
         self.update_eviction_metrics(res.num_tokens_evicted, start)
-        self._version += 1
         return EvictResult(num_tokens_evicted=res.num_tokens_evicted, mamba_num_evicted=res.mamba_num_evicted)
 
     def inc_lock_ref(self, node) -> IncLockRefResult:
@@ -226,70 +204,15 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         self.core.dec_lock_ref(node)
         return DecLockRefResult()
 
-    def path_device_indices(self, node) -> torch.Tensor:
-        return self.core.path_device_indices(node)
-
-    # -- sizes (tokens for KV, slots for SSM) ------------------------------------------
-    def evictable_size(self) -> int:
-        return self.core.full_evictable_size()
-
-    def protected_size(self) -> int:
-        return self.core.full_protected_size()
-
-    def full_evictable_size(self) -> int:
-        return self.core.full_evictable_size()
-
-    def full_protected_size(self) -> int:
-        return self.core.full_protected_size()
-
-    def mamba_evictable_size(self) -> int:
-        return self.core.mamba_evictable_size()
-
-    def mamba_protected_size(self) -> int:
-        return self.core.mamba_protected_size()
-
-    def total_size(self) -> int:
-        return self.core.total_size()
-
     def available_and_evictable_str(self) -> str:
         kv_free = self.token_to_kv_pool_allocator.available_size()
         ssm_free = self.req_to_token_pool.mamba_allocator.available_size()
+        kv_evictable = self.core.full_evictable_size()
+        ssm_evictable = self.core.mamba_evictable_size()
         return (
-            f"Available KV tokens: {kv_free + self.full_evictable_size()} "
-            f"({kv_free} free + {self.full_evictable_size()} evictable); SSM slots: "
-            f"{ssm_free + self.mamba_evictable_size()} ({ssm_free} free + "
-            f"{self.mamba_evictable_size()} evictable)\n"
+            f"Available KV tokens: {kv_free + kv_evictable} ({kv_free} free + {kv_evictable} evictable); "
+            f"SSM slots: {ssm_free + ssm_evictable} ({ssm_free} free + {ssm_evictable} evictable)\n"
         )
-
-    # -- diagnostics -------------------------------------------------------------------
-    def all_values_flatten(self) -> torch.Tensor:
-        return self.core.all_values_flatten()
-
-    def all_mamba_values_flatten(self) -> torch.Tensor:
-        return self.core.all_mamba_values_flatten()
-
-    def pretty_print(self) -> str:
-        return self.core.pretty_print()
-
-    def sanity_check(self) -> None:
-        """The core's invariant check (SGLang calls it at idle with
-        ``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK=1``). Logs one line per check after the
-        tree changed, so a test can see that the idle checker ran with this cache."""
-        self.core.sanity_check()
-        if self._checked_version != self._version:
-            self._checked_version = self._version
-            logger.info(
-                "mamba-radix idle check ok: kv evictable=%d protected=%d, ssm evictable=%d protected=%d, "
-                "free kv=%d ssm=%d, evicted kv=%d ssm=%d",
-                self.full_evictable_size(),
-                self.full_protected_size(),
-                self.mamba_evictable_size(),
-                self.mamba_protected_size(),
-                self.token_to_kv_pool_allocator.available_size(),
-                self.req_to_token_pool.mamba_allocator.available_size(),
-                self.core.evicted_tokens_total,
-                self.core.evicted_states_total,
-            )
 
 
 #: Environment override of what a finished request donates: ``auto`` (default: the newest
@@ -299,8 +222,6 @@ FINISH_STATE_ENV = "SGLANG_MAMBA_EXT_FINISH_STATE"
 
 
 def _finish_state(overlap: bool, extra_buffer: bool) -> str:
-    import os
-
     choice = os.environ.get(FINISH_STATE_ENV, "auto") or "auto"
     if choice not in ("auto", "working", "checkpoint"):
         raise ValueError(f"{FINISH_STATE_ENV}={choice!r}: expected auto, working or checkpoint")

@@ -12,8 +12,8 @@ Every adapter call builds a fresh :class:`CacheReq` from those fields (:func:`pu
 core, and writes back what the core changed (the ``push_*`` functions). Nothing is cached on
 the ``Req``, so SGLang's own resets (retraction, abort, admission rejection) need no hook. The
 one piece of per-request state SGLang has no field for — the prefix checkpoints planned for a
-prefill (issue 6) — is kept by the plugin's request pool per row, and every path that frees a
-row or its SSM slots frees them too.
+prefill (``docs/design.md``, "Prefix checkpoints") — is kept by the plugin's request pool
+per row, and every path that frees a row or its SSM slots frees them too.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from sglang_mamba_ext.mem_cache import CacheReq
 def namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Any:
     """The core's namespace for SGLang's ``RadixKey.extra_key`` (LoRA) and ``cache_salt``
     (tenant): ``None`` when both are unset, else the pair. Different pairs never share a
-    node (DESIGN.md, namespaces)."""
+    node (``docs/design.md``, "Tree and match")."""
     if extra_key is None and not cache_salt:
         return None
     return (extra_key, cache_salt or None)
@@ -137,23 +137,30 @@ def push_track_buffer(req, creq: CacheReq, device, *, fresh: bool) -> None:
         kv.mamba_prev_track_seqlen = None
 
 
+#: SGLang's per-request SSM fields that hold nothing once the slots are freed.
+_SSM_FIELDS = (
+    "mamba_pool_idx",
+    "mamba_ping_pong_track_buffer",
+    "mamba_ping_pong_empty",
+    "mamba_next_track_idx",
+    "mamba_last_track_idx",
+    "mamba_last_track_seqlen",
+    "mamba_prev_track_seqlen",
+    "mamba_cow_src_index",
+)
+
+
 def push_mamba_released(req) -> None:
     """Clear every SSM field after the core freed (or donated) the request's slots, as
     SGLang's ``HybridReqToTokenPool.free_mamba_cache`` does."""
     kv = req.kv
-    kv.mamba_pool_idx = None
-    kv.mamba_ping_pong_track_buffer = None
-    kv.mamba_ping_pong_empty = None
-    kv.mamba_next_track_idx = None
-    kv.mamba_last_track_idx = None
-    kv.mamba_last_track_seqlen = None
-    kv.mamba_prev_track_seqlen = None
-    kv.mamba_cow_src_index = None
+    for name in _SSM_FIELDS:
+        setattr(kv, name, None)
     kv.mamba_needs_clear = False
 
 
 def push_checkpoint(req, creq: CacheReq, device, *, finished: bool) -> None:
-    """Write back what ``cache_unfinished_req`` / ``insert_finished_req`` changed: the
+    """Write back what the core's ``checkpoint`` changed: the
     tree-owned length, the node the request now holds locked (``req.lock`` /
     ``req.last_node``; the core already moved the lock count), and the SSM fields."""
     kv = req.kv

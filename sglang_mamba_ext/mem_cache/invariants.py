@@ -1,0 +1,167 @@
+"""Checks and diagnostics of a :class:`~.radix_cache.MambaRadixCache` (``docs/design.md``,
+"Invariants"): :func:`sanity_check` walks the tree and compares it with the cache's
+counters and recency lists; :func:`check_slot_accounting` checks that every KV page and SSM
+slot has exactly one owner — the free list, the tree or a live request; :func:`pretty_print`
+renders the tree as text. All are O(tree size) and change nothing; tests and SGLang's idle
+check (``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK=1``) call them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Sequence
+
+import torch
+
+from .req import CacheReq
+from .tree_node import TreeNode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .radix_cache import MambaRadixCache
+
+
+def sanity_check(cache: "MambaRadixCache") -> None:
+    """Check every invariant of ``docs/design.md`` ("Invariants") that the tree can see:
+    parent links, lengths, page alignment, child keys, namespaces, lock counts, no tombstone
+    leaf, LRU membership and order, size counters, no slot in two nodes.
+
+    Raises:
+        AssertionError: naming the first broken invariant.
+    """
+    root = cache.root_node
+    page_size = cache.page_size
+    assert root.full_lock_ref == 1 and root.mamba_lock_ref == 1, "root must hold both locks"
+    assert root.mamba_value is None and not root.key
+    fe = fp = me = mp = 0
+    kv_seen: List[torch.Tensor] = []
+    mamba_seen = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        for ck, child in node.children.items():
+            assert child.parent is node, f"{child!r} has a wrong parent"
+            assert child.seq_len == node.seq_len + len(child.key), f"{child!r} has a wrong seq_len"
+            assert not child.removed, f"removed node {child!r} still in the tree"
+            assert len(child.key) > 0, f"{child!r} has an empty key"
+            assert len(child.key) % page_size == 0, f"{child!r} key not page aligned"
+            assert child.value.numel() == len(child.key), f"{child!r} key/value length mismatch"
+            assert ck == cache._child_key(child.key, 0, child.extra_key), (
+                f"{child!r} is registered under a stale key {ck!r}"
+            )
+            assert child.extra_key == node.extra_key or node is root, "namespace changes below root"
+            assert child.full_lock_ref >= 0 and child.mamba_lock_ref >= 0, f"negative lock {child!r}"
+            assert child.mamba_lock_ref == 0 or child.full_lock_ref > 0, (
+                f"{child!r}: mamba_lock_ref > 0 requires full_lock_ref > 0"
+            )
+            assert node is root or node.full_lock_ref >= child.full_lock_ref, (
+                f"{child!r} holds more KV locks than its parent"
+            )
+            if not child.children:
+                assert child.mamba_value is not None or child.full_lock_ref > 0, f"leaf {child!r} is a tombstone"
+            assert child.full_link.linked, f"{child!r} missing from the KV LRU list"
+            if child.mamba_value is not None:
+                assert child.mamba_link.linked, f"{child!r} missing from the SSM LRU list"
+                assert child.mamba_value not in mamba_seen, f"SSM slot {child.mamba_value} in two nodes"
+                assert not cache.mamba_pool.is_free(child.mamba_value), (
+                    f"SSM slot {child.mamba_value} of {child!r} is on the free list"
+                )
+                mamba_seen.add(child.mamba_value)
+                if child.mamba_lock_ref > 0:
+                    mp += 1
+                else:
+                    me += 1
+            else:
+                assert not child.mamba_link.linked, f"tombstone {child!r} in the SSM LRU list"
+            if child.full_lock_ref > 0:
+                fp += len(child.key)
+            else:
+                fe += len(child.key)
+            kv_seen.append(child.value)
+            stack.append(child)
+    kv_counts = (cache.full_evictable_size(), cache.full_protected_size())
+    assert kv_counts == (fe, fp), f"KV counters {kv_counts} != tree {(fe, fp)}"
+    ssm_counts = (cache.mamba_evictable_size(), cache.mamba_protected_size())
+    assert ssm_counts == (me, mp), f"SSM counters {ssm_counts} != tree {(me, mp)}"
+    assert len(cache.full_lru_list) == len(kv_seen), "KV LRU list size != node count"
+    assert len(cache.mamba_lru_list) == len(mamba_seen), "SSM LRU list size != state count"
+    if kv_seen:
+        allkv = torch.cat(kv_seen)
+        assert torch.unique(allkv).numel() == allkv.numel(), "a KV slot is in two nodes"
+    # Recency: every node is at least as recent as its descendants in the KV list.
+    seen = set()
+    for link in cache.full_lru_list:
+        node = link.owner
+        assert node.parent is root or node.parent.id in seen, f"{node!r} is more recent than its parent in the KV LRU list"
+        seen.add(node.id)
+
+
+def check_slot_accounting(cache: "MambaRadixCache", live_reqs: Sequence[CacheReq] = ()) -> None:
+    """Exact leak check: every KV page (slot when ``page_size == 1``) and every SSM slot is
+    in exactly one place — the free list, one tree node, or one live request of
+    ``live_reqs`` (its KV ``[cache_protected_len, kv_allocated_len)`` of its row, whose last
+    page may be partly used, and its working, ping-pong and planned checkpoint slots). At an
+    idle point (no live requests) this is ``free + evictable + protected == size`` for both
+    pools.
+
+    Raises:
+        AssertionError: naming the count of lost or doubly owned pages / slots.
+    """
+    kv = cache.token_to_kv_pool_allocator
+    ps = cache.page_size
+    places: List[torch.Tensor] = [kv.free_slots()]
+    tree_mamba: List[int] = []
+    for node in cache.nodes():
+        places.append(node.value)
+        if node.mamba_value is not None:
+            tree_mamba.append(node.mamba_value)
+    req_mamba: List[int] = []
+    req_to_token = cache.req_to_token_pool.req_to_token
+    for r in live_reqs:
+        if r.req_pool_idx is not None and r.kv_allocated_len > r.cache_protected_len:
+            places.append(req_to_token[r.req_pool_idx, r.cache_protected_len : r.kv_allocated_len].to(torch.int64))
+        if r.mamba_pool_idx is not None:
+            req_mamba.append(r.mamba_pool_idx)
+        req_mamba.extend(s for s in r.mamba_ping_pong_track_buffer if s >= 0)
+        req_mamba.extend(slot for _, slot in r.mamba_prefix_checkpoints)
+    if ps > 1:
+        # Each place owns whole pages (a request's last page may be partly used): count a
+        # page once per place, then across places.
+        places = [torch.unique(p // ps) for p in places]
+        total = kv.size // ps
+    else:
+        total = kv.size
+    owned = torch.cat(places)
+    uniq = torch.unique(owned)
+    unit = "pages" if ps > 1 else "slots"
+    assert uniq.numel() == owned.numel(), f"{owned.numel() - uniq.numel()} KV {unit} are owned twice"
+    assert uniq.numel() == total, f"KV slots lost: {total - uniq.numel()} {unit} of {total} not accounted for"
+    mamba_all = cache.mamba_pool.free_slots() + tree_mamba + req_mamba
+    assert len(mamba_all) == len(set(mamba_all)), "an SSM slot is owned twice"
+    assert len(mamba_all) == cache.mamba_pool.size, (
+        f"SSM slots lost: {cache.mamba_pool.size - len(mamba_all)} of {cache.mamba_pool.size}"
+    )
+
+
+def pretty_print(cache: "MambaRadixCache") -> str:
+    """The tree as indented text, one node a line (first tokens, first KV slots, SSM slot,
+    locks), then the size counters; also printed."""
+    lines: List[str] = []
+
+    def visit(node: TreeNode, depth: int) -> None:
+        for child in node.children.values():
+            head = child.key[:4]
+            more = "..." if len(child.key) > 4 else ""
+            lines.append(
+                f"{'  ' * depth}[{len(child.key)} tok {head}{more}] kv={child.value[:3].tolist()}"
+                f"{'...' if child.value.numel() > 3 else ''} ssm={child.mamba_value} "
+                f"lock=({child.full_lock_ref},{child.mamba_lock_ref})"
+            )
+            visit(child, depth + 1)
+
+    visit(cache.root_node, 0)
+    lines.append(
+        f"kv evictable={cache.full_evictable_size()} protected={cache.full_protected_size()} | "
+        f"ssm evictable={cache.mamba_evictable_size()} protected={cache.mamba_protected_size()}"
+    )
+    text = "\n".join(lines)
+    print(text)
+    return text

@@ -1,0 +1,215 @@
+"""Which SSM states a request leaves in the tree besides its ping-pong checkpoints, and
+which of them the tree keeps (``docs/design.md``, "Prefix checkpoints" and "Ping-pong
+checkpoints"): planning extra checkpoints for a prefill (at the branch point a match
+reports and at prompt length - 1), committing them once the forward has written them, the
+per-path cap ``max_states_per_path``, and the choice of the state a finished request
+donates (``finish_state``); also how an insert of a request's prefix is adopted by the
+request (lock moved, ``req_to_token`` pointed at the tree's KV). :class:`PrefixCheckpoints`
+is mixed into :class:`~.radix_cache.MambaRadixCache` and uses its tree operations.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from .req import CacheReq
+from .tree_node import InsertResult, TreeNode
+
+#: What a finished request donates to the tree (``MambaRadixCache(finish_state=...)``).
+FINISH_STATES = ("working", "checkpoint")
+
+
+class PrefixCheckpoints:
+    """Prefix-checkpoint planning and committing, the per-path cap and the finish state of
+    :class:`~.radix_cache.MambaRadixCache` (module docstring)."""
+
+    def plan_prefix_checkpoints(
+        self, req: CacheReq, prompt_len: int, branching_seqlen: Optional[int] = None
+    ) -> List[Tuple[int, int]]:
+        """Plan the extra SSM checkpoints this request's prefill saves (Marconi-style
+        admission; ``docs/design.md``, "Prefix checkpoints"), after ``match_prefix``, the
+        lock and the row allocation:
+
+        - at ``branching_seqlen`` (``MatchResult.mamba_branching_seqlen``): the KV of the
+          prompt is cached deeper than any usable state — where sequences branch, e.g. at
+          the end of a shared system prompt. A state saved there serves every later request
+          that shares the prefix;
+        - at ``prompt_len - 1``: the state before the last prompt token, so a resent
+          identical prompt (whose match is capped at ``len - 1``) hits all but one token.
+
+        Positions (tokens) are floored to whole pages and kept only inside
+        ``(cache_protected_len, prompt_len)``. Each gets an SSM slot now (evicting one state
+        if the pool is full); a position whose slot cannot be had is dropped. The forward
+        writes the states (``HybridReqToTokenPool.prefix_checkpoints_in``);
+        :meth:`checkpoint` inserts them; :meth:`on_release` frees unused ones. Nothing is
+        planned unless the cache was built with ``branch_checkpoints=True``.
+
+        Returns:
+            the planned ``(seqlen, slot)`` pairs (also stored, sorted, on
+            ``req.mamba_prefix_checkpoints``).
+        """
+        if not self.branch_checkpoints:
+            return []
+        ps = self.page_size
+        p = req.cache_protected_len
+        wanted = set()
+        if branching_seqlen is not None:
+            wanted.add(branching_seqlen - branching_seqlen % ps)
+        last = prompt_len - 1
+        wanted.add(last - last % ps)
+        planned: List[Tuple[int, int]] = []
+        for c in sorted(c for c in wanted if p < c < prompt_len):
+            slot = self._alloc_mamba_slot()
+            if slot is None:
+                break
+            planned.append((c, slot))
+        req.mamba_prefix_checkpoints = sorted(planned + req.mamba_prefix_checkpoints)
+        return planned
+
+    # ------------------------------------------------------------------ helpers
+    def _checkpoint_running(self, req: CacheReq, up_to: Optional[int]) -> None:
+        """:meth:`checkpoint` of a running request: planned prefix checkpoints, then the
+        newest ping-pong checkpoint (or, untracked, a copy of the working state)."""
+        if req.req_pool_idx is None:
+            raise ValueError(f"checkpoint: request {req.rid!r} has no req_pool_idx")
+        limit = req.kv_committed_len if up_to is None else min(up_to, req.kv_committed_len)
+        self._commit_prefix_checkpoints(req, limit)
+        p = req.cache_protected_len
+        pool = self.req_to_token_pool
+        tracked = pool.track_slots_per_req > 0
+        if tracked:
+            n = req.mamba_last_track_seqlen
+            slot = req.last_track_slot()
+            if n is None or slot is None or n <= p or n > limit:
+                return
+            entry = 1 - req.mamba_next_track_idx
+        else:
+            n = limit - limit % self.page_size
+            if n <= p:
+                return
+            slot = self._alloc_mamba_slot()
+            if slot is None:
+                return
+            self.mamba_pool.copy_from([req.mamba_pool_idx], [slot])
+        res = self._adopt_prefix(req, n, slot)
+        if tracked:
+            if not res.mamba_exist:
+                fresh = self._alloc_mamba_slot()
+                pool.replace_track_slot(req, entry, -1 if fresh is None else fresh)
+                req.mamba_last_track_seqlen = None
+        elif res.mamba_exist:
+            self.mamba_pool.free([slot])
+
+    def _checkpoint_finished(self, req: CacheReq, up_to: Optional[int]) -> None:
+        """:meth:`checkpoint` of a finished request: planned prefix checkpoints, then the
+        final state (:meth:`_finish_state`); every SSM slot the tree did not take is freed."""
+        pool = self.req_to_token_pool
+        if req.req_pool_idx is None:
+            pool.free_mamba_slots(req)
+            return
+        done = req.kv_committed_len
+        self._commit_prefix_checkpoints(req, done if up_to is None else min(up_to, done))
+        n, slot = self._finish_state(req, done if up_to is None else min(up_to, len(req.token_ids)))
+        donated = None
+        if n > 0 and not self._adopt_prefix(req, n, slot).mamba_exist:
+            donated = slot
+        pool.free_mamba_slots(req, keep_slot=donated)
+
+    def _commit_prefix_checkpoints(self, req: CacheReq, limit: int) -> None:
+        """Insert every planned checkpoint at or below ``limit`` tokens (the forward has
+        written it), in order; free the slot where the tree already had a state."""
+        cps = req.mamba_prefix_checkpoints
+        if not cps:
+            return
+        keep = []
+        for c, slot in cps:
+            if c > limit:
+                keep.append((c, slot))
+                continue
+            res = self._adopt_prefix(req, c, slot)
+            if res.mamba_exist:
+                self.mamba_pool.free([slot])
+        req.mamba_prefix_checkpoints = keep
+
+    def _enforce_path_cap(self, node: TreeNode) -> None:
+        """Drop the shallowest surplus states on ``node``'s root path beyond
+        ``max_states_per_path``; ``node`` itself, forks (nodes with several children) and
+        locked nodes keep theirs (``docs/design.md``, "Prefix checkpoints")."""
+        surplus = 1 - self.max_states_per_path
+        path = []
+        anc = node.parent
+        root = self.root_node
+        while anc is not root:
+            if anc.mamba_value is not None:
+                path.append(anc)
+            anc = anc.parent
+        surplus += len(path)
+        for anc in reversed(path):  # shallowest first
+            if surplus <= 0:
+                return
+            if anc.mamba_lock_ref == 0 and len(anc.children) == 1:
+                self._drop_state(anc)
+                surplus -= 1
+
+    def _finish_state(self, req: CacheReq, limit: int) -> Tuple[int, Optional[int]]:
+        """``(tokens, slot)`` of the state a finished request donates, at most ``limit``
+        tokens: the working slot if it holds exactly ``limit`` tokens (a whole number of
+        pages, no copy-on-write or clear pending) under ``finish_state="working"``, else
+        the newest ping-pong checkpoint not past ``limit``; ``(0, None)`` if neither
+        (``docs/design.md``, "Ping-pong checkpoints")."""
+        done = req.kv_committed_len
+        if (
+            self.finish_state == "working"
+            and done == limit
+            and done > 0
+            and done % self.page_size == 0
+            and req.mamba_pool_idx is not None
+            and req.mamba_cow_src_index is None
+            and not req.mamba_needs_clear
+        ):
+            return done, req.mamba_pool_idx
+        c = req.mamba_last_track_seqlen
+        slot = req.last_track_slot()
+        if c is not None and slot is not None and 0 < c <= min(done, limit):
+            return c, slot
+        return 0, None
+
+    def _adopt_prefix(self, req: CacheReq, n: int, slot: int) -> InsertResult:
+        """Insert the request's first ``n`` tokens with SSM slot ``slot`` (the state after
+        them). When ``n`` passes ``cache_protected_len``, the request's lock moves to the
+        node ending at ``n``, ``req_to_token[row, p:n]`` is pointed at the tree's KV slots
+        and ``cache_protected_len`` becomes ``n``. The caller still owns ``slot`` when the
+        result says ``mamba_exist``."""
+        pool = self.req_to_token_pool
+        row = req.req_pool_idx
+        p = req.cache_protected_len
+        kv = pool.req_to_token[row, :n].to(torch.int64)
+        res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n))
+        if n > p:
+            node = res.last_node
+            # Lock the new node before anything can evict (a replacement slot may).
+            self.inc_lock_ref(node)
+            if req.last_node is not None:
+                self.dec_lock_ref(req.last_node)
+            req.last_node = node
+            new_indices = self._path_values(node)
+            pool.req_to_token[row, p:n] = new_indices[p:n].to(torch.int32)
+            req.prefix_indices = new_indices
+            req.cache_protected_len = n
+        return res
+
+    def _walk_start(self, req: CacheReq, n: int) -> TreeNode:
+        """Where an insert of the request's first ``n`` tokens may start walking: its locked
+        ``last_node`` (its whole path is in the tree and cannot be evicted) if that lies
+        within the key, else the root."""
+        node = req.last_node
+        if node is None or node.seq_len > n:
+            return self.root_node
+        if node.seq_len != req.cache_protected_len:
+            raise RuntimeError(
+                f"request {req.rid!r}: locked node ends at {node.seq_len}, "
+                f"cache_protected_len is {req.cache_protected_len}"
+            )
+        return node

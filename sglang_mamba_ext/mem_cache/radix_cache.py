@@ -1,0 +1,544 @@
+"""The hybrid radix tree (``docs/design.md``, "Tree and match"): a radix tree over token
+ids whose nodes hold attention-KV slot indices and at most one SSM-state slot, with the one
+request lifecycle SGLang 0.5.23's scheduler drives — :meth:`MambaRadixCache.checkpoint`
+after prefill chunks, completed prefills and finished requests, and
+:meth:`MambaRadixCache.on_release` when a request lets go. A match stops at the deepest
+node holding a state (KV beyond it is of no use to a hybrid model); a hit gets its own SSM
+slot by copy-on-write; locks pin a node's state and its root path's KV; eviction removes
+states and KV leaves independently (policies in :mod:`.eviction`). Prefix-checkpoint
+planning, the per-path cap and the finish state are in :mod:`.prefix_checkpoints`; the
+invariant checks in :mod:`.invariants`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import invariants
+from .eviction import make_eviction_policy
+from .lru import LRUList
+from .prefix_checkpoints import FINISH_STATES, PrefixCheckpoints
+from .req import CacheReq
+from .req_to_token_pool import HybridReqToTokenPool
+from .tree_node import EMPTY_INDICES, EvictResult, InsertResult, KeyLike, MatchResult, TreeNode, match_len, split_key
+
+
+class MambaRadixCache(PrefixCheckpoints):
+    """Hybrid prefix cache: attention KV + SSM state per node (``docs/design.md``).
+
+    Args:
+        kv_allocator: KV slot allocator (``alloc(n)``, ``free(idx)``, ``available_size()``):
+            :class:`~sglang_mamba_ext.mem_cache.allocator.KVSlotAllocator` or SGLang's
+            ``TokenToKVPoolAllocator``.
+        req_to_token_pool: the hybrid request pool; its ``mamba_pool`` is the SSM pool.
+        page_size: tokens per KV page (>= 1). Keys are matched and stored in whole pages.
+        mamba_track_interval: tokens between ping-pong checkpoints (a multiple of
+            ``page_size``).
+        finish_state: which state a finished request donates (:meth:`checkpoint`):
+            ``"working"`` (its working slot, exact at the sequence end; safe when no
+            forward can still be writing it, i.e. without overlap scheduling) or
+            ``"checkpoint"`` (its newest ping-pong checkpoint; safe under overlap
+            scheduling).
+        branch_checkpoints: save extra SSM checkpoints during prefill where they pay off
+            (:meth:`plan_prefix_checkpoints`).
+        max_states_per_path: at most this many SSM states on any root-to-node path
+            (SGLang's ``--mamba-max-states-per-path``; 0 or negative: no bound, stored as
+            0). After an insert places a state, the shallowest surplus states on its path
+            are dropped (tombstoned, KV kept) — never the new state, a fork or a locked one.
+        eviction_policy: ``"lru"`` or ``"recompute"`` (:mod:`.eviction`).
+        kv_bytes_per_token: bytes of one token's KV over all attention layers, so the
+            recompute policy can weigh KV freed by removing a leaf (0: SSM bytes only).
+
+    Raises:
+        ValueError: on a bad ``page_size``, ``mamba_track_interval``, ``finish_state`` or
+            ``eviction_policy``.
+    """
+
+    def __init__(
+        self,
+        kv_allocator: Any,
+        req_to_token_pool: HybridReqToTokenPool,
+        page_size: int = 1,
+        mamba_track_interval: int = 256,
+        finish_state: str = "working",
+        branch_checkpoints: bool = False,
+        max_states_per_path: int = 0,
+        eviction_policy: str = "lru",
+        kv_bytes_per_token: int = 0,
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if mamba_track_interval < page_size or mamba_track_interval % page_size:
+            raise ValueError(
+                f"mamba_track_interval ({mamba_track_interval}) must be a positive multiple of "
+                f"page_size ({page_size}); pass --mamba-track-interval as a multiple of --page-size"
+            )
+        if finish_state not in FINISH_STATES:
+            raise ValueError(f"finish_state must be 'working' or 'checkpoint', got {finish_state!r}")
+        self._eviction = make_eviction_policy(eviction_policy, self)
+        self._state_used = self._eviction.state_used
+        self._evict_mamba = self._eviction.evict_mamba
+        self._evict_full = self._eviction.evict_full
+        self.token_to_kv_pool_allocator = kv_allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.mamba_pool = req_to_token_pool.mamba_pool
+        self.page_size = page_size
+        self.mamba_track_interval = mamba_track_interval
+        self.finish_state = finish_state
+        self.branch_checkpoints = branch_checkpoints
+        self.max_states_per_path = max(int(max_states_per_path), 0)
+        self.eviction_policy = eviction_policy
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.device = getattr(kv_allocator, "device", torch.device("cpu"))
+        #: Totals since construction (every eviction, including those the cache runs
+        #: itself to allocate a slot and the tombstone leaves an unlock removes): KV
+        #: tokens, SSM states.
+        self.evicted_tokens_total = 0
+        self.evicted_states_total = 0
+        self.reset()
+
+    # ================================================================ public protocol
+    def reset(self) -> None:
+        """Empty the tree (does not touch slots held outside it)."""
+        self.root_node = TreeNode([], EMPTY_INDICES, None)
+        self.root_node.full_lock_ref = 1
+        self.root_node.mamba_lock_ref = 1
+        self.full_lru_list = LRUList()
+        self.mamba_lru_list = LRUList()
+        self._eviction.reset()
+        self._clock = 0
+        self._full_evictable = 0
+        self._full_protected = 0
+        self._mamba_evictable = 0
+        self._mamba_protected = 0
+
+    def match_prefix(self, key: KeyLike, *, cow_mamba: bool = False, req: Optional[CacheReq] = None) -> MatchResult:
+        """Longest cached prefix of ``key`` that is usable by a hybrid model
+        (``docs/design.md``, "Tree and match").
+
+        The usable prefix ends at the deepest matched node holding an SSM state: KV beyond
+        it is never returned. A match ending inside a node splits it. The key is truncated
+        to whole pages. Matched nodes are touched in the KV LRU, the used state in the SSM
+        LRU.
+
+        With ``cow_mamba`` and a non-empty usable prefix, the request gets copy-on-write
+        (``docs/design.md``, "Copy-on-write"): an SSM slot is allocated now (evicting one
+        state if the pool is full; ``None`` if that fails — ``HybridReqToTokenPool.alloc``
+        then allocates it) and the tree's slot is recorded as the source; the copy runs at
+        forward start. With ``req`` given, ``req.mamba_pool_idx`` /
+        ``req.mamba_cow_src_index`` are set too.
+        """
+        tokens, extra_key = split_key(key)
+        n = len(tokens)
+        if self.page_size > 1:
+            n -= n % self.page_size
+        root = self.root_node
+        path, pos = self._walk(root, tokens, 0, n, extra_key)
+        best = len(path)
+        while best and path[best - 1].mamba_value is None:
+            best -= 1
+        best_node = path[best - 1] if best else root
+        last = path[-1] if path else root
+        self._touch_path(last)
+        if best == 0:
+            device_indices = EMPTY_INDICES
+        else:
+            self._touch_state(best_node)
+            device_indices = best_node.value if best == 1 else torch.cat([c.value for c in path[:best]])
+
+        result = MatchResult(device_indices, best_node, kv_match_len=pos, kv_last_node=last)
+        if cow_mamba and best:
+            result.mamba_cow_src_index = best_node.mamba_value
+            if req is None or req.mamba_pool_idx is None:
+                result.mamba_pool_idx = self._alloc_mamba_slot(protect=best_node)
+            else:
+                result.mamba_pool_idx = req.mamba_pool_idx
+            if req is not None:
+                req.mamba_pool_idx = result.mamba_pool_idx
+                req.mamba_cow_src_index = result.mamba_cow_src_index
+                req.mamba_needs_clear = False
+        return result
+
+    def insert(
+        self,
+        key: KeyLike,
+        value: torch.Tensor,
+        mamba_value: Optional[Union[int, torch.Tensor]] = None,
+        prev_prefix_len: int = 0,
+    ) -> InsertResult:
+        """Insert ``key`` with its KV slots ``value`` and the state after its last token.
+
+        Ownership (``docs/design.md``, "Tree and match"): the tree takes the KV slots it
+        lacked. Slots of ``value[prev_prefix_len:]`` that duplicate tree content are freed
+        here; ``value[:prev_prefix_len]`` is the part the caller already had from the tree
+        and is never freed. The tree takes ``mamba_value`` only if the node ending at the
+        key's end had no state (``mamba_exist`` False); otherwise the caller keeps (and
+        frees) it.
+
+        Args:
+            key: token ids, a multiple of ``page_size`` long.
+            value: int64 ``[len(key)]`` KV slots.
+            mamba_value: SSM slot (int or 1-element tensor) holding the state after the key.
+            prev_prefix_len: tokens at the start of ``value`` that are tree-owned already.
+
+        Raises:
+            ValueError: on a key not page aligned, a length mismatch, or new tokens without
+                ``mamba_value`` (that would make a tombstone leaf).
+        """
+        tokens, extra_key = split_key(key)
+        n = len(tokens)
+        if n % self.page_size:
+            raise ValueError(f"insert: key length {n} is not a multiple of page_size {self.page_size}")
+        if value.numel() != n:
+            raise ValueError(f"insert: {value.numel()} KV slots for a key of {n} tokens")
+        if isinstance(mamba_value, torch.Tensor):
+            mamba_value = int(mamba_value.reshape(-1)[0])
+        return self._insert(tokens, extra_key, value, mamba_value, prev_prefix_len, self.root_node)
+
+    def checkpoint(self, req: CacheReq, up_to: Optional[int] = None, finished: bool = False) -> int:
+        """Hand the tree what the request has computed of its first ``up_to`` tokens
+        (default and cap: ``req.kv_committed_len``); SGLang's ``checkpoint(req, up_to)``
+        (``docs/design.md``, "Ping-pong checkpoints", "Prefix checkpoints").
+
+        First the planned prefix checkpoints the forward has passed are inserted. Then,
+        for a running request (after a prefill chunk or a completed prefill), its sequence
+        up to its newest ping-pong checkpoint is inserted with that checkpoint's slot, and
+        the donated entry gets a fresh slot (``-1`` if the pool has none even after
+        evicting one state); without ping-pong tracking (``track_slots_per_req == 0``) the
+        working state is copied into a fresh slot for the page-floored length instead. For
+        a ``finished`` request its sequence goes in with its final state (see
+        ``finish_state``; the key is cut at the state's length, at most ``up_to`` and
+        ``len(req.token_ids)``), and every SSM slot the tree did not take is freed.
+
+        Each insert frees the request's KV slots that duplicate the tree's, writes the
+        tree's indices back into ``req_to_token``, moves the request's lock to the new
+        node and advances ``cache_protected_len``. KV slots at and above it, the row and
+        the lock stay the caller's.
+
+        Returns:
+            ``req.cache_protected_len`` (tokens the tree now owns for the request).
+
+        Raises:
+            ValueError: a running request without a row.
+        """
+        if finished:
+            self._checkpoint_finished(req, up_to)
+        else:
+            self._checkpoint_running(req, up_to)
+        return req.cache_protected_len
+
+    def on_release(self, req: CacheReq) -> None:
+        """The request lets go (finished after :meth:`checkpoint`, aborted, retracted or
+        rejected at admission): free every SSM slot it still holds — working,
+        copy-on-write, ping-pong and planned prefix checkpoints — and clear its SSM
+        fields. Its KV slots, row and lock are the caller's (SGLang's ``release_kv_cache``
+        frees them before calling ``on_release``). Idempotent."""
+        self.req_to_token_pool.free_mamba_slots(req)
+
+    def evict(self, num_tokens: int = 0, mamba_num: int = 0) -> EvictResult:
+        """Free at least ``mamba_num`` SSM states and ``num_tokens`` KV tokens if possible,
+        in the order of the eviction policy (``docs/design.md``, "Eviction").
+
+        SSM eviction tombstones inner nodes and removes leaves whole (a leaf may not be a
+        tombstone); KV eviction removes unlocked leaves (with their state, if any). Either
+        may then remove ancestors that became tombstone leaves.
+
+        Returns:
+            :class:`EvictResult` with what was freed (possibly more or less than asked).
+        """
+        res = EvictResult()
+        if mamba_num > 0:
+            self._evict_mamba(mamba_num, res)
+        if num_tokens > res.num_tokens_evicted:
+            self._evict_full(num_tokens, res)
+        self._count_evicted(res)
+        return res
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Lock ``node`` (SSM) and its root path (KV) against eviction, whether or not it
+        holds a state now (``docs/design.md``, "Locks")."""
+        if node is self.root_node:
+            return
+        if node.mamba_lock_ref == 0 and node.mamba_value is not None:
+            self._mamba_evictable -= 1
+            self._mamba_protected += 1
+        node.mamba_lock_ref += 1
+        root = self.root_node
+        while node is not root:
+            if node.full_lock_ref == 0:
+                k = len(node.key)
+                self._full_evictable -= k
+                self._full_protected += k
+            node.full_lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Release one :meth:`inc_lock_ref` of ``node``. A tombstone that is left an
+        unlocked leaf is removed (counted in ``evicted_tokens_total``).
+
+        Raises:
+            RuntimeError: if ``node`` is not locked (an unbalanced release).
+        """
+        if node is self.root_node:
+            return
+        if node.mamba_lock_ref <= 0 or node.full_lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref on an unlocked node {node!r}")
+        node.mamba_lock_ref -= 1
+        if node.mamba_lock_ref == 0 and node.mamba_value is not None:
+            self._mamba_protected -= 1
+            self._mamba_evictable += 1
+        start = node
+        root = self.root_node
+        while node is not root:
+            node.full_lock_ref -= 1
+            if node.full_lock_ref == 0:
+                k = len(node.key)
+                self._full_protected -= k
+                self._full_evictable += k
+            node = node.parent
+        # A tombstone locked directly may have lost its children meanwhile.
+        if start.mamba_value is None and not start.children and start.full_lock_ref == 0 and not start.removed:
+            res = EvictResult()
+            self._delete_leaf(start, res)
+            self._count_evicted(res)
+
+    def full_evictable_size(self) -> int:
+        """KV tokens in unlocked nodes."""
+        return self._full_evictable
+
+    def full_protected_size(self) -> int:
+        """KV tokens in locked nodes."""
+        return self._full_protected
+
+    def mamba_evictable_size(self) -> int:
+        """SSM states (slots) in unlocked nodes."""
+        return self._mamba_evictable
+
+    def mamba_protected_size(self) -> int:
+        """SSM states (slots) in locked nodes."""
+        return self._mamba_protected
+
+    def total_size(self) -> int:
+        """KV tokens in the tree."""
+        return self._full_evictable + self._full_protected
+
+    def mamba_total_size(self) -> int:
+        """SSM states in the tree."""
+        return self._mamba_evictable + self._mamba_protected
+
+    def path_device_indices(self, node: TreeNode) -> torch.Tensor:
+        """int64 KV slots of the tokens from the root to the end of ``node``."""
+        return self._path_values(node)
+
+    def all_values_flatten(self) -> torch.Tensor:
+        """int64 KV slots of every node (leak diagnostics; O(tree size))."""
+        vals = [n.value for n in self.nodes()]
+        return torch.cat(vals) if vals else EMPTY_INDICES
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        """int64 SSM slots held by the tree (leak diagnostics; O(tree size))."""
+        return torch.tensor([n.mamba_value for n in self.nodes() if n.mamba_value is not None], dtype=torch.int64)
+
+    def nodes(self) -> List[TreeNode]:
+        """Every node but the root (O(tree size))."""
+        out: List[TreeNode] = []
+        stack = [self.root_node]
+        while stack:
+            for child in stack.pop().children.values():
+                out.append(child)
+                stack.append(child)
+        return out
+
+    def sanity_check(self) -> None:
+        """:func:`.invariants.sanity_check` on this tree."""
+        invariants.sanity_check(self)
+
+    def check_slot_accounting(self, live_reqs: Sequence[CacheReq] = ()) -> None:
+        """:func:`.invariants.check_slot_accounting` with these live requests."""
+        invariants.check_slot_accounting(self, live_reqs)
+
+    def pretty_print(self) -> str:
+        """:func:`.invariants.pretty_print` of this tree."""
+        return invariants.pretty_print(self)
+
+    # ================================================================ tree helpers
+    def _child_key(self, tokens: List[int], pos: int, extra_key: Optional[str]):
+        if self.page_size == 1:
+            first = tokens[pos]
+        else:
+            first = tuple(tokens[pos : pos + self.page_size])
+        return first if extra_key is None else (extra_key, first)
+
+    def _walk(self, node: TreeNode, tokens: List[int], pos: int, end: int, extra_key) -> Tuple[List[TreeNode], int]:
+        """Follow ``tokens[pos:end]`` down from ``node`` (which ends at ``pos``): the nodes
+        passed (the last one split when the match ends inside it) and where the match
+        ends."""
+        path: List[TreeNode] = []
+        child_key = self._child_key
+        page_size = self.page_size
+        while pos < end:
+            child = node.children.get(child_key(tokens, pos, extra_key))
+            if child is None:
+                break
+            m = match_len(child.key, tokens, pos, end, page_size)
+            if m == 0:
+                break
+            pos += m
+            if m < len(child.key):
+                path.append(self._split_node(child, m))
+                break
+            path.append(child)
+            node = child
+        return path, pos
+
+    def _insert(
+        self,
+        tokens: List[int],
+        extra_key: Optional[str],
+        value: torch.Tensor,
+        mamba_value: Optional[int],
+        prev_prefix_len: int,
+        node: TreeNode,
+    ) -> InsertResult:
+        """:meth:`insert` starting the walk at ``node`` (a node on the key's path, e.g. the
+        request's locked ``last_node``), which skips re-comparing the locked prefix."""
+        n = len(tokens)
+        path, pos = self._walk(node, tokens, node.seq_len, n, extra_key)
+        if path:
+            kv_free = self.token_to_kv_pool_allocator.free
+            for child in path:
+                end = child.seq_len
+                if prev_prefix_len < end:
+                    kv_free(value[max(prev_prefix_len, end - len(child.key)) : end])
+            node = path[-1]
+        prefix_len = pos
+        if pos < n:
+            if mamba_value is None:
+                raise ValueError("insert: new tokens without mamba_value would leave a leaf without SSM state")
+            new = TreeNode(tokens[pos:], value[pos:], node, extra_key)
+            node.children[self._child_key(new.key, 0, extra_key)] = new
+            new.mamba_value = mamba_value
+            self._full_evictable += n - pos
+            self._mamba_evictable += 1
+            self._touch_state(new)
+            node = new
+            mamba_exist = False
+        elif mamba_value is not None and node is not self.root_node and node.mamba_value is None:
+            self._set_state(node, mamba_value)
+            mamba_exist = False
+        else:
+            mamba_exist = True
+        if not mamba_exist and self.max_states_per_path > 0:
+            self._enforce_path_cap(node)
+        self._touch_path(node)
+        return InsertResult(prefix_len, mamba_exist, node)
+
+    def _split_node(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after ``m`` tokens; return the new parent, which has no SSM state
+        and the child's KV lock count (``docs/design.md``, "Tree and match")."""
+        parent = child.parent
+        new = TreeNode(child.key[:m], child.value[:m], parent, child.extra_key)
+        new.full_lock_ref = child.full_lock_ref
+        new.last_access_time = child.last_access_time
+        parent.children[self._child_key(new.key, 0, new.extra_key)] = new
+        child.key = child.key[m:]
+        child.value = child.value[m:]
+        child.parent = new
+        new.children[self._child_key(child.key, 0, child.extra_key)] = child
+        # A split is an access through the old node: both halves become recent (the new
+        # parent just ahead of the child, so parents stay more recent than children).
+        self._clock += 1
+        child.last_access_time = self._clock
+        self.full_lru_list.push_front(child.full_link)
+        self.full_lru_list.insert_before(new.full_link, child.full_link)
+        return new
+
+    def _touch_path(self, node: TreeNode) -> None:
+        """Mark ``node`` and its ancestors used now, deepest first, so that every node stays
+        at least as recent as its descendants in the KV LRU list."""
+        self._clock += 1
+        now = self._clock
+        root = self.root_node
+        push = self.full_lru_list.push_front
+        while node is not root:
+            node.last_access_time = now
+            push(node.full_link)
+            node = node.parent
+
+    def _touch_state(self, node: TreeNode) -> None:
+        """A state was stored or used: most recent in the SSM LRU list, and the eviction
+        policy told (``state_used``) if it keeps more."""
+        self.mamba_lru_list.push_front(node.mamba_link)
+        if self._state_used is not None:
+            self._state_used(node)
+
+    def _path_values(self, node: TreeNode) -> torch.Tensor:
+        vals = []
+        root = self.root_node
+        while node is not root:
+            vals.append(node.value)
+            node = node.parent
+        if not vals:
+            return EMPTY_INDICES
+        if len(vals) == 1:
+            return vals[0]
+        vals.reverse()
+        return torch.cat(vals)
+
+    def _set_state(self, node: TreeNode, slot: int) -> None:
+        node.mamba_value = slot
+        if node.mamba_lock_ref > 0:
+            self._mamba_protected += 1
+        else:
+            self._mamba_evictable += 1
+        self._touch_state(node)
+
+    def _drop_state(self, node: TreeNode) -> None:
+        """Tombstone ``node``: free its SSM slot (caller checked it is unlocked)."""
+        self.mamba_pool.free([node.mamba_value])
+        node.mamba_value = None
+        self._mamba_evictable -= 1
+        self.mamba_lru_list.remove(node.mamba_link)
+
+    def _delete_leaf(self, node: TreeNode, res: EvictResult) -> None:
+        """Remove an unlocked leaf with its KV and state, then every ancestor that became an
+        unlocked tombstone leaf; add what was freed to ``res``."""
+        root = self.root_node
+        kv_free = self.token_to_kv_pool_allocator.free
+        while True:
+            parent = node.parent
+            if node.mamba_value is not None:
+                self._drop_state(node)
+                res.mamba_num_evicted += 1
+            kv_free(node.value)
+            k = len(node.key)
+            self._full_evictable -= k
+            res.num_tokens_evicted += k
+            self.full_lru_list.remove(node.full_link)
+            del parent.children[self._child_key(node.key, 0, node.extra_key)]
+            node.removed = True
+            if parent is root or parent.children or parent.mamba_value is not None or parent.full_lock_ref > 0:
+                return
+            node = parent
+
+    def _count_evicted(self, res: EvictResult) -> None:
+        self.evicted_tokens_total += res.num_tokens_evicted
+        self.evicted_states_total += res.mamba_num_evicted
+
+    def _alloc_mamba_slot(self, protect: Optional[TreeNode] = None) -> Optional[int]:
+        """One SSM slot, evicting one unlocked state if the pool is empty (``protect`` is
+        locked meanwhile so the eviction cannot take it). ``None`` if none can be freed."""
+        pool = self.mamba_pool
+        got = pool.alloc_list(1)
+        if got is None:
+            if protect is not None:
+                self.inc_lock_ref(protect)
+            self.evict(mamba_num=1)
+            if protect is not None:
+                self.dec_lock_ref(protect)
+            got = pool.alloc_list(1)
+            if got is None:
+                return None
+        return got[0]
