@@ -211,6 +211,35 @@ class TestMixer(unittest.TestCase):
         torch.testing.assert_close(self.mixer.finish(o, self.x), y)
         torch.testing.assert_close(ssm, ssm2)
 
+    def test_run_segments_hands_states_at_cuts(self):
+        mixed, g, beta = self.mixer.project(self.x)
+        seen = []
+        o, conv, ssm = self.mixer.run_segments(
+            mixed, g, beta, None, None, cuts=[7, 0, 3, 13, 3],
+            on_cut=lambda off, c, s: seen.append((off, None if c is None else c.clone(), None if s is None else s.clone())),
+        )
+        self.assertEqual([off for off, _, _ in seen], [0, 3, 7, 13])
+        self.assertIsNone(seen[0][1])  # a fresh sequence cut at 0: no state yet
+        self.assertIsNone(seen[0][2])
+        # the state at a cut is the state of a run that stops there (same segments, same ops)
+        _, c3, s3 = self.mixer.run_segments(mixed[:3], g[:3], beta[:3], None, None)
+        torch.testing.assert_close(seen[1][1], c3, rtol=0, atol=0)
+        torch.testing.assert_close(seen[1][2], s3, rtol=0, atol=0)
+        _, c7, s7 = self.mixer.run_segments(mixed[:7], g[:7], beta[:7], None, None, cuts=[3])
+        torch.testing.assert_close(seen[2][1], c7, rtol=0, atol=0)
+        torch.testing.assert_close(seen[2][2], s7, rtol=0, atol=0)
+        torch.testing.assert_close(seen[3][1], conv, rtol=0, atol=0)
+        torch.testing.assert_close(seen[3][2], ssm, rtol=0, atol=0)
+        # and the cut run is the one-pass recurrence to float rounding
+        o1, conv1, ssm1 = self.mixer.run_segments(mixed, g, beta, None, None)
+        torch.testing.assert_close(o, o1, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(conv, conv1, rtol=0, atol=0)
+        torch.testing.assert_close(ssm, ssm1, atol=1e-6, rtol=1e-6)
+        self.assertEqual(tuple(o.shape), (13, 4, 12))
+        for bad in ([-1], [14]):
+            with self.assertRaises(ValueError):
+                self.mixer.run_segments(mixed, g, beta, None, None, cuts=bad)
+
 
 class TestReferenceModel(unittest.TestCase):
     @classmethod
