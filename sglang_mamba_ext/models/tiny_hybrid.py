@@ -87,26 +87,7 @@ class TinyHybridConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
-        if layer_types is None:
-            layer_types = [
-                FULL_ATTENTION if i % 2 == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)
-            ]
-        layer_types = list(layer_types)
-        if len(layer_types) != num_hidden_layers:
-            raise ValueError(
-                f"config.json: layer_types has {len(layer_types)} entries, num_hidden_layers is "
-                f"{num_hidden_layers}"
-            )
-        for t in layer_types:
-            if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
-                raise ValueError(
-                    f"config.json: unknown layer type {t!r} in layer_types; use "
-                    f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}"
-                )
-        if num_attention_heads % num_key_value_heads != 0:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
+        layer_types = _checked_layout(layer_types, num_hidden_layers, num_attention_heads, num_key_value_heads)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -146,6 +127,33 @@ class TinyHybridConfig(PretrainedConfig):
             head_v_dim=self.linear_value_head_dim,
             conv_kernel=self.linear_conv_kernel_dim,
         )
+
+
+def _checked_layout(
+    layer_types: Optional[List[str]], num_hidden_layers: int, num_attention_heads: int, num_key_value_heads: int
+) -> List[str]:
+    """``layer_types`` as a list (default: attention on even layers, linear on odd ones).
+
+    Raises:
+        ValueError: a wrong number of layer types, an unknown type, or query heads that are
+            not a multiple of the K/V heads."""
+    if layer_types is None:
+        layer_types = [FULL_ATTENTION if i % 2 == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)]
+    layer_types = list(layer_types)
+    if len(layer_types) != num_hidden_layers:
+        raise ValueError(
+            f"config.json: layer_types has {len(layer_types)} entries, num_hidden_layers is "
+            f"{num_hidden_layers}"
+        )
+    for t in layer_types:
+        if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
+            raise ValueError(
+                f"config.json: unknown layer type {t!r} in layer_types; use "
+                f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}"
+            )
+    if num_attention_heads % num_key_value_heads != 0:
+        raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+    return layer_types
 
 
 def _register_auto_config() -> None:

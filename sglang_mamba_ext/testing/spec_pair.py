@@ -92,8 +92,10 @@ def load_triton_kernels_for_cpu() -> bool:
     are; without CUDA under Triton's interpreter, which ``@triton.jit`` selects at decoration
     time from ``TRITON_INTERPRET`` — so the variable is set only while these modules are
     imported and restored afterwards (nothing else in the process changes). Returns False when
-    they were already imported without the interpreter (then use
-    :func:`run_tests_with_triton_interpreter`).
+    they, or Triton itself, were already imported without the interpreter (Triton's own
+    ``@triton.jit`` library, ``tl.zeros`` and the like, cannot run inside an interpreted kernel
+    then; SGLang imports Triton, so any test module importing SGLang first causes this) — then
+    use :func:`run_tests_with_triton_interpreter`.
     """
     import importlib
     import os
@@ -124,11 +126,14 @@ def load_triton_kernels_for_cpu() -> bool:
                 os.environ["TRITON_INTERPRET"] = old
     from triton.runtime.interpreter import InterpretedFunction
 
+    import triton.language as tl
+
     from sglang_mamba_ext.speculative.ops import triton_utils
     from sglang_mamba_ext.speculative.ops.replay import fused as replay_fused
     from sglang_mamba_ext.speculative.ops.verify import fused as verify_fused
 
-    kernels = (triton_utils.gated_delta_step, replay_fused._replay_recurrent_kernel, verify_fused._tree_verify_kernel)
+    kernels = (tl.zeros, triton_utils.gated_delta_step, replay_fused._replay_recurrent_kernel,
+               verify_fused._tree_verify_kernel)
     return all(isinstance(k, InterpretedFunction) for k in kernels)
 
 
