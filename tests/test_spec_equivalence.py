@@ -1,6 +1,6 @@
 """Deferred verify == snapshot verify == plain greedy decoding, on the tiny hybrid model's math.
 
-Issue 5 part 2 / seed §9.9: for topk in {1, 2, 4} and steps in {1, 3}, a batch of requests with
+``docs/design.md``, "Deferred update": for topk in {1, 2, 4} and steps in {1, 3}, a batch of requests with
 different accept lengths runs the snapshot engine and the deferred engine in lockstep; after
 every round the deferred main state (with its pending stash replayed into a copy) equals the
 snapshot main state within 1e-6 (fp32; absolute or relative, see ``RTOL_MODES``), the tokens equal plain greedy decoding, ping-pong

@@ -27,7 +27,7 @@ except Exception as e:  # pragma: no cover - sglang is installed in CI
     _IMPORT_ERROR = e
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.speculative.replay import ReplayWeights, replay_torch
+from sglang_mamba_ext.speculative.replay import ReplayWeights, replay
 from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
 
 from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu, triton_subprocess_case  # noqa: E402
@@ -251,7 +251,7 @@ class TestCommitReplayPath(unittest.TestCase):
             hooks.kda_target_verify_around(sglang_verify, backend, layer, fb, mq, a, b.unsqueeze(0))
             recs.append((mq, a, b))
         self.assertEqual(calls, [1, 3])  # SGLang's own verify still runs
-        self.assertTrue(torch.equal(self.pool.mamba_cache.conv[0], conv_before))  # main windows restored
+        torch.testing.assert_close(self.pool.mamba_cache.conv[0], conv_before, rtol=0, atol=0)  # main windows restored
         return recs
 
     def test_commit_then_replay_then_release(self):
@@ -271,14 +271,14 @@ class TestCommitReplayPath(unittest.TestCase):
                                 accept_lens, accept_index, T)
         st = self.state.stash
         # stash holds exactly the accepted nodes of every layer; main state untouched
-        self.assertTrue(torch.equal(self.pool.mamba_cache.temporal, before_temporal))
+        torch.testing.assert_close(self.pool.mamba_cache.temporal, before_temporal, rtol=0, atol=0)
         self.assertEqual(st.count[rows].tolist(), [3, 1, 2])
         self.assertEqual(st.seq_len[rows].tolist(), [14, 9, 30])
         self.assertEqual(st.track_slot[rows].tolist(), [5, 1, 2])
         for l, (mq, _, _) in enumerate(recs):
-            self.assertTrue(torch.equal(st.mixed_qkv[l, 1, :3], mq[[0, 2, 4]]))
-            self.assertTrue(torch.equal(st.mixed_qkv[l, 2, :1], mq[[T]]))
-            self.assertTrue(torch.equal(st.mixed_qkv[l, 3, :2], mq[[2 * T, 2 * T + 3]]))
+            torch.testing.assert_close(st.mixed_qkv[l, 1, :3], mq[[0, 2, 4]], rtol=0, atol=0)
+            torch.testing.assert_close(st.mixed_qkv[l, 2, :1], mq[[T]], rtol=0, atol=0)
+            torch.testing.assert_close(st.mixed_qkv[l, 3, :2], mq[[2 * T, 2 * T + 3]], rtol=0, atol=0)
 
         # expected main state: torch reference replay on SGLang-layout views of a copy
         ref_conv = self.pool.mamba_cache.conv[0].clone()
@@ -287,8 +287,8 @@ class TestCommitReplayPath(unittest.TestCase):
         for name in ("mixed_qkv", "g_raw", "b_raw", "count", "seq_len", "track_slot"):
             getattr(ref_stash, name).copy_(getattr(st, name))
         with torch.no_grad():
-            replay_torch(ref_stash, rows, torch.tensor([4, 6, 0]), ref_conv.transpose(-1, -2), ref_temp.transpose(-1, -2),
-                         ReplayWeights.from_mixers(self.mixers), 16)
+            replay(ref_stash, rows, torch.tensor([4, 6, 0]), ref_conv.transpose(-1, -2), ref_temp.transpose(-1, -2),
+                   ReplayWeights.from_mixers(self.mixers), 16, impl="torch")
 
         # next round: replay runs before the draft/verify, with each row's slot and count
         seen = []

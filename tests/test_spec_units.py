@@ -1,4 +1,4 @@
-"""Unit tests of the deferred-verify building blocks (seed §9): tree tables, greedy acceptance,
+"""Unit tests of the deferred-verify building blocks (``docs/design.md``, "Deferred update"): tree tables, greedy acceptance,
 raw projections, stash, tree conv / recurrence against the sequential mixer math, commit."""
 
 import unittest
@@ -6,24 +6,19 @@ import unittest
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-from sglang_mamba_ext.speculative.replay import ReplayWeights, replay_torch, track_steps
+from sglang_mamba_ext.speculative.ops.verify.naive import tree_conv, tree_recurrence
+from sglang_mamba_ext.speculative.replay import ReplayWeights, replay, track_steps
 from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
 from sglang_mamba_ext.speculative.tree import (
     DraftTree,
+    TreeIndex,
     chain_parents,
     eagle_tree_parents,
     greedy_accept,
     max_draft_token_num,
     stack_trees,
 )
-from sglang_mamba_ext.speculative.verify import (
-    OneLayerBuffer,
-    SnapshotBuffers,
-    TreeIndex,
-    commit_snapshot,
-    tree_conv,
-    tree_recurrence,
-)
+from sglang_mamba_ext.speculative.verify_buffers import OneLayerBuffer, SnapshotBuffers, commit_snapshot
 
 
 def setUpModule():
@@ -94,9 +89,9 @@ class TestRawProjection(unittest.TestCase):
         mq, g, beta = m.project(x)
         mq2, gr, br = m.project_raw(x)
         g2, beta2 = m.activate_gates(gr, br)
-        self.assertTrue(torch.equal(mq, mq2))
-        self.assertTrue(torch.equal(g, g2))
-        self.assertTrue(torch.equal(beta, beta2))
+        torch.testing.assert_close(mq, mq2, rtol=0, atol=0)
+        torch.testing.assert_close(g, g2, rtol=0, atol=0)
+        torch.testing.assert_close(beta, beta2, rtol=0, atol=0)
 
 
 class TestStash(unittest.TestCase):
@@ -116,7 +111,7 @@ class TestStash(unittest.TestCase):
         # rejected nodes (1, 3 of request 0; 1..4 of request 1) never appear anywhere
         vals = set(st.mixed_qkv.flatten().tolist()) | set(st.g_raw.flatten().tolist())
         self.assertFalse(vals & {1.0, 3.0, 101.0, 102.0, 103.0, 104.0})
-        self.assertTrue(torch.equal(st.mixed_qkv[0], torch.zeros_like(st.mixed_qkv[0])))
+        torch.testing.assert_close(st.mixed_qkv[0], torch.zeros_like(st.mixed_qkv[0]), rtol=0, atol=0)
         st.set_pending(rows, torch.tensor([3, 1]), torch.tensor([10, 20]))
         with self.assertRaises(RuntimeError):
             st.set_pending(rows, torch.tensor([1, 1]), torch.tensor([0, 0]))
@@ -152,7 +147,7 @@ class TestReplayTorch(unittest.TestCase):
                 _, c4, t4 = m(x[l], conv[l, 4], temp[l, 4])
                 expect.append((c3, t3, c4, t4))
             st.set_pending(torch.tensor([2]), torch.tensor([4]), torch.tensor([13]), torch.tensor([1]))
-            tracked = replay_torch(st, torch.tensor([2]), torch.tensor([4]), conv, temp, w, 16)
+            tracked = replay(st, torch.tensor([2]), torch.tensor([4]), conv, temp, w, 16, impl="torch")
         self.assertEqual(tracked.tolist(), [True])
         self.assertEqual(int(st.count[2]), 0)
         for l, (c3, t3, c4, t4) in enumerate(expect):
@@ -228,10 +223,10 @@ class TestTreeVerifyTorch(unittest.TestCase):
         temp = torch.zeros(2, 5, *s.temporal_state_shape)
         commit_snapshot(snap, torch.tensor([1, 2]), torch.tensor([3, 0]), torch.tensor([2, 0]), conv, temp,
                         torch.tensor([4, 1]), torch.tensor([1, -1]))
-        self.assertTrue(torch.equal(temp[:, 3], snap.ssm[:, 1, 2]))
-        self.assertTrue(torch.equal(conv[:, 0], snap.conv[:, 2, 0]))
-        self.assertTrue(torch.equal(temp[:, 4], snap.ssm[:, 1, 1]))
-        self.assertTrue(torch.equal(temp[:, 1], torch.zeros_like(temp[:, 1])))
+        torch.testing.assert_close(temp[:, 3], snap.ssm[:, 1, 2], rtol=0, atol=0)
+        torch.testing.assert_close(conv[:, 0], snap.conv[:, 2, 0], rtol=0, atol=0)
+        torch.testing.assert_close(temp[:, 4], snap.ssm[:, 1, 1], rtol=0, atol=0)
+        torch.testing.assert_close(temp[:, 1], torch.zeros_like(temp[:, 1]), rtol=0, atol=0)
 
 
 if __name__ == "__main__":

@@ -1,54 +1,27 @@
 """Gated-delta-rule linear attention with a short causal conv (KDA style), in plain torch.
 
-This module is the project's one implementation of the linear-attention layer math. The
-reference model (``tiny_hybrid.py``), the SGLang model and backend
-(``sglang_mamba_ext/plugin/tiny_hybrid``) and the speculative verify / replay code all call
-the functions and the :class:`GatedDeltaRuleMixer` defined here, so "cached == uncached",
-"chunked == unchunked" and "deferred == snapshot" compare one piece of math against itself
-under different state handling. It imports torch only (never sglang, never fla at import).
-
-Mechanism (Kimi Delta Attention, the per-channel-gated variant of Gated DeltaNet; the torch
-oracle is ``fla.ops.kda.naive.naive_recurrent_kda``, which tests compare against):
-
-    mixed_qkv = x @ W_qkv                        pre-conv activations, [T, conv_dim]
-    y         = SiLU(causal_conv1d(mixed_qkv))   short depthwise causal conv, window W
-    q, k, v   = split(y); q, k L2-normalised per head
-    g         = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)   log-space decay, <= 0
-    beta      = sigmoid(b_proj(x))
-    per token t, per value head h (S: [K, V], fp32):
-        S <- S * exp(g_t)[:, None]                       decay, per key channel
-        S <- S + beta_t * k_t (v_t - S^T k_t)^T          delta-rule write
-        o_t = S^T (q_t * scale)                          read, scale = K ** -0.5
-    out = out_proj(RMSNorm(o) * sigmoid(g_proj(x)))      gated output norm
-
-State layouts (these match SGLang's Mamba2 pool so the backend copies rows without
-reshaping; see ``sglang/srt/configs/mamba_utils.py``):
-
-- ``conv_state``: ``[conv_dim, W-1]``, window axis last, oldest token first (the last W-1
-  pre-conv activations ``mixed_qkv`` of the sequence so far, zero-padded at the start).
-- ``temporal_state`` (the SSM state ``S``): ``[HV, K, V]`` float32, the layout of fla's
-  ``initial_state``. (SGLang's GDN kernels keep ``[HV, V, K]``; this project's pool for this
-  model is sized ``[HV, K, V]``, see ``TinyHybridConfig.mamba2_cache_params``.)
-
-Group value attention: ``HV`` must be a multiple of ``H``; q/k head ``i // (HV // H)`` serves
-value head ``i``.
-
-Numerics: conv and recurrence compute in float32; splitting a sequence into chunks (carrying
-the states between them) agrees with one pass to float rounding (about 1e-7; not bit for bit,
-since torch's vectorised SiLU/exp round differently on tails of different lengths).
+The project's one implementation of the linear-attention layer math (``docs/design.md``,
+"Tiny hybrid model"): :meth:`GatedDeltaRuleMixer.run_segments` runs conv -> split ->
+recurrence over a sequence cut into segments, stopping at each cut to hand the states to the
+caller (a checkpoint). The reference model (``tiny_hybrid.py``), the tiny SGLang backend
+(``plugin/tiny_hybrid/backend.py``), the torch replay (``speculative/ops/replay/naive.py``)
+and through them the reference decode loop all call it, so "cached == uncached", "chunked ==
+unchunked" and "deferred == snapshot" compare one piece of math with itself under different
+state handling. Torch only (never sglang, never fla at import).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "CutCallback",
     "LinearAttnShape",
     "causal_conv1d_update",
     "gated_delta_rule",
@@ -57,6 +30,11 @@ __all__ = [
     "rms_norm",
     "GatedDeltaRuleMixer",
 ]
+
+#: ``on_cut(offset, conv_state, temporal_state)``: the states after the first ``offset`` tokens
+#: of a :meth:`GatedDeltaRuleMixer.run_segments` call (``None, None`` for a fresh sequence cut
+#: at offset 0). The tensors are the runner's own; copy them to keep them past the call.
+CutCallback = Callable[[int, Optional[torch.Tensor], Optional[torch.Tensor]], None]
 
 
 @dataclass(frozen=True)
@@ -296,7 +274,38 @@ class GatedDeltaRuleMixer(nn.Module):
     reference model, SGLang's pools via the backend, the speculative verify/replay) compose
     the same math:
 
-    ``project`` -> ``conv`` -> ``split_qkv`` -> ``recurrence`` -> ``finish``.
+    ``project`` -> ``conv`` -> ``split_qkv`` -> ``recurrence`` -> ``finish``, with
+    :meth:`run_segments` = ``conv`` -> ``split_qkv`` -> ``recurrence`` over cut segments.
+
+    Mechanism (Kimi Delta Attention, the per-channel-gated variant of Gated DeltaNet; the torch
+    oracle is ``fla.ops.kda.naive.naive_recurrent_kda``, which tests compare against):
+
+        mixed_qkv = x @ W_qkv                        pre-conv activations, [T, conv_dim]
+        y         = SiLU(causal_conv1d(mixed_qkv))   short depthwise causal conv, window W
+        q, k, v   = split(y); q, k L2-normalised per head
+        g         = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)   log-space decay, <= 0
+        beta      = sigmoid(b_proj(x))
+        per token t, per value head h (S: [K, V], fp32):
+            S <- S * exp(g_t)[:, None]                       decay, per key channel
+            S <- S + beta_t * k_t (v_t - S^T k_t)^T          delta-rule write
+            o_t = S^T (q_t * scale)                          read, scale = K ** -0.5
+        out = out_proj(RMSNorm(o) * sigmoid(g_proj(x)))      gated output norm
+
+    State layouts (these match SGLang's Mamba2 pool so the backend copies rows without
+    reshaping; see ``sglang/srt/configs/mamba_utils.py``):
+
+    - ``conv_state``: ``[conv_dim, W-1]``, window axis last, oldest token first (the last W-1
+      pre-conv activations ``mixed_qkv`` of the sequence so far, zero-padded at the start).
+    - ``temporal_state`` (the SSM state ``S``): ``[HV, K, V]`` float32, the layout of fla's
+      ``initial_state``. (SGLang's GDN kernels keep ``[HV, V, K]``; this project's pool for this
+      model is sized ``[HV, K, V]``, see ``TinyHybridConfig.mamba2_cache_params``.)
+
+    Group value attention: ``HV`` must be a multiple of ``H``; q/k head ``i // (HV // H)`` serves
+    value head ``i``.
+
+    Numerics: conv and recurrence compute in float32; splitting a sequence into chunks (carrying
+    the states between them) agrees with one pass to float rounding (about 1e-7; not bit for bit,
+    since torch's vectorised SiLU/exp round differently on tails of different lengths).
 
     Parameters (``D = shape.conv_dim``, ``HV, K, V`` as in :class:`LinearAttnShape`):
         ``qkv_proj.weight`` ``[D, hidden]``; ``conv_weight`` ``[D, W]`` (+ ``conv_bias``
@@ -350,7 +359,8 @@ class GatedDeltaRuleMixer(nn.Module):
 
     def project_raw(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The input projections of ``x`` ``[..., hidden]`` before the gate activations —
-        what the deferred-verify stash keeps per accepted token (seed §9.3; the same three
+        what the deferred-verify stash keeps per accepted token (``docs/design.md``, "Deferred
+        update"; the same three
         tensors SGLang's KDA backend receives as ``mixed_qkv, a, b``).
 
         Returns:
@@ -398,22 +408,65 @@ class GatedDeltaRuleMixer(nn.Module):
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """:func:`gated_delta_rule` with ``scale = K ** -0.5``: ``(o [T, HV, V],
         new_state [HV, K, V] float32)``."""
-        return gated_delta_rule(q, k, v, g, beta, state, scale=self.shape.head_k_dim**-0.5)
+        return gated_delta_rule(q, k, v, g, beta, state, scale=self.scale)
 
-    def recurrence_step(
+    @property
+    def scale(self) -> float:
+        """Query scale ``K ** -0.5`` (pass it to :func:`gated_delta_rule_step` when stepping
+        ``N`` independent states: batched decode rows, draft-tree nodes)."""
+        return self.shape.head_k_dim**-0.5
+
+    def run_segments(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        mixed_qkv: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        state: torch.Tensor,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """One token for ``N`` independent states (batched decode rows, draft-tree nodes):
-        :func:`gated_delta_rule_step` with ``q, k`` ``[N, H, K]``, ``v`` ``[N, HV, V]``,
-        ``g`` ``[N, HV, K]``, ``beta`` ``[N, HV]``, ``state`` ``[N, HV, K, V]``.
-        Returns ``(o [N, HV, V] float32, new_state [N, HV, K, V] float32)``."""
-        return gated_delta_rule_step(q, k, v, g, beta, state, scale=self.shape.head_k_dim**-0.5)
+        conv_state: Optional[torch.Tensor],
+        temporal_state: Optional[torch.Tensor],
+        cuts: Sequence[int] = (),
+        on_cut: Optional[CutCallback] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Conv -> split -> recurrence over the ``T`` tokens of one sequence, cut into
+        segments at ``cuts`` (``docs/design.md``, "Tiny hybrid model").
+
+        The segments run one after another, each continuing from the states the previous
+        one left, which is the same recurrence as one pass (to float rounding). After the
+        first ``c`` tokens, for every ``c`` in ``cuts``, ``on_cut(c, conv_state,
+        temporal_state)`` receives the states reached there (``c == 0``: the given states).
+
+        Args:
+            mixed_qkv: ``[T, conv_dim]`` pre-conv activations (:meth:`project`).
+            g: ``[T, HV, K]`` float32 activated decay; beta: ``[T, HV]`` float32
+                (:meth:`project` / :meth:`activate_gates`).
+            conv_state: ``[conv_dim, W-1]`` or None (fresh sequence); not modified.
+            temporal_state: ``[HV, K, V]`` float32 or None (fresh sequence); not modified.
+            cuts: offsets in tokens, ``0 <= c <= T`` (any order, repeats allowed).
+            on_cut: called once per distinct cut, in increasing order.
+
+        Returns:
+            ``(o [T, HV, V] in mixed_qkv.dtype, conv_state [conv_dim, W-1], temporal_state
+            [HV, K, V] float32)`` after all ``T`` tokens.
+
+        Raises:
+            ValueError: a cut outside ``[0, T]``.
+        """
+        T = mixed_qkv.shape[0]
+        stops = sorted({int(c) for c in cuts})
+        if stops and (stops[0] < 0 or stops[-1] > T):
+            raise ValueError(f"run_segments: cuts {stops} outside [0, {T}] tokens")
+        bounds = [0] + [c for c in stops if 0 < c < T] + [T]
+        conv, S = conv_state, temporal_state
+        if on_cut is not None and stops and stops[0] == 0:
+            on_cut(0, conv, S)
+        outs = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            y, conv = self.conv(mixed_qkv[lo:hi], conv)
+            q, k, v = self.split_qkv(y)
+            o, S = self.recurrence(q, k, v, g[lo:hi], beta[lo:hi], S)
+            outs.append(o)
+            if on_cut is not None and hi > 0 and hi in stops:
+                on_cut(hi, conv, S)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)), conv, S
 
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Gated output norm and projection: ``out_proj(RMSNorm_V(o) * sigmoid(g_proj(x)))``.
@@ -430,19 +483,20 @@ class GatedDeltaRuleMixer(nn.Module):
         x: torch.Tensor,
         conv_state: Optional[torch.Tensor] = None,
         temporal_state: Optional[torch.Tensor] = None,
+        cuts: Sequence[int] = (),
+        on_cut: Optional[CutCallback] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mix ``x`` ``[T, hidden]`` of one sequence, continuing from its states.
 
         Args:
             conv_state: ``[conv_dim, W-1]`` or None (fresh sequence).
             temporal_state: ``[HV, K, V]`` float32 or None (fresh sequence).
+            cuts, on_cut: checkpoints inside the sequence, as in :meth:`run_segments`.
 
         Returns:
             ``(y [T, hidden], new_conv_state [conv_dim, W-1], new_temporal_state
             [HV, K, V] float32)``; the inputs are not modified.
         """
         mixed_qkv, g, beta = self.project(x)
-        y, new_conv = self.conv(mixed_qkv, conv_state)
-        q, k, v = self.split_qkv(y)
-        o, new_temporal = self.recurrence(q, k, v, g, beta, temporal_state)
+        o, new_conv, new_temporal = self.run_segments(mixed_qkv, g, beta, conv_state, temporal_state, cuts, on_cut)
         return self.finish(o, x), new_conv, new_temporal

@@ -1,14 +1,13 @@
-"""Build the tiny hybrid test model: config, seeded random weights, a local byte-level BPE.
-
-Used by ``scripts/make_tiny_model.py`` and by tests that need a model directory. Nothing is
-downloaded: the tokenizer is trained with the ``tokenizers`` library on the small corpus
-below, so any text encodes (byte-level, round-trips exactly). The output is deterministic
-for a given seed (same bytes in every file).
-
-Output files in ``out_dir``: ``config.json`` (``architectures: ["TinyHybridForCausalLM"]``,
-``model_type: "tiny_hybrid"``, ``torch_dtype: "float32"``, ``layer_types``),
-``model.safetensors`` (float32), ``tokenizer.json``, ``tokenizer_config.json`` (with a chat
-template), ``special_tokens_map.json``, ``generation_config.json``.
+"""Build the tiny hybrid test model (``docs/design.md``, "Tiny hybrid model"): config, seeded
+random weights and a local byte-level BPE, written to ``out_dir`` as ``config.json``
+(``architectures: ["TinyHybridForCausalLM"]``, ``model_type: "tiny_hybrid"``,
+``torch_dtype: "float32"``, ``layer_types``), ``model.safetensors`` (float32),
+``tokenizer.json``, ``tokenizer_config.json`` (with a chat template),
+``special_tokens_map.json`` and ``generation_config.json``. Used by
+``scripts/make_tiny_model.py`` and by tests that need a model directory. Nothing is
+downloaded (the tokenizer is trained with the ``tokenizers`` library on the small corpus
+below, so any text encodes and round-trips), and the output is the same bytes for a given
+seed.
 """
 
 from __future__ import annotations

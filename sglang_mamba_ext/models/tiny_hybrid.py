@@ -1,31 +1,17 @@
-"""Tiny hybrid reference model (full attention + gated-delta-rule layers), plain torch.
-
-The project's numerical oracle (DESIGN.md, layer 4): a small decoder whose layers alternate
-causal softmax attention with RoPE (GQA) and the KDA-style linear mixer of
-:mod:`sglang_mamba_ext.models.linear_attn`, each followed by a SwiGLU MLP, with RMSNorm and
-an LM head. It loads the ``config.json`` + ``model.safetensors`` that
-``scripts/make_tiny_model.py`` writes, and the SGLang model class
-(``sglang_mamba_ext/plugin/tiny_hybrid/model.py``) builds its layers from the very modules
-defined here, so both run one implementation of every piece of math except the softmax
-attention kernel (SGLang's attention backend reads K/V from its pool there).
-
-State of one sequence (:class:`TinyHybridCache`): per attention layer the K/V of all tokens
-so far, per linear layer the conv window ``[conv_dim, W-1]`` and the SSM state
-``[HV, K, V]`` float32 — the same per-request rows SGLang's KV pool and Mamba pool hold.
-
-Building blocks for callers that schedule layers themselves (e.g. a tree-shaped speculative
-verify: attention over prefix + draft nodes with a tree mask, linear layers stepping each
-node from its parent's state with :func:`~sglang_mamba_ext.models.linear_attn.gated_delta_rule_step`):
-
-- ``model.embed(ids)`` -> ``[T, hidden]``
-- per layer ``layer.input_layernorm``, then either
-  ``layer.self_attn.project_qkv(x, positions)`` -> :func:`attention` (any boolean mask) ->
-  ``layer.self_attn.finish(o)``, or the linear mixer steps
-  ``layer.linear_attn.project / conv / split_qkv / recurrence / finish``;
-  then ``h = h + mixer_out`` and ``h = layer.mlp_block(h)``
-- ``model.logits(h)`` -> ``[T, vocab]`` float32 (final norm + LM head).
-
-No sglang import here (layering rule); transformers is used only for the config class.
+"""Tiny hybrid reference model (full attention + gated-delta-rule layers), plain torch: the
+project's numerical oracle (``docs/design.md``, "Tiny hybrid model"). A small decoder whose
+layers alternate causal softmax attention with RoPE (GQA) and the KDA-style mixer of
+:mod:`sglang_mamba_ext.models.linear_attn`, each followed by a SwiGLU MLP, with RMSNorm and an
+LM head; it loads the ``config.json`` + ``model.safetensors`` of ``scripts/make_tiny_model.py``,
+and the SGLang model class (``plugin/tiny_hybrid/model.py``) builds its layers from these very
+modules, so both run one implementation of all the math but the softmax attention kernel. The
+state of one sequence (:class:`TinyHybridCache`) is what SGLang's pools hold per request: per
+attention layer the K/V so far, per linear layer the conv window ``[conv_dim, W-1]`` and the
+SSM state ``[HV, K, V]`` float32. Callers that schedule layers themselves (the tree-shaped
+verify of the reference decode loop) compose ``model.embed``, per layer
+``input_layernorm`` then ``self_attn.project_qkv`` -> :func:`attention` (any boolean mask) ->
+``self_attn.finish`` or the mixer steps, ``h + mixer_out`` and ``layer.mlp_block``, and
+``model.logits``. No sglang import; transformers only for the config class.
 """
 
 from __future__ import annotations
@@ -101,26 +87,7 @@ class TinyHybridConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
-        if layer_types is None:
-            layer_types = [
-                FULL_ATTENTION if i % 2 == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)
-            ]
-        layer_types = list(layer_types)
-        if len(layer_types) != num_hidden_layers:
-            raise ValueError(
-                f"config.json: layer_types has {len(layer_types)} entries, num_hidden_layers is "
-                f"{num_hidden_layers}"
-            )
-        for t in layer_types:
-            if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
-                raise ValueError(
-                    f"config.json: unknown layer type {t!r} in layer_types; use "
-                    f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}"
-                )
-        if num_attention_heads % num_key_value_heads != 0:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
+        layer_types = _checked_layout(layer_types, num_hidden_layers, num_attention_heads, num_key_value_heads)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -160,6 +127,33 @@ class TinyHybridConfig(PretrainedConfig):
             head_v_dim=self.linear_value_head_dim,
             conv_kernel=self.linear_conv_kernel_dim,
         )
+
+
+def _checked_layout(
+    layer_types: Optional[List[str]], num_hidden_layers: int, num_attention_heads: int, num_key_value_heads: int
+) -> List[str]:
+    """``layer_types`` as a list (default: attention on even layers, linear on odd ones).
+
+    Raises:
+        ValueError: a wrong number of layer types, an unknown type, or query heads that are
+            not a multiple of the K/V heads."""
+    if layer_types is None:
+        layer_types = [FULL_ATTENTION if i % 2 == 0 else LINEAR_ATTENTION for i in range(num_hidden_layers)]
+    layer_types = list(layer_types)
+    if len(layer_types) != num_hidden_layers:
+        raise ValueError(
+            f"config.json: layer_types has {len(layer_types)} entries, num_hidden_layers is "
+            f"{num_hidden_layers}"
+        )
+    for t in layer_types:
+        if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
+            raise ValueError(
+                f"config.json: unknown layer type {t!r} in layer_types; use "
+                f"{FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}"
+            )
+    if num_attention_heads % num_key_value_heads != 0:
+        raise ValueError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+    return layer_types
 
 
 def _register_auto_config() -> None:
@@ -470,8 +464,8 @@ class TinyHybridReference(nn.Module):
             cache: the sequence's state; not modified.
             save_states_at: sequence positions ``p`` (tokens, ``cache.seq_len < p <=
                 cache.seq_len + T``) at which to also return the linear layers' states
-                after token ``p - 1`` — a checkpoint inside the chunk (issue 6): the mixer
-                runs the chunk in pieces split at those positions, which is the same
+                after token ``p - 1`` — a checkpoint inside the chunk: the mixer's
+                ``run_segments`` cuts the chunk at those positions, which is the same
                 recurrence.
 
         Returns:
@@ -493,7 +487,6 @@ class TinyHybridReference(nn.Module):
         if cuts and not (start < cuts[0] and cuts[-1] <= start + T):
             raise ValueError(f"save_states_at {cuts} outside the chunk ({start}, {start + T}]")
         saved = {p: TinyHybridCache(seq_len=p) for p in cuts}
-        bounds = [p - start for p in cuts if p - start < T] + [T]
         positions = torch.arange(start, start + T, device=ids.device)
         new = TinyHybridCache(seq_len=start + T)
         h = self.embed(ids)
@@ -501,16 +494,13 @@ class TinyHybridReference(nn.Module):
             x = layer.input_layernorm(h)
             i = layer.layer_id
             if layer.is_linear:
-                conv, temporal = cache.conv.get(i), cache.temporal.get(i)
-                pieces, a = [], 0
-                for b in bounds:
-                    y_part, conv, temporal = layer.linear_attn(x[a:b], conv, temporal)
-                    pieces.append(y_part)
-                    if start + b in saved:
-                        saved[start + b].conv[i], saved[start + b].temporal[i] = conv, temporal
-                    a = b
-                y = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-                new.conv[i], new.temporal[i] = conv, temporal
+
+                def save(offset: int, conv: torch.Tensor, temporal: torch.Tensor, i: int = i) -> None:
+                    saved[start + offset].conv[i], saved[start + offset].temporal[i] = conv, temporal
+
+                y, new.conv[i], new.temporal[i] = layer.linear_attn(
+                    x, cache.conv.get(i), cache.temporal.get(i), cuts=[p - start for p in cuts], on_cut=save
+                )
             else:
                 past_k, past_v = cache.kv.get(i, (None, None))
                 y, k_all, v_all = layer.self_attn(x, positions, past_k, past_v)

@@ -1,27 +1,14 @@
-"""Deferred-update verify state of one Mamba pool, independent of SGLang objects (seed §9).
-
-:class:`DeferredSpecState` owns what the deferred mode needs next to a pool's main conv/SSM
-state and is driven by four calls, in round order:
-
-1. :meth:`capture` — during the verify forward, per linear layer: copy every tree node's raw
-   mixer inputs (``mixed_qkv``, raw gate ``a``, raw ``b``: exactly the linear backend's
-   inputs) into the pending workspace ``[L, rows * T, *]`` (flat token order of the verify
-   batch).
-2. :meth:`commit` — after the greedy acceptance decision: gather the accepted nodes' records
-   from the workspace into the stash (SGLang's flat ``accept_index``, ``-1`` padded; padding
-   entries copy node 0 and are never replayed, since replay stops at the row's count), record
-   counts (``accept_lens``, bonus/root included), pre-verify ``seq_lens`` and the track slot.
-   The main state is not touched. Device ops only: no host sync.
-3. :meth:`replay` — at the start of the next round (and to flush a request before its state
-   is cached): the Triton replay kernels (:mod:`.replay_triton`) for a batch of rows; rows with
-   nothing pending are no-ops, so the call needs no host sync either.
-4. :meth:`clear` — rows released without keeping their state (abort, retraction, row reuse).
-
-Verify itself runs with the one-layer buffers :attr:`one_layer_ssm` / :attr:`one_layer_conv`,
-handed to the verify kernels as ``[L, ...]`` views with layer stride 0 (every layer's index
-reaches the same memory).
-
-Pure torch; no SGLang import.
+"""Deferred-update verify state of one Mamba pool, independent of SGLang objects
+(``docs/design.md``, "Deferred update" and "Replay"). :class:`DeferredSpecState` owns what the
+deferred mode keeps next to a pool's main conv/SSM state and is driven by four calls in round
+order: :meth:`~DeferredSpecState.capture` (during verify, per linear layer, every tree node's
+raw mixer inputs into the pending workspace ``[L, rows * T, *]``), ``commit`` (after
+acceptance, the accepted nodes' records into the stash with counts, pre-verify ``seq_lens``
+and track slot; device ops only, no host sync), ``replay`` (at the start of the next round or
+to flush a request before its state is cached: the Triton kernels of ``ops/replay/fused.py``;
+rows with nothing pending are no-ops) and ``clear`` (rows released without their state).
+Verify itself uses the one-layer buffers ``one_layer_ssm`` / ``one_layer_conv``, handed to the
+verify kernels as ``[L, ...]`` views with layer stride 0. Pure torch.
 """
 
 from __future__ import annotations

@@ -1,43 +1,29 @@
-"""Replay of stashed accepted tokens into the main conv/SSM state (seed §9.2, §9.8–9.10).
-
-At the start of a round (and before a finishing request's state is cached or freed) every
-request with pending stash records advances its main state token by token along its accepted
-chain, for every linear layer:
-
-    window, y   = conv(mixed_qkv_t, conv_state)           (causal conv + SiLU)
-    q, k, v     = split_qkv(y)                             (q, k L2-normalised)
-    g, beta     = mixer.activate_gates(g_raw_t, b_raw_t)
-    S           = gated-delta-rule step of (q, k, v, g, beta) from S
-
-writing a ping-pong checkpoint of ``(conv_state, S)`` into the row's ``stash.track_slot`` right after the
-token at which the sequence length reaches a multiple of ``mamba_track_interval`` (§9.10;
-SGLang asserts ``mamba_track_interval >= draft_token_num``, so one run crosses at most once —
-should it cross more, the last crossing is kept).
-
-Two implementations with one signature: :func:`replay_torch` composes the mixer math of
-``sglang_mamba_ext/models/linear_attn.py`` (the oracle), :func:`replay` dispatches to the Triton
-kernels of :mod:`.replay_triton` (all layers in two launches). Tests compare them under
-``TRITON_INTERPRET=1``.
-
-Tensor layouts (views with any strides are accepted by the Triton path):
-
-- ``conv_state``: ``[L, slots, conv_dim, W-1]`` (oldest first)
-- ``temporal_state``: ``[L, slots, HV, K, V]`` (fp32 or bf16; computed in fp32)
-
-Pure torch / Triton; no SGLang import.
+"""Replay of stashed accepted tokens into the main conv/SSM state (``docs/design.md``,
+"Replay"): at the start of a round, and before a finishing request's state is cached or freed,
+every request with pending stash records advances its main state along its accepted chain, for
+every linear layer (conv, split, gate activation, gated-delta-rule step per token), writing a
+checkpoint of ``(conv_state, S)`` into the row's ``stash.track_slot`` right after the token at
+which the sequence length reaches a multiple of ``mamba_track_interval`` (SGLang asserts
+``mamba_track_interval >= draft_token_num``, so one run crosses at most once; should it cross
+more, the last crossing is kept). This module holds the serving-path entry :func:`replay` (the
+planning, then the torch reference ``ops/replay/naive.py`` or the Triton kernels
+``ops/replay/fused.py``), the stacked weights :class:`ReplayWeights` and :func:`track_steps`.
+Layouts: ``conv_state`` ``[L, slots, conv_dim, W-1]`` (oldest first), ``temporal_state``
+``[L, slots, HV, K, V]`` (fp32 or bf16; computed in fp32; the Triton path accepts views with
+any strides). Torch only at import; no SGLang.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.speculative.stash import ActivationStash
 
-__all__ = ["ReplayWeights", "track_steps", "replay_torch", "replay"]
+__all__ = ["ReplayPlan", "ReplayWeights", "track_steps", "replay"]
 
 
 @dataclass
@@ -106,74 +92,34 @@ def _check(stash, rows, slots, conv_state, temporal_state, weights):
         raise ValueError("replay: rows and slots must both be [N]")
 
 
-def _plan(stash, rows, slots, mamba_track_interval, keep):
-    """Per row: tokens to replay, crossing step (or -1), track slot, and whether it tracks."""
+class ReplayPlan(NamedTuple):
+    """What one replay call does per request (``[N]`` tensors), as the ops take it.
+
+    Attributes:
+        rows: int64 stash rows.
+        slots: int64 main-state slots (``mamba_pool_idx``; ``-1`` skips the request).
+        counts: int64 stashed tokens to replay (0 skips the request).
+        tsteps: int64 step after which the state goes to ``track_slots`` (``-1`` none).
+        track_slots: int64 ping-pong slots of the checkpoints.
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    counts: torch.Tensor
+    tsteps: torch.Tensor
+    track_slots: torch.Tensor
+
+
+def _plan(stash, rows, slots, mamba_track_interval, keep) -> Tuple[ReplayPlan, torch.Tensor]:
+    """The per-request plan, and ``[N]`` bool: which requests write a checkpoint."""
     counts = stash.count[rows].to(torch.int64)
     if keep is not None:
         counts = torch.minimum(counts, keep.to(torch.int64).clamp(min=0))
     tsteps = track_steps(stash.seq_len[rows], counts, mamba_track_interval)
     track_slots = stash.track_slot[rows]
     tracked = (tsteps >= 0) & (track_slots >= 0) & (counts > 0) & (slots >= 0)
-    return counts, torch.where(tracked, tsteps, torch.full_like(tsteps, -1)), track_slots, tracked
-
-
-def replay_torch(
-    stash: ActivationStash,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    conv_state: torch.Tensor,
-    temporal_state: torch.Tensor,
-    weights: ReplayWeights,
-    mamba_track_interval: Optional[int] = None,
-    keep: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Torch reference replay (the mixer's own math), in place; clears the replayed rows.
-
-    Args:
-        stash: the pending records.
-        rows: ``[N]`` int64 stash rows to replay (rows with ``count == 0`` are skipped).
-        slots: ``[N]`` int64 main-state slots of those rows (``mamba_pool_idx``); ``-1`` skips.
-        conv_state, temporal_state: pools, layouts in the module docstring (written in place).
-        weights: must carry ``mixers``.
-        mamba_track_interval: tokens between checkpoints; None disables tracking. The
-            checkpoint goes to the row's ``stash.track_slot`` (``-1`` none).
-        keep: ``[N]`` optional cap on the tokens replayed per row (a request that finished
-            inside its accepted run keeps ``len(prompt + output) - 1 - stash.seq_len``
-            tokens; the rest are dropped with the row's records).
-
-    Returns:
-        ``[N]`` bool: which rows wrote a checkpoint (the caller flips its ping-pong index).
-    """
-    _check(stash, rows, slots, conv_state, temporal_state, weights)
-    if weights.mixers is None:
-        raise ValueError("replay_torch needs ReplayWeights.from_mixers(...) (the layer math)")
-    counts, tsteps, track_slots, tracked = _plan(stash, rows, slots, mamba_track_interval, keep)
-    for i in range(rows.shape[0]):
-        r, s, c = int(rows[i]), int(slots[i]), int(counts[i])
-        if c == 0 or s < 0:
-            continue
-        # segments (end, checkpoint_after): the run, split after the crossing token if any
-        segs = [(c, False)] if not bool(tracked[i]) else [(int(tsteps[i]) + 1, True), (c, False)]
-        for l, mixer in enumerate(weights.mixers):
-            cs = conv_state[l, s]
-            S = temporal_state[l, s].float()
-            start = 0
-            for end, ckpt in segs:
-                if end > start:
-                    x = stash.mixed_qkv[l, r, start:end]
-                    y, cs = mixer.conv(x, cs)
-                    q, k, v = mixer.split_qkv(y)
-                    g, beta = mixer.activate_gates(stash.g_raw[l, r, start:end], stash.b_raw[l, r, start:end])
-                    _, S = mixer.recurrence(q, k, v, g, beta, S)
-                if ckpt:
-                    ts = int(track_slots[i])
-                    conv_state[l, ts] = cs
-                    temporal_state[l, ts] = S.to(temporal_state.dtype)
-                start = end
-            conv_state[l, s] = cs
-            temporal_state[l, s] = S.to(temporal_state.dtype)
-    stash.count[rows] = 0
-    return tracked
+    tsteps = torch.where(tracked, tsteps, torch.full_like(tsteps, -1))
+    return ReplayPlan(rows, slots, counts, tsteps, track_slots), tracked
 
 
 def replay(
@@ -187,24 +133,36 @@ def replay(
     keep: Optional[torch.Tensor] = None,
     impl: str = "triton",
 ) -> torch.Tensor:
-    """Replay pending stash records into the main state, in place; same contract as
-    :func:`replay_torch`. ``impl="triton"`` runs :func:`.replay_triton.replay_triton` (needs
-    CUDA or ``TRITON_INTERPRET=1``), ``"torch"`` the reference.
+    """Replay pending stash records into the main state, in place; clears the replayed rows.
+
+    Args:
+        stash: the pending records.
+        rows: ``[N]`` int64 stash rows to replay (rows with ``count == 0`` are skipped).
+        slots: ``[N]`` int64 main-state slots of those rows (``mamba_pool_idx``); ``-1`` skips.
+        conv_state, temporal_state: pools, layouts in the module docstring (written in place).
+        weights: the stacked layer weights (``impl="torch"``: built with ``from_mixers``).
+        mamba_track_interval: tokens between checkpoints; None disables tracking. The
+            checkpoint goes to the row's ``stash.track_slot`` (``-1`` none).
+        keep: ``[N]`` optional cap on the tokens replayed per row (a request that finished
+            inside its accepted run keeps ``len(prompt + output) - 1 - stash.seq_len``
+            tokens; the rest are dropped with the row's records).
+        impl: ``"triton"`` (:mod:`.ops.replay.fused`; needs CUDA or ``TRITON_INTERPRET=1``)
+            or ``"torch"`` (:mod:`.ops.replay.naive`).
+
+    Returns:
+        ``[N]`` bool: which rows wrote a checkpoint (the caller flips its ping-pong index).
 
     Raises:
-        ValueError: unknown ``impl`` or inconsistent shapes.
+        ValueError: unknown ``impl``, inconsistent shapes, or ``impl="torch"`` without mixers.
     """
     if impl == "torch":
-        return replay_torch(stash, rows, slots, conv_state, temporal_state, weights, mamba_track_interval, keep)
-    if impl != "triton":
+        from sglang_mamba_ext.speculative.ops.replay.naive import replay_torch as run
+    elif impl == "triton":
+        from sglang_mamba_ext.speculative.ops.replay.fused import replay_triton as run
+    else:
         raise ValueError(f"replay: impl must be 'triton' or 'torch', got {impl!r}")
     _check(stash, rows, slots, conv_state, temporal_state, weights)
-    from sglang_mamba_ext.speculative.replay_triton import replay_triton
-
-    counts, tsteps, track_slots, tracked = _plan(stash, rows, slots, mamba_track_interval, keep)
-    replay_triton(
-        stash.mixed_qkv, stash.g_raw, stash.b_raw, rows, slots, counts, tsteps, track_slots,
-        conv_state, temporal_state, weights,
-    )
+    plan, tracked = _plan(stash, rows, slots, mamba_track_interval, keep)
+    run(stash, plan, conv_state, temporal_state, weights)
     stash.count[rows] = 0
     return tracked

@@ -1,28 +1,16 @@
-"""Accepted-token activation stash of the deferred-update verify (seed §9.2–9.4, §9.7).
-
-After the greedy acceptance decision of a round, the deferred mode keeps, for every linear
-layer and every request, only the accepted tokens' raw mixer inputs (``mixed_qkv``, ``g_raw``,
-``b_raw``, see ``GatedDeltaRuleMixer.project_raw`` in ``models/linear_attn.py``). The main conv/SSM state is *not*
-advanced; the next round starts by replaying the stash into it (:mod:`.replay`).
-
-Rows are request rows (SGLang's ``req_pool_idx``: ``max_running_requests + 1`` rows, row 0
-reserved as SGLang does for padding); the main state is addressed separately by
-``mamba_pool_idx`` slots at replay time.
-
-Layout (``L`` linear layers, ``R`` rows, ``A = steps + 1`` = most tokens one round can commit,
-root/bonus token included):
-
-- ``mixed_qkv``: ``[L, R, A, conv_dim]`` activation dtype
-- ``g_raw``:     ``[L, R, A, gate_dim]`` activation dtype (``HV*K`` for KDA, ``HV`` for GDN)
-- ``b_raw``:     ``[L, R, A, HV]`` activation dtype
-- ``count``:     ``[R]`` int32 tokens waiting for replay (0 = nothing pending)
-- ``seq_len``:   ``[R]`` int64 tokens the main state reflects (the sequence length before the
-  pending run; replay crosses a ``mamba_track_interval`` boundary at token ``t`` when
-  ``(seq_len + t + 1) % interval == 0``).
-- ``track_slot``: ``[R]`` int64 ping-pong slot that receives the state at that crossing
-  (chosen at commit, as the snapshot commit would have; ``-1`` = none).
-
-Pure torch; no SGLang import.
+"""Accepted-token activation stash of the deferred-update verify (``docs/design.md``,
+"Deferred update"): after a round's acceptance the deferred mode keeps, per linear layer and
+request row, only the accepted tokens' raw mixer inputs (``mixed_qkv``, ``g_raw``, ``b_raw``
+of ``GatedDeltaRuleMixer.project_raw``) and leaves the main conv/SSM state as it was; the next
+round starts by replaying them into it (:mod:`.replay`). Rows are SGLang's ``req_pool_idx``
+(``max_running_requests + 1``, row 0 reserved for padding); the main state is addressed by
+``mamba_pool_idx`` slots at replay time. Layout (``L`` layers, ``R`` rows, ``A = steps + 1``
+tokens at most per round): ``mixed_qkv [L, R, A, conv_dim]``, ``g_raw [L, R, A, gate_dim]``
+(``HV*K`` for KDA, ``HV`` for GDN), ``b_raw [L, R, A, HV]`` in the activation dtype;
+``count [R]`` int32 tokens pending; ``seq_len [R]`` int64 tokens the main state reflects
+(replay crosses a ``mamba_track_interval`` boundary at token ``t`` when ``(seq_len + t + 1) %
+interval == 0``); ``track_slot [R]`` int64 ping-pong slot for that crossing (``-1`` none).
+Pure torch.
 """
 
 from __future__ import annotations

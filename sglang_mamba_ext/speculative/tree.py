@@ -1,26 +1,15 @@
-"""EAGLE draft trees as ``retrieve_parent_token`` arrays, and greedy acceptance along them.
-
-Seed §9.6 (tree-node state inheritance) and §9.9 (the accepted path is a linear chain).
-Conventions follow SGLang's tree verify (``kernels/ops/mamba/causal_conv1d_triton.py``,
-``speculative/eagle_utils.py``):
-
-- one request verifies ``draft_token_num`` tokens (``T``); node 0 is the *root*: the bonus
-  token sampled by the target at the end of the previous round (not yet seen by the target);
-  nodes ``1..T-1`` are draft tokens;
-- ``retrieve_parent_token[i]`` is the index of node ``i``'s parent among the same request's
-  nodes, or ``-1`` when the node continues the request's main state (node 0 always; this
-  module allows any node to do so, e.g. several roots);
-- nodes are in topological order (``parent < child``), so processing nodes in index order
-  (or step by step) always finds the parent's state computed.
-
-Greedy acceptance (EAGLE, ``verify_tree_greedy``): node 0 is always accepted; from the current
-accepted node, the child whose token equals the target's argmax at the current node is
-accepted, until no child matches. The accepted nodes form a root-to-node chain; the target's
-argmax at the last accepted node is the next round's root (the *bonus* token). Tokens that
-reach the target's state this round: the accepted chain, root included (``accept_length + 1``
-tokens).
-
-Pure torch; no SGLang import.
+"""EAGLE draft trees as ``retrieve_parent_token`` arrays, greedy acceptance along them, and the
+index tables tree verify uses (``docs/design.md``, "Speculative verify"). Conventions follow
+SGLang's tree verify (``kernels/ops/mamba/causal_conv1d_triton.py``,
+``speculative/eagle_utils.py``): a request verifies ``draft_token_num`` (``T``) nodes; node 0
+is the root (the bonus token the target sampled last round, not yet seen by it), nodes
+``1..T-1`` are drafts; ``retrieve_parent_token[i]`` is node ``i``'s parent among the same
+request's nodes, or ``-1`` when the node continues the request's main state; nodes are in
+topological order (``parent < child``). Greedy acceptance (EAGLE ``verify_tree_greedy``):
+node 0 is always accepted, then the child whose token equals the target's argmax at the
+current accepted node, until none matches; the accepted nodes form a root-to-node chain
+(``accept_length + 1`` tokens reach the target's state) and the argmax at its last node is the
+next root. Pure torch.
 """
 
 from __future__ import annotations
@@ -32,6 +21,7 @@ import torch
 
 __all__ = [
     "DraftTree",
+    "TreeIndex",
     "eagle_tree_parents",
     "max_draft_token_num",
     "greedy_accept",
@@ -239,3 +229,52 @@ def stack_trees(rows: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> DraftTre
     toks = torch.tensor([list(r[0]) for r in rows], dtype=torch.int64)
     pars = torch.tensor([list(r[1]) for r in rows], dtype=torch.int64)
     return DraftTree(toks, pars)
+
+
+@dataclass(frozen=True)
+class TreeIndex:
+    """Index tables of a :class:`DraftTree` batch for verify kernels.
+
+    Attributes:
+        parents: ``[N, T]`` int64 ``retrieve_parent_token``.
+        depth: ``[N, T]`` int64 (1 = child of the main state).
+        path: ``[N, T, Dmax]`` int64 nodes from the first node after the main state to the
+            node itself, ``-1`` padded.
+        conv_src: ``[N, T, W-1]`` int64 where each column of the node's *input* window (the
+            ``W-1`` inputs before it, oldest first) comes from: ``j >= 0`` node ``j``'s input,
+            ``j < 0`` column ``-1 - j`` of the main conv window.
+    """
+
+    parents: torch.Tensor
+    depth: torch.Tensor
+    path: torch.Tensor
+    conv_src: torch.Tensor
+
+    @classmethod
+    def build(cls, tree: DraftTree, conv_kernel: int) -> "TreeIndex":
+        par = tree.retrieve_parent_token
+        N, T = par.shape
+        depth = tree.depth()
+        dmax = int(depth.max()) if T > 0 else 1
+        path = torch.full((N, T, dmax), -1, dtype=torch.int64)
+        conv_src = torch.empty((N, T, conv_kernel - 1), dtype=torch.int64)
+        parl = par.tolist()
+        for n in range(N):
+            for i in range(T):
+                chain = []
+                j = i
+                while j >= 0:
+                    chain.append(j)
+                    j = parl[n][j]
+                chain.reverse()  # first node after main state .. i
+                path[n, i, : len(chain)] = torch.tensor(chain)
+                # inputs before node i along its path: chain[:-1], preceded by the main window
+                before = chain[:-1]
+                for c in range(conv_kernel - 1):
+                    back = conv_kernel - 1 - c  # distance back from node i (1 = parent)
+                    if back <= len(before):
+                        conv_src[n, i, c] = before[len(before) - back]
+                    else:
+                        # main window column: the (back - len(before))-th last
+                        conv_src[n, i, c] = -1 - (conv_kernel - 1 - (back - len(before)))
+        return cls(par, depth, path, conv_src)

@@ -1,12 +1,12 @@
-"""Seeded tiny target + draft-head pair for the speculative-decoding tests and scripts.
-
-The target is :class:`~sglang_mamba_ext.models.tiny_hybrid.TinyHybridReference` with random
-weights; the mixers' residual contributions are scaled by ``mix_scale`` so that the next token
-depends mostly on the current one (a "bigram" backbone) plus a state-dependent perturbation
-(attention KV and the linear layers' conv/SSM state). The draft head starts from the same
-bigram (its ``fc`` passes the token embedding through) with small random attention/MLP weights,
-so drafts are often but not always right: accept lengths vary from 0 to ``steps`` — what the
-equivalence tests need. No trained weights are involved.
+"""Seeded tiny target + draft-head pair for the speculative-decoding tests and scripts
+(``docs/design.md``, "Speculative verify"), and the helpers that run this package's Triton
+kernels on CPU under Triton's interpreter. The target is
+:class:`~sglang_mamba_ext.models.tiny_hybrid.TinyHybridReference` with random weights whose
+mixer contributions are scaled by ``mix_scale``, so the next token depends mostly on the
+current one (a "bigram" backbone) plus a state-dependent perturbation; the draft head starts
+from the same bigram with small random attention/MLP weights, so drafts are often but not
+always right and accept lengths vary from 0 to ``steps``, as the equivalence tests need. No
+trained weights are involved.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ def load_triton_kernels_for_cpu() -> bool:
     are; without CUDA under Triton's interpreter, which ``@triton.jit`` selects at decoration
     time from ``TRITON_INTERPRET`` — so the variable is set only while these modules are
     imported and restored afterwards (nothing else in the process changes). Returns False when
-    they were already imported without the interpreter (then use
-    :func:`run_tests_with_triton_interpreter`).
+    they, or Triton itself, were already imported without the interpreter (Triton's own
+    ``@triton.jit`` library, ``tl.zeros`` and the like, cannot run inside an interpreted kernel
+    then; SGLang imports Triton, so any test module importing SGLang first causes this) — then
+    use :func:`run_tests_with_triton_interpreter`.
     """
     import importlib
     import os
@@ -101,7 +103,11 @@ def load_triton_kernels_for_cpu() -> bool:
 
     import torch
 
-    names = ("sglang_mamba_ext.speculative.replay_triton", "sglang_mamba_ext.speculative.verify_triton")
+    names = (
+        "sglang_mamba_ext.speculative.ops.triton_utils",
+        "sglang_mamba_ext.speculative.ops.replay.fused",
+        "sglang_mamba_ext.speculative.ops.verify.fused",
+    )
     if torch.cuda.is_available():
         for n in names:
             importlib.import_module(n)
@@ -120,10 +126,15 @@ def load_triton_kernels_for_cpu() -> bool:
                 os.environ["TRITON_INTERPRET"] = old
     from triton.runtime.interpreter import InterpretedFunction
 
-    from sglang_mamba_ext.speculative import replay_triton, verify_triton
+    import triton.language as tl
 
-    return isinstance(replay_triton._replay_recurrent_kernel, InterpretedFunction) and isinstance(
-        verify_triton._tree_verify_kernel, InterpretedFunction)
+    from sglang_mamba_ext.speculative.ops import triton_utils
+    from sglang_mamba_ext.speculative.ops.replay import fused as replay_fused
+    from sglang_mamba_ext.speculative.ops.verify import fused as verify_fused
+
+    kernels = (tl.zeros, triton_utils.gated_delta_step, replay_fused._replay_recurrent_kernel,
+               verify_fused._tree_verify_kernel)
+    return all(isinstance(k, InterpretedFunction) for k in kernels)
 
 
 def triton_interpreter_env():
@@ -133,7 +144,7 @@ def triton_interpreter_env():
 
     import torch
 
-    from sglang_mamba_ext.speculative.triton_launch import interpreter_env
+    from sglang_mamba_ext.speculative.ops.triton_utils import interpreter_env
 
     return contextlib.nullcontext() if torch.cuda.is_available() else interpreter_env()
 

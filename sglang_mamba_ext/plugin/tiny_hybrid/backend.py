@@ -1,37 +1,20 @@
-"""Pure-torch linear-attention backend for the tiny hybrid model on SGLang 0.5.23.
-
-SGLang wraps it with the full-attention backend in ``HybridLinearAttnBackend``
-(``sglang/srt/layers/attention/hybrid_linear_attn_backend.py``); ``RadixLinearAttention``
-hands it each linear layer's ``mixed_qkv`` (pre-conv, ``[T, conv_dim]``), ``a`` = the decay
-gate ``g`` flattened to ``[T, HV*K]`` float32 and ``b`` = ``beta`` ``[T, HV]`` float32 — the
-outputs of :meth:`GatedDeltaRuleMixer.project`. The backend owns the per-request states:
-for batch row ``i`` it reads pool slot ``forward_metadata.mamba_cache_indices[i]`` of
-``req_to_token_pool.mamba2_layer_cache(layer_id)`` (``.conv[0]`` ``[slots, conv_dim, W-1]``,
-``.temporal`` ``[slots, HV, K, V]``), runs the layer's own mixer math
-(``layer.mixer.conv / split_qkv / recurrence``, the same code as the reference model) over
-the row's tokens ``query_start_loc[i]:query_start_loc[i+1]``, and writes the states back.
-An extend row continues from the slot's state when ``extend_prefix_lens[i] > 0`` (chunked
-prefill, or a prefix-cache hit whose state SGLang copied into the slot) and starts from zeros
-otherwise. Metadata (slots, ``query_start_loc``) is built by the inherited
-``MambaAttnBackendBase._forward_metadata``.
-
-Checkpoint hook (for the mamba-radix cache's ping-pong tracking, seed §3.4, §5.1): before
-each forward, :meth:`checkpoint_plan` may return, per batch row, ``(offset, dst_slot)`` pairs:
-"after the first ``offset`` new tokens of this row in this forward, also copy the row's
-working conv + temporal state into pool slot ``dst_slot``" (``0 <= offset <= new tokens``;
-``offset == 0`` copies the state the row starts from). Every linear layer applies the same
-plan. By default the plan is SGLang's own ping-pong track metadata (strategy
-``extra_buffer``, ``schedule_batch.py``: ``mamba_track_indices`` with
-``mamba_prefill_track_mask_cpu`` + ``mamba_track_aligned_lens()`` for an extend,
-``mamba_track_mask`` for a decode), so the backend writes the checkpoints SGLang's GPU
-backends write with their kernels (``_track_mamba_state_extend`` / ``_decode``); hence
-:attr:`writes_mamba_track_states`, plus, under ``--enable-mamba-radix``, the prefix
-checkpoints the plugin's pool planned (exact branch point, prompt length - 1; the backend
-marks the pool ``prefix_checkpoint_writer``). Set :attr:`checkpoint_plan_fn` to use another
-plan.
-
-Not supported: target-verify / draft modes (speculative decoding), tensor parallelism,
-CUDA graphs (CPU serving never captures).
+"""Pure-torch linear-attention backend for the tiny hybrid model on SGLang 0.5.23
+(``docs/design.md``, "Tiny hybrid model"). SGLang wraps it with the full-attention backend in
+``HybridLinearAttnBackend`` (``srt/layers/attention/hybrid_linear_attn_backend.py``), which
+hands it each linear layer's ``mixed_qkv`` ``[T, conv_dim]``, ``a`` = the activated decay gate
+``[T, HV*K]`` and ``b`` = ``beta`` ``[T, HV]`` (float32, from
+``GatedDeltaRuleMixer.project``). For batch row ``i`` it reads pool slot
+``forward_metadata.mamba_cache_indices[i]`` of ``req_to_token_pool.mamba2_layer_cache(layer_id)``
+(``.conv[0]`` ``[slots, conv_dim, W-1]``, ``.temporal`` ``[slots, HV, K, V]``), runs the
+layer's own segment runner ``layer.mixer.run_segments`` over the row's tokens
+``query_start_loc[i]:query_start_loc[i+1]`` (continuing from the slot's state when
+``extend_prefix_lens[i] > 0``, from zeros otherwise) and writes the states back; metadata comes
+from the inherited ``MambaAttnBackendBase._forward_metadata``. The segments are cut where
+:meth:`~TinyHybridLinearAttnBackend.checkpoint_plan` asks for a copy of the row's state into
+another slot: by default SGLang's extra_buffer ping-pong track metadata (``schedule_batch.py``,
+the checkpoints SGLang's GPU backends write in ``_track_mamba_state_extend`` / ``_decode``) plus,
+under ``--enable-mamba-radix``, the prefix checkpoints the plugin's pool planned. Not supported:
+target-verify / draft modes, tensor parallelism, CUDA graphs (CPU serving never captures).
 """
 
 from __future__ import annotations
@@ -41,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
+
+from sglang_mamba_ext.models.linear_attn import gated_delta_rule_step
 
 # (offset in tokens within this forward's new tokens of the row, destination pool slot)
 Checkpoint = Tuple[int, int]
@@ -64,7 +49,7 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         overlap = not getattr(getattr(model_runner, "server_args", None), "disable_overlap_schedule", True)
         if hasattr(model_runner.req_to_token_pool, "prefix_checkpoint_writer") and not overlap:
             # This backend writes a state at any token position: the mamba-radix pool may
-            # plan exact branch-point and prompt-end checkpoints (issue 6). Not under
+            # plan exact branch-point and prompt-end checkpoints. Not under
             # overlap scheduling, where the pool could give a planned slot away while the
             # forward that writes it is in flight.
             model_runner.req_to_token_pool.prefix_checkpoint_writer = True
@@ -81,7 +66,10 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         """Hook: extra state copies for this forward, ``{row: [(offset, dst_slot), ...]}``.
 
         Rows are batch rows (the order of ``forward_batch.req_pool_indices``); offsets are
-        token counts into the row's new tokens of this forward (1 for a decode row).
+        token counts into the row's new tokens of this forward (1 for a decode row), ``0 <=
+        offset <= new tokens``: after that many tokens the row's working conv + temporal state
+        is also copied into ``dst_slot`` (offset 0: the state the row starts from, zeros for a
+        fresh row). Every linear layer applies the same plan.
         Default: :attr:`checkpoint_plan_fn` if set, else SGLang's track metadata
         (:meth:`sglang_track_plan`) joined with the mamba-radix pool's planned prefix
         checkpoints (:meth:`_prefix_checkpoint_plan`)."""
@@ -185,22 +173,16 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
 
     # -- forward -------------------------------------------------------------------------
 
-    def forward_extend(
-        self,
-        q=None,
-        k=None,
-        v=None,
-        layer=None,
-        forward_batch=None,
-        save_kv_cache: bool = True,
-        mixed_qkv: Optional[torch.Tensor] = None,
-        a: Optional[torch.Tensor] = None,
-        b: Optional[torch.Tensor] = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """Extend (prefill / chunked prefill / mixed) for every row of the batch.
+    def forward_extend(self, layer=None, forward_batch=None, mixed_qkv=None, a=None, b=None, **kwargs) -> torch.Tensor:
+        """Extend (prefill / chunked prefill / mixed) for every row of the batch: each row
+        runs ``layer.mixer.run_segments`` over its tokens, cut at its plan's offsets.
 
-        Returns ``[1, T, HV, V]`` in ``mixed_qkv.dtype``."""
+        ``mixed_qkv`` ``[T, conv_dim]``, ``a`` ``[T, HV*K]`` float32, ``b`` ``[T, HV]``
+        float32 (``q, k, v, save_kv_cache`` arrive in ``kwargs``, unused). Returns
+        ``[1, T, HV, V]`` in ``mixed_qkv.dtype``.
+
+        Raises:
+            NotImplementedError: a target-verify / draft-extend batch."""
         mode = forward_batch.forward_mode
         if mode.is_target_verify() or mode.is_draft_extend_v2():
             raise NotImplementedError(
@@ -224,41 +206,27 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
             if end <= start or slot < 0:
                 continue
             has_state = int(prefix_lens[row]) > 0
-            conv_state = conv_pool[slot] if has_state else None
-            ssm_state = ssm_pool[slot] if has_state else None
             cuts = self._plan.get(row, [])
-            bounds = sorted({0, end - start, *(off for off, _ in cuts)})
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
+
+            def checkpoint(offset, conv_state, ssm_state, cuts=cuts) -> None:
                 for off, dst in cuts:
-                    if off == lo:
-                        self._checkpoint(conv_pool, ssm_pool, dst, conv_state, ssm_state, mixer)
-                a_, b_ = start + lo, start + hi
-                y, conv_state = mixer.conv(mixed_qkv[a_:b_], conv_state)
-                qh, kh, vh = mixer.split_qkv(y)
-                o, ssm_state = mixer.recurrence(qh, kh, vh, g[a_:b_], b[a_:b_], ssm_state)
-                out[a_:b_] = o.to(out.dtype)
-            for off, dst in cuts:
-                if off == end - start:
-                    self._checkpoint(conv_pool, ssm_pool, dst, conv_state, ssm_state, mixer)
+                    if off == offset:
+                        self._checkpoint(conv_pool, ssm_pool, dst, conv_state, ssm_state)
+
+            o, conv_state, ssm_state = mixer.run_segments(
+                mixed_qkv[start:end], g[start:end], b[start:end],
+                conv_pool[slot] if has_state else None, ssm_pool[slot] if has_state else None,
+                cuts=[off for off, _ in cuts], on_cut=checkpoint,
+            )
+            out[start:end] = o.to(out.dtype)
             self.write_state(conv_pool, ssm_pool, slot, conv_state, ssm_state)
         return out.unsqueeze(0)
 
-    def forward_decode(
-        self,
-        q=None,
-        k=None,
-        v=None,
-        layer=None,
-        forward_batch=None,
-        save_kv_cache: bool = True,
-        mixed_qkv: Optional[torch.Tensor] = None,
-        a: Optional[torch.Tensor] = None,
-        b: Optional[torch.Tensor] = None,
-        **kwargs,
-    ) -> torch.Tensor:
-        """One token per row, all rows at once (batched conv + recurrence step).
+    def forward_decode(self, layer=None, forward_batch=None, mixed_qkv=None, a=None, b=None, **kwargs) -> torch.Tensor:
+        """One token per row, all rows at once (batched conv + gated-delta-rule step).
 
-        Returns ``[1, bs, HV, V]`` in ``mixed_qkv.dtype``."""
+        Inputs as :meth:`forward_extend` with ``T = bs``. Returns ``[1, bs, HV, V]`` in
+        ``mixed_qkv.dtype``."""
         mixer = layer.mixer
         s = mixer.shape
         bs = mixed_qkv.shape[0]
@@ -268,15 +236,14 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         safe = torch.where(valid, slots, torch.zeros_like(slots))
         y, new_conv = mixer.conv(mixed_qkv[:, None, :], conv_pool[safe])  # [bs, 1, D]
         qh, kh, vh = mixer.split_qkv(y[:, 0])
-        o, new_ssm = mixer.recurrence_step(
-            qh, kh, vh, a.view(bs, s.num_v_heads, s.head_k_dim), b, ssm_pool[safe]
-        )
+        g = a.view(bs, s.num_v_heads, s.head_k_dim)
+        o, new_ssm = gated_delta_rule_step(qh, kh, vh, g, b, ssm_pool[safe], scale=mixer.scale)
         if self._plan:
             for row, cuts in self._plan.items():
                 for off, dst in cuts:
                     src_conv = conv_pool[safe[row]] if off == 0 else new_conv[row]
                     src_ssm = ssm_pool[safe[row]] if off == 0 else new_ssm[row]
-                    self._checkpoint(conv_pool, ssm_pool, dst, src_conv, src_ssm, mixer)
+                    self._checkpoint(conv_pool, ssm_pool, dst, src_conv, src_ssm)
         if bool(valid.all()):
             conv_pool[slots] = new_conv.to(conv_pool.dtype)
             ssm_pool[slots] = new_ssm.to(ssm_pool.dtype)
@@ -285,7 +252,7 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
             ssm_pool[slots[valid]] = new_ssm[valid].to(ssm_pool.dtype)
         return o.to(mixed_qkv.dtype).unsqueeze(0)
 
-    def _checkpoint(self, conv_pool, ssm_pool, dst, conv_state, ssm_state, mixer) -> None:
+    def _checkpoint(self, conv_pool, ssm_pool, dst, conv_state, ssm_state) -> None:
         """Copy a row's state at a plan offset into ``dst`` (zeros for a fresh row)."""
         if conv_state is None:
             conv_pool[dst].zero_()

@@ -1,11 +1,9 @@
-"""SGLang-facing config of the tiny hybrid model: adds ``mamba2_cache_params``.
-
-SGLang sizes its Mamba pool from ``hf_config.mamba2_cache_params`` (see
-``sglang/srt/configs/hybrid_arch.py::mambaish_config`` and ``mem_cache/memory_pool.py::MambaPool``).
-The shapes here are the per-request rows the linear-attention backend reads and writes:
-conv ``[conv_dim, W-1]`` (window axis last) and temporal ``[HV, K, V]`` — the layout of
-``sglang_mamba_ext.models.linear_attn`` (fla's), not the ``[HV, V, K]`` of SGLang's GDN kernels.
-Tensor parallelism is not supported (one rank).
+"""SGLang-facing config of the tiny hybrid model (``docs/design.md``, "Tiny hybrid model"):
+:class:`TinyHybridSGLangConfig` adds the ``mamba2_cache_params`` SGLang sizes its Mamba pool
+from (``srt/configs/hybrid_arch.py::mambaish_config``, ``mem_cache/memory_pool.py::MambaPool``):
+per request a conv row ``[conv_dim, W-1]`` (window axis last) and a temporal row ``[HV, K, V]``,
+the layout of ``sglang_mamba_ext.models.linear_attn`` (fla's), not the ``[HV, V, K]`` of
+SGLang's GDN kernels. One rank (no tensor parallelism).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""SGLang model class ``TinyHybridForCausalLM`` for the tiny hybrid model.
-
-Built from the reference model's own modules (``sglang_mamba_ext.models.tiny_hybrid``):
-embedding, decoder layers (RMSNorms, projections, RoPE, gated-delta-rule mixer, SwiGLU MLP),
-final norm. Only the state-touching cores are SGLang's:
-
-- full-attention layers: ``RadixAttention`` (K/V in SGLang's KV pool, softmax by the
-  configured attention backend, e.g. ``torch_native``);
-- linear layers: ``RadixLinearAttention`` -> ``HybridLinearAttnBackend`` ->
-  :class:`~sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend`, which
-  runs the layer's mixer conv + recurrence on the Mamba pool's per-request states;
-- logits: ``LogitsProcessor`` over ``lm_head`` (an ``nn.Linear``; one rank only).
-
-Parameter names equal the checkpoint's (``model.layers.{i}.self_attn.q_proj.weight``, ...).
+"""SGLang model class ``TinyHybridForCausalLM`` of the tiny hybrid model (``docs/design.md``,
+"Tiny hybrid model"), built from the reference model's own modules
+(``sglang_mamba_ext.models.tiny_hybrid``: embedding, decoder layers, final norm); only the
+state-touching cores are SGLang's: ``RadixAttention`` for full-attention layers (K/V in
+SGLang's KV pool, softmax by the configured attention backend, e.g. ``torch_native``),
+``RadixLinearAttention`` -> ``HybridLinearAttnBackend`` ->
+:class:`~sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend` for linear
+layers (the mixer's segment runner on the Mamba pool's per-request states), and
+``LogitsProcessor`` over ``lm_head`` (one rank). Parameter names equal the checkpoint's
+(``model.layers.{i}.self_attn.q_proj.weight``, ...).
 """
 
 from __future__ import annotations
@@ -31,22 +27,16 @@ from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig, TinyHybridMode
 
 class TinyHybridRadixLinearAttention(RadixLinearAttention):
     """``RadixLinearAttention`` that carries a reference to its layer's mixer, so the backend
-    calls the shared math (``mixer.conv / split_qkv / recurrence / recurrence_step``).
+    calls the shared math (``mixer.run_segments``, ``mixer.conv / split_qkv``).
 
     The mixer is stored outside ``nn.Module`` registration: its parameters belong to the
     decoder layer (``model.layers.{i}.linear_attn.*``) and must not appear twice."""
 
     def __init__(self, layer_id: int, mixer: GatedDeltaRuleMixer) -> None:
         s = mixer.shape
-        super().__init__(
-            layer_id=layer_id,
-            num_q_heads=s.num_k_heads,
-            num_k_heads=s.num_k_heads,
-            num_v_heads=s.num_v_heads,
-            head_q_dim=s.head_k_dim,
-            head_k_dim=s.head_k_dim,
-            head_v_dim=s.head_v_dim,
-        )
+        H, HV, K, V = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
+        # (layer_id, num_q/k/v_heads, head_q/k/v_dim): q shares the key heads' layout
+        super().__init__(layer_id, H, H, HV, K, K, V)
         object.__setattr__(self, "mixer", mixer)
 
 

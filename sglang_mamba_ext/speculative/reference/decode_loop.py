@@ -1,29 +1,18 @@
-"""Reference speculative decoding loop on the tiny hybrid model: snapshot vs deferred verify.
-
-The numerical oracle for seed §8–9 (DESIGN.md: "deferred == snapshot, spec == greedy"). It
-schedules a batch of requests like SGLang's FROZEN_KV_MTP worker does, in plain torch:
-
-    round:  [deferred: replay stash -> main state]                (seed §9.2 step 1)
-            draft EAGLE trees with the frozen-KV draft head        (§8.2; no SSM state read)
-            verify all tree nodes through the target               (§8.3 / §9.5–9.6)
-            greedy acceptance                                      (§9.4, §9.9)
-            snapshot: scatter accepted step of every layer         (§8.4, commit_snapshot)
-            deferred: stash accepted tokens' raw activations       (§9.2 step 5)
-            finishing requests: (deferred: replay) -> cache -> free (§8.6)
-
-State lives in pools shaped like SGLang's Mamba pool (``conv_state [L, slots, conv_dim, W-1]``,
-``temporal_state [L, slots, HV, K, V]`` fp32), indexed by a request's ``mamba_pool_idx`` slot;
-each request also owns two ping-pong track slots (seed §3.4) written when a round crosses a
-``mamba_track_interval`` boundary. Attention K/V are per-request tensors. A small exact-match
-prefix cache (:class:`PrefixStore`) stands in for the radix tree: a finished request inserts
-``prompt + output[:-1]`` with its final state; a later prompt starting with such a key copies
-the state into its own slot (copy-on-write, seed §3.2) and prefills only the rest.
-
-Verify-buffer variants of the deferred mode (``verify_buffer``): ``"one_layer"`` (seed §9.5),
-``"head_chunk"`` (the one-layer buffer for ``head_chunk`` value heads at a time), ``"on_chip"``
-(no node-state buffer: :mod:`.verify_triton`).
-
-Pure torch (+ Triton when asked); no SGLang import.
+"""Reference speculative decoding loop on the tiny hybrid model, snapshot vs deferred verify:
+the numerical oracle of ``docs/design.md``, "Speculative verify" and "Deferred update"
+("deferred == snapshot, spec == greedy"). :class:`SpecEngine` schedules a batch like SGLang's
+FROZEN_KV_MTP worker, in plain torch: each round (deferred: replays the stash into the main
+state), drafts EAGLE trees with the frozen-KV draft head, verifies all tree nodes through the
+target (linear layers: ``ops/verify``), accepts greedily, then commits (snapshot: scatter the
+accepted node's state of every layer; deferred: stash the accepted tokens' raw activations);
+finishing requests are (replayed,) cached and freed. Prefill and decode of the linear layers
+run the mixer's segment runner (``TinyHybridReference.forward_tokens``), replay the torch or
+Triton ``ops/replay``. States live in pools shaped like SGLang's Mamba pool (``conv_state [L,
+slots, conv_dim, W-1]``, ``temporal_state [L, slots, HV, K, V]`` fp32) indexed by a request's
+``mamba_pool_idx``, plus two ping-pong track slots per request written when a round crosses a
+``mamba_track_interval`` boundary; :class:`PrefixStore` (exact-prefix, copy-on-write) stands in
+for the radix tree. Deferred verify buffers (``verify_buffer``): ``"one_layer"``,
+``"head_chunk"`` or ``"on_chip"`` (no node-state buffer). Pure torch (+ Triton when asked).
 """
 
 from __future__ import annotations
@@ -34,18 +23,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang_mamba_ext.models.tiny_hybrid import TinyHybridCache, TinyHybridReference, attention
+from sglang_mamba_ext.speculative.ops.verify.naive import tree_conv, tree_recurrence
 from sglang_mamba_ext.speculative.reference.draft_head import FrozenKVDraftHead, propose_tree, stack_proposals
 from sglang_mamba_ext.speculative.replay import ReplayWeights, replay, track_steps
 from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
-from sglang_mamba_ext.speculative.tree import greedy_accept, max_draft_token_num
-from sglang_mamba_ext.speculative.verify import (
-    OneLayerBuffer,
-    SnapshotBuffers,
-    TreeIndex,
-    commit_snapshot,
-    tree_conv,
-    tree_recurrence,
-)
+from sglang_mamba_ext.speculative.tree import TreeIndex, greedy_accept, max_draft_token_num
+from sglang_mamba_ext.speculative.verify_buffers import OneLayerBuffer, SnapshotBuffers, commit_snapshot
 
 __all__ = ["SpecConfig", "SpecRequest", "PrefixStore", "SpecEngine"]
 
@@ -367,9 +350,9 @@ class SpecEngine:
                 else:
                     pending.append((mq, gr, br))
                     if self.one_layer is None:
-                        from sglang_mamba_ext.speculative.verify_triton import tree_recurrence_onchip
+                        from sglang_mamba_ext.speculative.ops.verify.fused import tree_recurrence_onchip
 
-                        o = tree_recurrence_onchip(q, k, v, g, beta, S0, index, scale=self.shape.head_k_dim ** -0.5)
+                        o = tree_recurrence_onchip(q, k, v, g, beta, S0, index, scale=mixer.scale)
                     else:
                         ssm_buf, conv_buf = self.one_layer.layer(l)
                         conv_buf[rows] = windows.to(conv_buf.dtype)

@@ -1,16 +1,11 @@
-"""A tiny MTP-style draft head over the target's frozen KV, and EAGLE tree proposal (seed §8.1–8.2).
-
-The draft head has no linear (Mamba) layers and writes no KV: each draft step combines the
-previous hidden state with the embedding of the token just drafted, attends *read-only* to the
-target's K/V of one attention layer (the prefix the target has committed), at the frozen RoPE
-position ``seq_len - 1``, and predicts the next token with the target's LM head — SGLang's
-FROZEN_KV_MTP contract (``speculative/frozen_kv_mtp_utils.py``: the draft attention backend is
-pointed at the target's KV pool; draft positions stay at ``seq_lens - 1``). Because the draft
-never touches SSM state, the deferred mode may leave the main SSM state one round behind while
-drafting (seed §9.9).
-
-Layer math comes from :mod:`sglang_mamba_ext.models.tiny_hybrid` (RMSNorm, FullAttention's
-projections and RoPE, ``attention``, SwiGLU MLP).
+"""A tiny MTP-style draft head over the target's frozen KV, and EAGLE tree proposal, for the
+reference decode loop (``docs/design.md``, "Speculative verify"). The head has no linear
+(Mamba) layers and writes no KV: each draft step combines the previous hidden state with the
+embedding of the token just drafted, attends read-only to the target's K/V of one attention
+layer at the frozen RoPE position ``seq_len - 1`` and predicts with the target's LM head —
+SGLang's FROZEN_KV_MTP contract (``speculative/frozen_kv_mtp_utils.py``). Because the draft
+never reads SSM state, the deferred mode may leave the main SSM state one round behind while
+drafting ("Deferred update"). Layer math comes from :mod:`sglang_mamba_ext.models.tiny_hybrid`.
 """
 
 from __future__ import annotations

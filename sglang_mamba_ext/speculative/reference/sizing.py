@@ -1,46 +1,30 @@
-"""Memory of the speculative SSM/conv buffers in snapshot and deferred mode (seed §8.5, §9.7).
-
-Definitions (bytes; ``L`` linear layers, ``N = max_running_requests``, ``R = N + 1`` request rows
-as SGLang sizes them, ``T = draft_token_num``, ``A = steps + 1`` tokens one round can commit):
-
-snapshot (SGLang ``memory_pool.py``: ``intermediate_ssm`` + dense ``intermediate_conv_window``)
-    resident = peak = ``L * R * T * (HV*K*V * ssm_bytes + conv_dim*(W-1) * conv_bytes)``
-
-deferred (this project)
-    resident = the stash: ``L * R * A * (conv_dim + gate_dim + beta_dim) * act_bytes`` plus
-        20 bytes of counters per row — the only buffer that lives from one round to the next.
-    verify workspace (alive only from the verify forward to the stash write):
-        pending activations ``L * N * T * (conv_dim + gate_dim + beta_dim) * act_bytes`` (every
-        node's raw mixer inputs, kept until acceptance decides which to stash);
-        per-node conv windows of one layer ``R * T * conv_dim*(W-1) * conv_bytes``;
-        per-node SSM states of one layer, by verify variant:
-        ``one_layer`` (seed §9.5) ``R * T * HV*K*V * ssm_bytes``; ``head_chunk`` ``R * T *
-        head_chunk*K*V * ssm_bytes``; ``on_chip`` (``verify_triton``: states live in registers)
-        0.
-    peak = resident + workspace.
-
-Under CUDA graphs the workspace sits in the graph memory pool (shared across the captured
-batch sizes and with the forward's other activations), i.e. it is activation memory, not a
-pool SGLang keeps beside the states.
-
-Mamba2 maps onto the same shape: ``x``/``B``/``C`` of ``xBC`` play ``v``/``k``/``q``
-(``H = n_groups``, ``K = d_state``, ``HV = nheads``, ``V = head_dim``), so
-``conv_dim = 2*H*K + HV*V`` holds and the SSM state is ``HV*K*V``; its raw gate is ``dt``
-(``gate_dim = nheads``) and it has no ``beta``.
-
-Pure torch; no SGLang import.
+"""Bytes of the speculative SSM/conv buffers in snapshot and deferred mode, from model shapes
+(``docs/design.md``, "Deferred update"; ``scripts/plan_spec_memory.py``). With ``L`` linear
+layers, ``N = max_running_requests``, ``R = N + 1`` rows, ``T = draft_token_num`` and ``A =
+steps + 1``: snapshot (SGLang ``memory_pool.py``: ``intermediate_ssm`` + dense
+``intermediate_conv_window``) keeps ``L * R * T * (HV*K*V * ssm_bytes + conv_dim*(W-1) *
+conv_bytes)`` resident, which is also its peak; deferred keeps only the stash resident, ``L *
+R * A * (conv_dim + gate_dim + beta_dim) * act_bytes`` plus 20 bytes of counters per row, and
+adds a verify workspace alive from the verify forward to the stash write — pending activations
+``L * N * T * (conv_dim + gate_dim + beta_dim) * act_bytes``, one layer's node conv windows ``R
+* T * conv_dim*(W-1) * conv_bytes`` and one layer's node SSM states by variant (``one_layer``
+``R * T * HV*K*V * ssm_bytes``, ``head_chunk`` ``R * T * head_chunk*K*V * ssm_bytes``,
+``on_chip`` 0: ``ops/verify/fused.py`` keeps them in registers); under CUDA graphs that
+workspace is activation memory in the graph pool. Mamba2 maps onto the same shape (``x``/``B``/
+``C`` of ``xBC`` play ``v``/``k``/``q``: ``H = n_groups``, ``K = d_state``, ``HV = nheads``,
+``V = head_dim``; raw gate ``dt``, ``gate_dim = nheads``, no ``beta``). Pure torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from sglang_mamba_ext.models.linear_attn import LinearAttnShape
 from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
-from sglang_mamba_ext.speculative.verify import OneLayerBuffer, SnapshotBuffers
+from sglang_mamba_ext.speculative.verify_buffers import OneLayerBuffer, SnapshotBuffers
 
 __all__ = ["HybridSpecModel", "MODELS", "SpecMemory", "spec_memory_formula", "spec_memory_measured", "VARIANTS"]
 
@@ -73,54 +57,36 @@ class HybridSpecModel:
         return StashDims(self.shape.conv_dim, self.gate_dim, self.beta_dim)
 
 
-MODELS: Dict[str, HybridSpecModel] = {
-    "Kimi-Linear-48B-A3B": HybridSpecModel(
-        name="Kimi-Linear-48B-A3B",
-        source=(
-            "moonshotai/Kimi-Linear-48B-A3B-Instruct config.json: num_hidden_layers=27, "
-            "linear_attn_config={kda_layers: 20 entries [1,2,3,5,6,7,9,10,11,13,14,15,17,18,19,"
-            "21,22,23,25,26], full_attn_layers: [4,8,12,16,20,24,27], num_heads: 32, head_dim: "
-            "128, short_conv_kernel_size: 4}; KDA q/k/v heads 32 x 128, decay gate f_b output "
-            "num_heads*head_dim, beta num_heads. Installed transformers KimiLinearConfig defaults "
-            "agree on hidden 2304 / 27 layers / 32 heads / 128 / conv 4."
-        ),
-        num_linear_layers=20,
-        shape=LinearAttnShape(num_k_heads=32, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_kernel=4),
-        gate_dim=32 * 128,
-        beta_dim=32,
-        kind="kda",
-    ),
-    "Qwen3-Next-80B-A3B": HybridSpecModel(
-        name="Qwen3-Next-80B-A3B",
-        source=(
-            "Qwen/Qwen3-Next-80B-A3B-Instruct config.json: num_hidden_layers=48, "
-            "full_attention_interval=4 (36 linear_attention layers), linear_num_key_heads=16, "
-            "linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, "
-            "linear_conv_kernel_dim=4; Gated DeltaNet gates a, b: one per value head. Installed "
-            "transformers Qwen3NextConfig defaults are the same numbers."
-        ),
-        num_linear_layers=36,
-        shape=LinearAttnShape(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_kernel=4),
-        gate_dim=32,
-        beta_dim=32,
-        kind="gdn",
-    ),
-    "Nemotron-H-8B": HybridSpecModel(
-        name="Nemotron-H-8B",
-        source=(
-            "nvidia/Nemotron-H-8B-Base-8K config.json: hybrid_override_pattern "
-            "'M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-' (24 Mamba2 layers), "
-            "mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, "
-            "conv_kernel=4 (d_inner 8192, xBC 10240). SGLang's NemotronHConfig defaults "
-            "(sglang/srt/configs/nemotron_h.py) are the same pattern and sizes."
-        ),
-        num_linear_layers=24,
-        shape=LinearAttnShape(num_k_heads=8, num_v_heads=128, head_k_dim=128, head_v_dim=64, conv_kernel=4),
-        gate_dim=128,
-        beta_dim=0,
-        kind="mamba2",
-    ),
-}
+def _model(name: str, kind: str, num_linear_layers: int, heads: Tuple[int, int, int, int, int], gate_dim: int,
+           beta_dim: int, source: str) -> HybridSpecModel:
+    """One :class:`HybridSpecModel`; ``heads`` = ``(H, HV, K, V, W)`` of :class:`LinearAttnShape`."""
+    return HybridSpecModel(name, source, num_linear_layers, LinearAttnShape(*heads), gate_dim, beta_dim, kind)
+
+
+MODELS: Dict[str, HybridSpecModel] = {m.name: m for m in (
+    _model("Kimi-Linear-48B-A3B", "kda", 20, (32, 32, 128, 128, 4), 32 * 128, 32, (
+        "moonshotai/Kimi-Linear-48B-A3B-Instruct config.json: num_hidden_layers=27, "
+        "linear_attn_config={kda_layers: 20 entries [1,2,3,5,6,7,9,10,11,13,14,15,17,18,19,"
+        "21,22,23,25,26], full_attn_layers: [4,8,12,16,20,24,27], num_heads: 32, head_dim: "
+        "128, short_conv_kernel_size: 4}; KDA q/k/v heads 32 x 128, decay gate f_b output "
+        "num_heads*head_dim, beta num_heads. Installed transformers KimiLinearConfig defaults "
+        "agree on hidden 2304 / 27 layers / 32 heads / 128 / conv 4."
+    )),
+    _model("Qwen3-Next-80B-A3B", "gdn", 36, (16, 32, 128, 128, 4), 32, 32, (
+        "Qwen/Qwen3-Next-80B-A3B-Instruct config.json: num_hidden_layers=48, "
+        "full_attention_interval=4 (36 linear_attention layers), linear_num_key_heads=16, "
+        "linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, "
+        "linear_conv_kernel_dim=4; Gated DeltaNet gates a, b: one per value head. Installed "
+        "transformers Qwen3NextConfig defaults are the same numbers."
+    )),
+    _model("Nemotron-H-8B", "mamba2", 24, (8, 128, 128, 64, 4), 128, 0, (
+        "nvidia/Nemotron-H-8B-Base-8K config.json: hybrid_override_pattern "
+        "'M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-' (24 Mamba2 layers), "
+        "mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, "
+        "conv_kernel=4 (d_inner 8192, xBC 10240). SGLang's NemotronHConfig defaults "
+        "(sglang/srt/configs/nemotron_h.py) are the same pattern and sizes."
+    )),
+)}
 
 
 @dataclass

@@ -1,43 +1,44 @@
-"""Triton kernels of the deferred-verify replay (seed §9.8, §9.10); torch reference:
-:func:`sglang_mamba_ext.speculative.replay.replay_torch`.
-
-Two launches cover all linear layers and all requests of a batch:
-
-1. ``_replay_recurrent_kernel``, grid ``(N * L, HV, cdiv(V, BV))``: one program owns one
-   ``[K, BV]`` tile of one value head's SSM state. For each pending token (at most ``A``, a
-   compile-time bound, masked by the row's count) it recomputes the post-conv ``k`` of the
-   head's key channels and the ``BV`` value channels from the *old* conv window and the stashed
-   pre-conv ``mixed_qkv`` (depthwise conv, bias, SiLU, rounding to the activation dtype as the
-   forward does, per-head L2 norm), activates the stashed raw gates
-   (``g = -exp(A_log) * softplus(g_raw + dt_bias)``, ``beta = sigmoid(b_raw)``) and applies one
-   gated-delta-rule step in registers. The tile is loaded once and stored once (plus once into
-   the ping-pong track slot after the crossing token). Nothing but the stash and the state is
-   read from HBM; no output ``o`` is produced (verify already produced the logits).
-2. ``_replay_conv_window_kernel``, grid ``(N * L, cdiv(conv_dim, BD))``: shifts each conv window
-   by the row's count (the last ``W-1`` inputs of ``[window, tokens]``), and writes the track
-   slot's window. Runs after (1), which reads the old windows.
-
-The conv state is read through strides, so SGLang's transposed KDA layout (``[.., W-1, dim]``)
-can be passed as a ``[.., dim, W-1]`` view; likewise the temporal state as any
-``[L, slots, HV, K, V]`` view (SGLang's KDA pool keeps ``[HV, V, K]``: pass
-``.transpose(-1, -2)``).
+"""Triton replay of stashed accepted tokens into the main conv/SSM state (``docs/design.md``,
+"Replay"); torch reference: :mod:`.naive`, same signature. Two launches cover all linear layers
+and requests: ``_replay_recurrent_kernel`` (grid ``(N * L, HV, cdiv(V, BV))``) keeps one
+``[K, BV]`` tile of a value head's SSM state in registers and, per pending token, recomputes
+the head's post-conv ``k`` and ``v`` from the *old* conv window and the stashed ``mixed_qkv``
+(conv, bias, SiLU, the forward's rounding to the activation dtype, per-head L2 norm), activates
+the stashed raw gates and applies :func:`~..triton_utils.gated_delta_step` (tile loaded once,
+stored once, plus once into the track slot after the crossing token; no output ``o``);
+``_replay_conv_window_kernel`` (grid ``(N * L, cdiv(conv_dim, BD))``), launched after it,
+shifts each conv window by the row's count and writes the track slot's window. States are read
+through strides, so SGLang's transposed KDA layouts pass as views (conv ``[.., W-1, dim]`` as
+``[.., dim, W-1]``, temporal ``[.., HV, V, K]`` via ``.transpose(-1, -2)``).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from sglang_mamba_ext.speculative.triton_launch import launch_scope
+from sglang_mamba_ext.speculative.ops.triton_utils import gated_delta_step, launch_scope, softplus
+
+if TYPE_CHECKING:
+    from sglang_mamba_ext.speculative.replay import ReplayPlan, ReplayWeights
+    from sglang_mamba_ext.speculative.stash import ActivationStash
 
 __all__ = ["replay_triton"]
 
 
+# The replay arguments of request i_n: stash row, main slot, pending count, crossing step
+# (-1 none) and track slot.
 @triton.jit
-def _softplus(x):
-    # torch.nn.functional.softplus (beta=1, threshold=20)
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+def _request(rows_ptr, slots_ptr, counts_ptr, tstep_ptr, tslot_ptr, i_n):
+    r = tl.load(rows_ptr + i_n).to(tl.int64)
+    s = tl.load(slots_ptr + i_n).to(tl.int64)
+    c = tl.load(counts_ptr + i_n).to(tl.int32)
+    tstep = tl.load(tstep_ptr + i_n).to(tl.int32)
+    tslot = tl.load(tslot_ptr + i_n).to(tl.int64)
+    return r, s, c, tstep, tslot
 
 
 @triton.jit
@@ -56,13 +57,8 @@ def _replay_recurrent_kernel(
     i_nl = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_v = tl.program_id(2)
-    i_n = i_nl // L
     i_l = i_nl % L
-    r = tl.load(rows_ptr + i_n).to(tl.int64)
-    s = tl.load(slots_ptr + i_n).to(tl.int64)
-    c = tl.load(counts_ptr + i_n).to(tl.int32)
-    tstep = tl.load(tstep_ptr + i_n).to(tl.int32)
-    tslot = tl.load(tslot_ptr + i_n).to(tl.int64)
+    r, s, c, tstep, tslot = _request(rows_ptr, slots_ptr, counts_ptr, tstep_ptr, tslot_ptr, i_nl // L)
     if (c > 0) & (s >= 0):
         i_h = i_hv // (HV // H)
         offs_k = tl.arange(0, BK)
@@ -111,12 +107,9 @@ def _replay_recurrent_kernel(
                 # gates (KDA: per key channel)
                 graw = tl.load(graw_ptr + (row + t) * GD + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
                 dtb = tl.load(dtb_ptr + i_l * HV * K + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-                decay = tl.exp(neg_a * _softplus(graw + dtb))[:, None]
+                decay = tl.exp(neg_a * softplus(graw + dtb))[:, None]
                 beta = tl.sigmoid(tl.load(braw_ptr + (row + t) * BD_ + i_hv).to(tl.float32))
-                S = S * decay
-                pred = tl.sum(kn[:, None] * S, axis=0)
-                delta = (yv - pred) * beta
-                S = S + kn[:, None] * delta[None, :]
+                S = gated_delta_step(S, kn, yv, decay, beta)
                 if t == tstep:
                     tl.store(st_base + tslot * s_ss + tile, S.to(state_ptr.dtype.element_ty), mask=mkv)
         tl.store(st_base + s * s_ss + tile, S.to(state_ptr.dtype.element_ty), mask=mkv)
@@ -131,13 +124,8 @@ def _replay_conv_window_kernel(
 ):
     i_nl = tl.program_id(0)
     i_d = tl.program_id(1)
-    i_n = i_nl // L
     i_l = i_nl % L
-    r = tl.load(rows_ptr + i_n).to(tl.int64)
-    s = tl.load(slots_ptr + i_n).to(tl.int64)
-    c = tl.load(counts_ptr + i_n).to(tl.int32)
-    tstep = tl.load(tstep_ptr + i_n).to(tl.int32)
-    tslot = tl.load(tslot_ptr + i_n).to(tl.int64)
+    r, s, c, tstep, tslot = _request(rows_ptr, slots_ptr, counts_ptr, tstep_ptr, tslot_ptr, i_nl // L)
     if (c > 0) & (s >= 0):
         ch = i_d * BD + tl.arange(0, BD)
         mch = ch < D
@@ -165,30 +153,26 @@ def _replay_conv_window_kernel(
 
 
 def replay_triton(
-    mixed_qkv: torch.Tensor,
-    g_raw: torch.Tensor,
-    b_raw: torch.Tensor,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    counts: torch.Tensor,
-    tsteps: torch.Tensor,
-    track_slots: torch.Tensor,
-    conv_state: torch.Tensor,
-    temporal_state: torch.Tensor,
-    weights,
-    BV: int = 32,
-    BD: int = 256,
+    stash: "ActivationStash", plan: "ReplayPlan", conv_state: torch.Tensor, temporal_state: torch.Tensor,
+    weights: "ReplayWeights", BV: int = 32, BD: int = 256,
 ) -> None:
-    """Launch the two replay kernels (in place on ``conv_state`` / ``temporal_state``).
+    """Launch the two replay kernels (in place on ``conv_state`` / ``temporal_state``; the
+    stash itself is not modified). Same contract as :func:`.naive.replay_torch`.
 
     Args:
-        mixed_qkv, g_raw, b_raw: the stash records, ``[L, R, A, *]`` contiguous.
-        rows, slots, counts: ``[N]`` stash rows, main-state slots (``-1`` skips), pending
-            counts (0 skips).
-        tsteps: ``[N]`` step after which to checkpoint, ``-1`` none; ``track_slots``: ``[N]``.
-        conv_state: ``[L, slots, conv_dim, W-1]`` view; temporal_state ``[L, slots, HV, K, V]``.
-        weights: :class:`sglang_mamba_ext.speculative.replay.ReplayWeights`.
+        stash: the records ``mixed_qkv``, ``g_raw``, ``b_raw`` ``[L, R, A, *]`` (contiguous).
+        plan: per request: row, slot (``-1`` skips), count (0 skips), crossing step
+            (``-1`` none) and track slot.
+        conv_state: ``[L, slots, conv_dim, W-1]`` view; temporal_state ``[L, slots, HV, K, V]``
+            view (any strides).
+        weights: stacked, contiguous layer weights.
+        BV, BD: value-channel and conv-channel tile sizes.
+
+    Raises:
+        ValueError: non-contiguous records or weights, shapes that disagree with
+            ``weights.shape``, or a per-head (GDN) gate.
     """
+    mixed_qkv, g_raw, b_raw = stash.mixed_qkv, stash.g_raw, stash.b_raw
     sh = weights.shape
     L, R, A, D = mixed_qkv.shape
     H, HV, K, V, W = sh.num_k_heads, sh.num_v_heads, sh.head_k_dim, sh.head_v_dim, sh.conv_kernel
@@ -206,10 +190,10 @@ def replay_triton(
             f"replay_triton: g_raw width {GD} != HV*K={HV * K}; only the per-channel (KDA) gate "
             "is implemented (a per-head GDN gate needs its own activation)"
         )
-    N = rows.shape[0]
+    N = plan.rows.shape[0]
     if N == 0:
         return
-    idx = [x.to(torch.int64).contiguous() for x in (rows, slots, counts, tsteps, track_slots)]
+    idx = [x.to(torch.int64).contiguous() for x in plan]
     BK = triton.next_power_of_2(K)
     BVv = min(BV, triton.next_power_of_2(V))
     has_bias = weights.conv_bias is not None

@@ -1,23 +1,14 @@
-"""Triton tree-verify recurrence for one linear layer (seed §9.5–9.6); torch reference:
-:func:`sglang_mamba_ext.speculative.verify.tree_recurrence`.
-
-One kernel, grid ``(N, HV, cdiv(V, BV))``: a program owns a ``[K, BV]`` tile of one value
-head's state for one request. It loads the request's main state tile once into registers
-(``S0``), then for every tree node:
-
-- ``ON_CHIP`` (deferred mode, no node-state buffer at all): recomputes the node's state from
-  ``S0`` along its path (root first, ``depth`` gated-delta-rule steps in registers) and emits the
-  node's output. Nothing but the inputs, ``S0`` and the outputs touches memory; the price is
-  ``sum(depth)`` instead of ``T`` steps of arithmetic (≈ 2.7x for topk=4, steps=3, T=37).
-- buffered (snapshot mode / seed §9.5 one-layer buffer): steps from the parent's state —
-  ``S0`` for ``retrieve_parent_token == -1``, else the parent's tile read back from
-  ``node_states`` — and writes the node's state to ``node_states`` (what SGLang's verify
-  kernels do with ``intermediate_states_buffer``).
-
-``HAS_PENDING`` fuses the replay of a round's stashed tokens (already post-conv: q, k, v, g,
-beta of at most ``A`` tokens) into the load of ``S0``, and writes the replayed state back to
-the main pool once — replay "at the start of the next round" performed by the first reader of
-the state, used by ``scripts/gpu_check.sh`` to measure the fused variant.
+"""Triton tree-verify recurrence of one linear layer (``docs/design.md``, "Speculative
+verify"); torch reference: :func:`.naive.tree_recurrence`. One kernel, grid ``(N, HV, cdiv(V,
+BV))``: a program holds a ``[K, BV]`` tile of one value head's state of one request, loads the
+main state tile once (``S0``) and, per tree node, either recomputes the node's state from
+``S0`` along its path in registers (``ON_CHIP``, the deferred mode with no node-state buffer;
+``sum(depth)`` steps instead of ``T``, about 2.7x the arithmetic for topk=4, steps=3, T=37) or
+steps from its parent's state read back from ``node_states`` and writes its own there
+(buffered: snapshot mode, or the deferred mode's one-layer buffer). ``HAS_PENDING`` folds a
+round's stashed tokens (post-conv ``q, k, v, g, beta``, at most ``A``) into the load of ``S0``
+and writes the replayed state back once ("Replay" done by the first reader of the state;
+measured by ``ops/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -28,26 +19,22 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_mamba_ext.speculative.triton_launch import launch_scope
-
-from sglang_mamba_ext.speculative.verify import TreeIndex
+from sglang_mamba_ext.speculative.ops.triton_utils import gated_delta_step, launch_scope
+from sglang_mamba_ext.speculative.tree import TreeIndex
 
 __all__ = ["tree_recurrence_triton", "tree_recurrence_onchip"]
 
 
+# Load one token's k, v, g (per key channel or per head), beta and apply the step.
 @triton.jit
 def _gdr_step(S, k_ptr, v_ptr, g_ptr, b_ptr, offs_k, offs_v, mk, mv, GATE_PER_K: tl.constexpr):
     kk = tl.load(k_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
     vv = tl.load(v_ptr + offs_v, mask=mv, other=0.0).to(tl.float32)
     if GATE_PER_K:
-        gg = tl.load(g_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
-        S = S * tl.exp(gg)[:, None]
+        decay = tl.exp(tl.load(g_ptr + offs_k, mask=mk, other=0.0).to(tl.float32))[:, None]
     else:
-        S = S * tl.exp(tl.load(g_ptr).to(tl.float32))
-    bb = tl.load(b_ptr).to(tl.float32)
-    pred = tl.sum(kk[:, None] * S, axis=0)
-    S = S + kk[:, None] * ((vv - pred) * bb)[None, :]
-    return S
+        decay = tl.exp(tl.load(g_ptr).to(tl.float32))
+    return gated_delta_step(S, kk, vv, decay, tl.load(b_ptr).to(tl.float32))
 
 
 @triton.jit

@@ -1,0 +1,67 @@
+"""Triton pieces shared by the replay and verify kernels: the gated-delta-rule step on a state
+tile, softplus, and launching a kernel in the mode it was built for. ``@triton.jit`` picks
+compiled or interpreted mode from ``TRITON_INTERPRET`` when a module is imported, and the
+interpreter reads the variable again while a kernel runs (a helper ``@triton.jit`` function
+called from an interpreted kernel fails with "Cannot call @triton.jit'd outside of the scope of
+a kernel" without it), so :func:`launch_scope` sets ``TRITON_INTERPRET=1`` for a launch exactly
+when the kernel was built for the interpreter (CPU tests) and does nothing on CUDA. The step is
+the recurrence of ``docs/design.md``, "Tiny hybrid model" (torch:
+``models/linear_attn.py::gated_delta_rule_step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import triton
+import triton.language as tl
+
+__all__ = ["gated_delta_step", "softplus", "is_interpreted", "interpreter_env", "launch_scope"]
+
+
+# One gated-delta-rule token on a [BK, BV] float32 state tile: S * decay, then
+# S + k (beta * (v - S^T k))^T. k [BK] and v [BV] float32 (masked lanes zero), decay = exp(g)
+# broadcastable to the tile ([BK, 1] per key channel, or a scalar per head), beta a scalar.
+# Returns the new tile.
+@triton.jit
+def gated_delta_step(S, k, v, decay, beta):
+    S = S * decay
+    pred = tl.sum(k[:, None] * S, axis=0)
+    return S + k[:, None] * ((v - pred) * beta)[None, :]
+
+
+# torch.nn.functional.softplus (beta=1, threshold=20), elementwise.
+@triton.jit
+def softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+def is_interpreted(kernel: Any) -> bool:
+    """Whether ``kernel`` was decorated under ``TRITON_INTERPRET=1``."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - very old Triton
+        return False
+    return isinstance(kernel, InterpretedFunction)
+
+
+@contextlib.contextmanager
+def interpreter_env() -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` while inside; the previous value is restored on exit."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def launch_scope(kernel: Any) -> "contextlib.AbstractContextManager[None]":
+    """Context for launching ``kernel``: :func:`interpreter_env` if the kernel is
+    interpreted, else nothing."""
+    return interpreter_env() if is_interpreted(kernel) else contextlib.nullcontext()
