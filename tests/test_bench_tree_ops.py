@@ -91,6 +91,26 @@ class TraceLoadingTest(unittest.TestCase):
         with self.assertRaisesRegex(TraceError, "not a trace record"):
             load_trace(self.path, expected_sha256=sha)
 
+    def test_trace_location_beside_the_checkout_or_from_the_environment(self):
+        import subprocess
+        import sys
+
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = "from sglang_mamba_ext.benchmarks.common import TRACE_PATH; print(TRACE_PATH)"
+
+        def trace_path(**env):
+            full = {k: v for k, v in os.environ.items() if k != "SGLANG_MAMBA_EXT_TRACE"}
+            full.update(env)
+            out = subprocess.run([sys.executable, "-c", code], cwd=repo, env=full, capture_output=True, text=True)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            return out.stdout.strip()
+
+        self.assertEqual(
+            trace_path(),
+            os.path.normpath(os.path.join(repo, "..", "shared", "bench", "multiturn-trace-v1.jsonl.gz")),
+        )
+        self.assertEqual(trace_path(SGLANG_MAMBA_EXT_TRACE="/elsewhere/t.jsonl.gz"), "/elsewhere/t.jsonl.gz")
+
     def test_missing_file(self):
         with self.assertRaisesRegex(TraceError, "not found"):
             load_trace(os.path.join(self.tmp.name, "nope.jsonl.gz"))
