@@ -9,12 +9,9 @@ installed (its SGLang plugin registers the model).
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from sglang_mamba_ext.models.tiny_builder import build_tiny_model  # noqa: E402
+from sglang_mamba_ext.models.tiny_builder import build_tiny_model
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,5 @@
-"""Tests of the hit-rate benchmark (scripts/bench_hit_rate.py) and of the SGLang
-(upstream) drivers it runs.
+"""Tests of the hit-rate benchmark (``sglang_mamba_ext.benchmarks.hit_rate``) and of the
+drivers it runs: SGLang's (upstream) and this project's through the plugin's adapter.
 
 CPU only. The runner and report tests need nothing; the driver tests import SGLang
 (several seconds) and replay the first requests of the shared trace, and are skipped
@@ -15,16 +15,12 @@ import importlib.util
 import io
 import math
 import os
-import sys
 import unittest
 from unittest import mock
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-sys.path.insert(0, SCRIPTS)
-
-import bench_hit_rate  # noqa: E402
-from bench_common import TRACE_PATH, CacheDriver, TraceRecord, load_trace  # noqa: E402
-from bench_hit_rate import (  # noqa: E402
+from sglang_mamba_ext.benchmarks import hit_rate as bench_hit_rate
+from sglang_mamba_ext.benchmarks.common import TRACE_PATH, CacheDriver, TraceRecord, load_trace
+from sglang_mamba_ext.benchmarks.hit_rate import (
     HitResult,
     Variant,
     VariantUnavailable,
@@ -55,6 +51,9 @@ def reference_model(records, strategy: str, *, grid: int = 64, interval: int = 2
 
     * ``nobuf``: finish inserts ``tokens + output`` with a state at its end.
     * ``nobuf-ckpt``: the prompt is also inserted with a state (a copy) after prefill.
+    * ``branch`` (this project's prefix checkpoints): as ``nobuf``, plus states at the
+      branch point ``kv`` (when ``P < kv``) and at ``n - 1`` (when ``P < n - 1``), each a
+      state written by the prefill.
     * ``xbuf``: prefill tracks one state: at the branch point
       ``B = floor(kv_match / grid) * grid`` if ``B > P`` and ``(B - P) % grid == 0``,
       else at ``P + floor((n - P) / grid) * grid``, and only if ``n - P >= grid``; the
@@ -80,12 +79,17 @@ def reference_model(records, strategy: str, *, grid: int = 64, interval: int = 2
         )
         prefix_lens.append(p)
         kv_lens.append(kv)
-        if strategy in ("nobuf", "nobuf-ckpt"):
+        if strategy in ("nobuf", "nobuf-ckpt", "branch"):
             keys.append(seq)
             states.append(seq)
             if strategy == "nobuf-ckpt":
                 states.append(toks)
                 copies += 1
+            if strategy == "branch":
+                for c in sorted({kv, n - 1}):
+                    if p < c:
+                        states.append(toks[:c])
+                        copies += 1
             continue
         assert strategy == "xbuf", strategy
         if n - p >= grid:
@@ -357,6 +361,59 @@ class UpstreamDriversTest(unittest.TestCase):
         self.assertRegex(lines[-2], r"^mamba_size=6 hit_ratio=nan recompute_ratio=nan$")
         self.assertRegex(lines[-1], r"^hit_ratio=nan recompute_ratio=nan$")
         self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
+
+
+@unittest.skipUnless(_have_sglang() and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
+class OursVariantsTest(unittest.TestCase):
+    """The "ours" variants: the plugin's ``MambaRadixCacheAdapter`` under SGLang's scheduler
+    functions, checked request by request against :func:`reference_model`."""
+
+    N = 150
+
+    @classmethod
+    def setUpClass(cls):
+        import torch
+
+        torch.set_num_threads(1)
+        cls.records = load_trace(limit=cls.N)
+
+    def _check_against_model(self, variant: str, strategy: str):
+        from sglang_mamba_ext.plugin.cache import MambaRadixCacheAdapter
+
+        # Pools large enough that nothing is evicted (3 states at most per request).
+        driver = bench_hit_rate.VARIANTS[variant].factory(400_000, 3 * self.N + 8)
+        self.assertIsInstance(driver.cache, MambaRadixCacheAdapter)
+        res = run_hit_trace(driver, self.records, side="ours")
+        prefix, kv, copies = reference_model(self.records, strategy)
+        self.assertEqual(res.prefix_lens, prefix)
+        self.assertEqual(res.kv_prefix_lens, kv)
+        self.assertEqual(res.state_copies, copies)
+        self.assertTrue(res.leak_ok, res.leak_details)
+        return res
+
+    def test_lru_is_no_buffer(self):
+        res = self._check_against_model("ours-lru", "nobuf")
+        self.assertEqual(res.state_copies, 0)
+
+    def test_branch_checkpoints(self):
+        for name in ("ours-branch-lru", "ours-branch-recompute"):
+            with self.subTest(variant=name):
+                res = self._check_against_model(name, "branch")
+                nobuf, _, _ = reference_model(self.records, "nobuf")
+                # Branch points hit the shared system prompts that no_buffer cannot.
+                self.assertGreater(res.matched_tokens, 1.5 * sum(nobuf))
+
+    def test_small_pools_evict_without_leak(self):
+        for name in ("ours-lru", "ours-branch-lru", "ours-branch-recompute"):
+            with self.subTest(variant=name):
+                driver = bench_hit_rate.VARIANTS[name].factory(8192, 6)
+                res = run_hit_trace(driver, self.records, side="ours")
+                self.assertTrue(res.leak_ok, res.leak_details)
+                pool = driver.req_to_token_pool
+                self.assertEqual(pool.prefix_checkpoints, {})
+                self.assertEqual(
+                    pool.mamba_allocator.available_size() + driver.cache.mamba_evictable_size(), 6
+                )
 
 
 if __name__ == "__main__":

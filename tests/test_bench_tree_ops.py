@@ -1,7 +1,8 @@
-"""Tests of the tree-ops benchmark's shared pieces and its SGLang (upstream) driver.
+"""Tests of the tree-ops benchmark (``sglang_mamba_ext.benchmarks.tree_ops``): its shared
+pieces, SGLang's (upstream) driver and this project's (``MambaRadixCacheAdapter``) driver.
 
-CPU only. The upstream test imports SGLang (several seconds) and replays the first
-requests of the shared trace; it is skipped when SGLang or the trace is missing.
+CPU only. The driver tests import SGLang (several seconds) and replay the first requests
+of the shared trace; they are skipped when SGLang or the trace is missing.
 """
 
 from __future__ import annotations
@@ -11,14 +12,10 @@ import hashlib
 import importlib.util
 import json
 import os
-import sys
 import tempfile
 import unittest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-sys.path.insert(0, SCRIPTS)
-
-from bench_common import (  # noqa: E402
+from sglang_mamba_ext.benchmarks.common import (
     TRACE_PATH,
     CacheDriver,
     TraceError,
@@ -93,6 +90,26 @@ class TraceLoadingTest(unittest.TestCase):
         sha = _write_trace(self.path, [{"rid": 0, "tokens": [1, 2]}])
         with self.assertRaisesRegex(TraceError, "not a trace record"):
             load_trace(self.path, expected_sha256=sha)
+
+    def test_trace_location_beside_the_checkout_or_from_the_environment(self):
+        import subprocess
+        import sys
+
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        code = "from sglang_mamba_ext.benchmarks.common import TRACE_PATH; print(TRACE_PATH)"
+
+        def trace_path(**env):
+            full = {k: v for k, v in os.environ.items() if k != "SGLANG_MAMBA_EXT_TRACE"}
+            full.update(env)
+            out = subprocess.run([sys.executable, "-c", code], cwd=repo, env=full, capture_output=True, text=True)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            return out.stdout.strip()
+
+        self.assertEqual(
+            trace_path(),
+            os.path.normpath(os.path.join(repo, "..", "shared", "bench", "multiturn-trace-v1.jsonl.gz")),
+        )
+        self.assertEqual(trace_path(SGLANG_MAMBA_EXT_TRACE="/elsewhere/t.jsonl.gz"), "/elsewhere/t.jsonl.gz")
 
     def test_missing_file(self):
         with self.assertRaisesRegex(TraceError, "not found"):
@@ -196,7 +213,7 @@ class UpstreamDriverTest(unittest.TestCase):
         cls.records = load_trace(limit=cls.N)
 
     def test_matches_no_eviction_reference(self):
-        from bench_upstream_driver import UpstreamDriver
+        from sglang_mamba_ext.benchmarks.upstream import UpstreamDriver
 
         # Pools large enough that nothing is evicted in the first N requests.
         driver = UpstreamDriver(kv_size=200_000, mamba_size=self.N)
@@ -207,7 +224,7 @@ class UpstreamDriverTest(unittest.TestCase):
         self.assertTrue(res.leak_ok, res.leak_details)
 
     def test_small_pools_evict_without_leak(self):
-        from bench_upstream_driver import UpstreamDriver
+        from sglang_mamba_ext.benchmarks.upstream import UpstreamDriver
 
         driver = UpstreamDriver(kv_size=8192, mamba_size=4, cow_copy=True)
         res = run_trace(driver, self.records)
@@ -217,6 +234,93 @@ class UpstreamDriverTest(unittest.TestCase):
             self.assertLessEqual(got, ref)
         # All 4 SSM slots end up in the tree (the last finished states).
         self.assertEqual(driver.cache.mamba_evictable_size(), 4)
+
+
+@unittest.skipUnless(_have_sglang() and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
+class OursDriverTest(unittest.TestCase):
+    """This project's cache through the plugin's adapter and SGLang's scheduler functions."""
+
+    N = 120
+
+    @classmethod
+    def setUpClass(cls):
+        import torch
+
+        torch.set_num_threads(1)
+        cls.records = load_trace(limit=cls.N)
+
+    def test_matches_no_eviction_reference(self):
+        from sglang_mamba_ext.benchmarks.ours import OursDriver
+        from sglang_mamba_ext.plugin.cache import MambaRadixCacheAdapter
+
+        driver = OursDriver(kv_size=200_000, mamba_size=self.N)
+        self.assertIsInstance(driver.cache, MambaRadixCacheAdapter)
+        self.assertTrue(driver.describe().startswith("ours: MambaRadixCacheAdapter via SGLang scheduler functions"))
+        res = run_trace(driver, self.records)
+        self.assertEqual(res.prefix_lens, reference_prefix_lens(self.records))
+        self.assertTrue(res.leak_ok, res.leak_details)
+        # Every finished sequence keeps its state: one SSM slot per request in the tree.
+        self.assertEqual(driver.cache.mamba_evictable_size(), self.N)
+        self.assertEqual(driver.cache.full_protected_size(), 0)
+
+    def test_small_pools_evict_without_leak(self):
+        from sglang_mamba_ext.benchmarks.ours import OursDriver
+
+        driver = OursDriver(kv_size=8192, mamba_size=4, cow_copy=True)
+        res = run_trace(driver, self.records)
+        self.assertTrue(res.leak_ok, res.leak_details)
+        for got, ref in zip(res.prefix_lens, reference_prefix_lens(self.records)):
+            self.assertLessEqual(got, ref)
+        self.assertEqual(driver.cache.mamba_evictable_size(), 4)
+        self.assertEqual(driver.req_to_token_pool.mamba_allocator.available_size(), 0)
+
+    def test_main_names_the_adapter_and_prints_the_comparison_last(self):
+        import contextlib
+        import io
+
+        from sglang_mamba_ext.benchmarks import tree_ops
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = tree_ops.main(["--limit", "30", "--repeat", "1"])
+        self.assertEqual(rc, 0)
+        lines = out.getvalue().strip().splitlines()
+        self.assertTrue(
+            any(l.startswith("ours: MambaRadixCacheAdapter via SGLang scheduler functions") for l in lines), lines
+        )
+        self.assertRegex(lines[-1], r"^speedup=\d+\.\d{3} hit_ratio=1\.0000$")
+
+
+class EntryPointsTest(unittest.TestCase):
+    """The scripts are thin entry points of the package's modules: same ``--help``."""
+
+    REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    PAIRS = (
+        ("bench_tree_ops.py", "tree_ops"),
+        ("bench_hit_rate.py", "hit_rate"),
+        ("bench_serving_cpu.py", "serving_cpu"),
+        ("plan_spec_memory.py", "spec_memory"),
+    )
+
+    def _help(self, *cmd: str) -> str:
+        import subprocess
+        import sys
+
+        proc = subprocess.run(
+            [sys.executable, *cmd, "--help"], cwd=self.REPO, capture_output=True, text=True, timeout=300
+        )
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        return proc.stdout
+
+    def test_scripts_and_modules_print_the_same_help(self):
+        for script, module in self.PAIRS:
+            with self.subTest(script=script):
+                via_script = self._help(os.path.join("scripts", script))
+                via_module = self._help("-m", f"sglang_mamba_ext.benchmarks.{module}")
+                self.assertIn("usage:", via_module)
+                # argparse names the program after argv[0] in the usage paragraph; the
+                # description and options after it are identical.
+                self.assertEqual(via_script.split("\n\n", 1)[1], via_module.split("\n\n", 1)[1])
 
 
 if __name__ == "__main__":

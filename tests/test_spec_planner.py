@@ -1,16 +1,12 @@
-"""scripts/plan_spec_memory.py: formula == constructed buffers, headline targets, SGLang's sizing."""
+"""sglang_mamba_ext.benchmarks.spec_memory (scripts/plan_spec_memory.py): formula == constructed buffers, headline targets, SGLang's sizing."""
 
 import contextlib
 import io
-import os
-import sys
 import unittest
 
 import torch
 
 from sglang_mamba_ext.speculative.reference.sizing import MODELS, VARIANTS, spec_memory_formula, spec_memory_measured
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 
 class TestPlanner(unittest.TestCase):
@@ -25,7 +21,7 @@ class TestPlanner(unittest.TestCase):
                     self.assertEqual(f.deferred_peak(v), c.deferred_peak(v), (m.name, v))
 
     def test_script_last_line_meets_targets(self):
-        import plan_spec_memory
+        from sglang_mamba_ext.benchmarks import spec_memory as plan_spec_memory
 
         out = io.StringIO()
         with contextlib.redirect_stdout(out):

@@ -1,23 +1,27 @@
-"""Shared pieces of the tree-ops benchmark (``scripts/bench_tree_ops.py``).
+"""Shared pieces of the prefix-cache benchmarks (:mod:`.tree_ops` and :mod:`.hit_rate`):
+trace loading, the :class:`CacheDriver` interface and the tree-ops runner.
 
-The benchmark replays the shared multi-turn trace
-(``../shared/bench/multiturn-trace-v1.jsonl.gz``, format and op list in
-``../shared/bench/README.md``) through one or more prefix caches and times only
-the cache cycle of every request:
+Both benchmarks replay the shared multi-turn trace
+(``../shared/bench/multiturn-trace-v1.jsonl.gz`` beside the checkout, or the file named by
+``SGLANG_MAMBA_EXT_TRACE``; format and op list in ``../shared/bench/README.md``) through
+one or more prefix caches. A cache is plugged in through a :class:`CacheDriver`; the tree-ops
+runner (:func:`run_trace`) times only the cache cycle of every request:
 
     match -> lock -> alloc mamba slot -> alloc extend KV -> alloc decode KV
           -> finish (insert) -> unlock
 
-Requests run one at a time in ``rid`` order. A cache is plugged in through a
-:class:`CacheDriver`; the runner (:func:`run_trace`) is the same for every driver, so
-two drivers execute the identical operation sequence.
+and the hit-rate runner (:func:`.hit_rate.run_hit_trace`) adds the two scheduler hooks
+``after_prefill`` / ``after_decode``. Requests run one at a time in ``rid`` order; the
+runner is the same for every driver, so two drivers execute the identical operation
+sequence.
 
-This module imports neither SGLang nor the project package; drivers do.
+This module imports neither SGLang nor the rest of the project; the drivers do.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import gc
 import gzip
@@ -27,12 +31,13 @@ import os
 import time
 from typing import Any, Iterator, Optional, Sequence
 
+#: Environment variable naming the trace file (overrides the default location).
+TRACE_ENV = "SGLANG_MAMBA_EXT_TRACE"
+#: The checkout's root: this file is <repo>/sglang_mamba_ext/benchmarks/common.py.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The shared trace lives beside the checkout: <repo>/../shared/bench/ (see its README).
-TRACE_PATH = os.environ.get(
-    "SGLANG_MAMBA_EXT_TRACE",
-    os.path.normpath(
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "bench", "multiturn-trace-v1.jsonl.gz")
-    ),
+TRACE_PATH = os.environ.get(TRACE_ENV) or os.path.normpath(
+    os.path.join(REPO_ROOT, "..", "shared", "bench", "multiturn-trace-v1.jsonl.gz")
 )
 # sha256 of the gzip file's bytes, as given in ../shared/bench/README.md.
 TRACE_SHA256 = "53e130852c0eef6ec9a2e1ecddc3dd613ff3752cd4a576c6abdb8dbcd50e21f0"
@@ -129,7 +134,7 @@ def load_trace(
     if not os.path.isfile(path):
         raise TraceError(
             f"trace file {path!r} not found; pass --trace with the path of "
-            "multiturn-trace-v1.jsonl.gz (see ../shared/bench/README.md)"
+            f"multiturn-trace-v1.jsonl.gz or set {TRACE_ENV} (see ../shared/bench/README.md)"
         )
     if expected_sha256 is not None:
         got = file_sha256(path)
@@ -216,7 +221,12 @@ class CacheDriver(abc.ABC):
     def end(self, h: Any) -> None:
         """Drop per-request objects (untimed)."""
 
-    # ---- optional hooks of the hit-rate benchmark (scripts/bench_hit_rate.py) ----
+    def activate(self) -> contextlib.AbstractContextManager:
+        """Context the whole replay (and the leak check) runs in, e.g. the SGLang runtime
+        context a scheduler process would publish. Default: none."""
+        return contextlib.nullcontext()
+
+    # ---- optional hooks of the hit-rate benchmark (:mod:`.hit_rate`) ----
     # ``run_trace`` (the tree-ops benchmark) never calls them, so the README's op list
     # stays exactly what it times. The hit-rate runner calls them in this order:
     # match, kv_match_len, lock, alloc_mamba, alloc_kv(extend), after_prefill,
@@ -300,57 +310,63 @@ def run_trace(
         ValueError: the driver returned a prefix length outside ``[0, len(tokens)-1]``.
     """
     res = BenchResult(name=driver.name)
-    op_ns = res.op_ns
-    clock = time.perf_counter_ns
     was_enabled = gc.isenabled()
     gc.collect()
     if disable_gc:
         gc.disable()
     try:
-        for rec in records:
-            n_prompt, n_out = len(rec.tokens), len(rec.output)
-            h = driver.begin(rec)
-
-            t0 = clock()
-            prefix_len = driver.match(h)
-            t1 = clock()
-            driver.lock(h)
-            t2 = clock()
-            driver.alloc_mamba(h)
-            t3 = clock()
-            driver.alloc_kv(h, n_prompt - prefix_len)
-            t4 = clock()
-            driver.alloc_kv(h, n_out)
-            t5 = clock()
-            driver.finish(h)
-            t6 = clock()
-            driver.unlock(h)
-            t7 = clock()
-
-            driver.end(h)
-            if not 0 <= prefix_len <= n_prompt - 1:
-                raise ValueError(
-                    f"{driver.name}: rid {rec.rid} matched {prefix_len} tokens of a "
-                    f"{n_prompt}-token prompt; a match must lie in [0, len(tokens)-1]"
-                )
-            op_ns["match"] += t1 - t0
-            op_ns["lock"] += t2 - t1
-            op_ns["alloc_mamba"] += t3 - t2
-            op_ns["alloc_extend"] += t4 - t3
-            op_ns["alloc_decode"] += t5 - t4
-            op_ns["finish"] += t6 - t5
-            op_ns["unlock"] += t7 - t6
-            res.num_requests += 1
-            res.prompt_tokens += n_prompt
-            res.output_tokens += n_out
-            res.matched_tokens += prefix_len
-            res.hits += prefix_len > 0
-            res.prefix_lens.append(prefix_len)
+        with driver.activate():
+            _replay(driver, records, res)
+            res.leak_ok, res.leak_details = driver.leak_check()
     finally:
         if was_enabled:
             gc.enable()
-    res.leak_ok, res.leak_details = driver.leak_check()
     return res
+
+
+def _replay(driver: CacheDriver, records: Sequence[TraceRecord], res: BenchResult) -> None:
+    """The timed loop of :func:`run_trace`."""
+    op_ns = res.op_ns
+    clock = time.perf_counter_ns
+    for rec in records:
+        n_prompt, n_out = len(rec.tokens), len(rec.output)
+        h = driver.begin(rec)
+
+        t0 = clock()
+        prefix_len = driver.match(h)
+        t1 = clock()
+        driver.lock(h)
+        t2 = clock()
+        driver.alloc_mamba(h)
+        t3 = clock()
+        driver.alloc_kv(h, n_prompt - prefix_len)
+        t4 = clock()
+        driver.alloc_kv(h, n_out)
+        t5 = clock()
+        driver.finish(h)
+        t6 = clock()
+        driver.unlock(h)
+        t7 = clock()
+
+        driver.end(h)
+        if not 0 <= prefix_len <= n_prompt - 1:
+            raise ValueError(
+                f"{driver.name}: rid {rec.rid} matched {prefix_len} tokens of a "
+                f"{n_prompt}-token prompt; a match must lie in [0, len(tokens)-1]"
+            )
+        op_ns["match"] += t1 - t0
+        op_ns["lock"] += t2 - t1
+        op_ns["alloc_mamba"] += t3 - t2
+        op_ns["alloc_extend"] += t4 - t3
+        op_ns["alloc_decode"] += t5 - t4
+        op_ns["finish"] += t6 - t5
+        op_ns["unlock"] += t7 - t6
+        res.num_requests += 1
+        res.prompt_tokens += n_prompt
+        res.output_tokens += n_out
+        res.matched_tokens += prefix_len
+        res.hits += prefix_len > 0
+        res.prefix_lens.append(prefix_len)
 
 
 def format_result(res: BenchResult) -> str:

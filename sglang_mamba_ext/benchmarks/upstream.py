@@ -1,47 +1,23 @@
-"""Benchmark driver for SGLang 0.5.23's own hybrid prefix cache.
+"""Benchmark drivers for SGLang 0.5.23's own hybrid prefix cache.
 
 ``UnifiedRadixCache`` with the FULL and MAMBA components, built on CPU with SGLang's
 unit-test kit (``sglang.test.kits.unified_radix_cache.fixtures.build_fixture``, its
-``get_device`` patched to return "cpu"), and driven through the same scheduler-side
-functions SGLang's scheduler calls for a hybrid model with the ``no_buffer`` mamba
-strategy (page_size 1):
+``get_device`` patched to return "cpu"), driven by :class:`.scheduler.SchedulerDriver`:
+the scheduler functions SGLang calls for a hybrid model (page_size 1). Inside them, with
+the ``no_buffer`` strategy, the COW slot of a hit is allocated by
+``MambaComponent.finalize_match_result_in_cache``, and ``checkpoint`` at finish inserts
+``tokens + output`` with ``mamba_value = req.kv.mamba_pool_idx`` and moves the lock.
 
-* match  -> ``mem_cache.common.match_kv_cache(req, cache, ids, cow_mamba=True,
-  max_prefix_len=len-1)`` as in ``Req.init_next_round_input``; the COW slot is
-  allocated inside ``MambaComponent.finalize_match_result_in_cache``.
-* lock   -> ``cache.lock(req.last_node)`` (a ``TreeLock`` receipt), as
-  ``PrefillAdder._commit_prefill_admission`` does.
-* alloc_mamba -> ``mem_cache.allocation.alloc_req_slots`` (``ensure_mamba_capacity``
-  evicts ``EvictParams(mamba_num=shortfall)``, then ``HybridReqToTokenPool.alloc``
-  takes the row and, without a COW slot, a fresh mamba slot).
-* alloc_kv -> ``mem_cache.allocation.alloc_token_slots`` (evicts
-  ``EvictParams(num_tokens=shortfall)`` through ``evict_for_alloc``), then the
-  request's ``req_to_token`` row is written like ``alloc_for_extend`` /
-  ``alloc_for_decode_default`` do (prefix from ``cache.prefix_device_indices``).
-* finish -> ``mem_cache.common.release_kv_cache(req, cache, checkpoint=True)``:
-  ``checkpoint`` inserts ``tokens + output`` with ``mamba_value = req.kv.mamba_pool_idx``
-  and moves the lock, then the row is freed and the lock released. SGLang has no
-  separate unlock after finish, so ``unlock`` is empty here; its cost is in ``finish``.
+With ``prompt_checkpoint=True`` (hit-rate benchmark only), the post-prefill
+``checkpoint_kv_cache`` -> ``UnifiedRadixCache.checkpoint(req, up_to=req.extend_end)``
+allocates a fresh SSM slot (evicting if short), copies the live state into it
+(``MambaPool.copy_from``) and inserts the prompt with that copy
+(``unified_cache/components/mamba.py:672-680``); a duplicate copy is freed
+(``mamba.py:722-725``).
 
-``--cow-copy`` additionally runs the copy-on-write of the SSM state (and the zeroing
-of a fresh slot) that SGLang defers to the start of the forward pass
-(``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear``), timed in alloc_mamba.
-
-Options used by the hit-rate benchmark (``scripts/bench_hit_rate.py``) only; the
-tree-ops benchmark calls none of the hooks they act in, so its op list is unchanged:
-
-* ``prompt_checkpoint=True`` (no_buffer): ``after_prefill`` does what SGLang's result
-  processor does once a prompt's forward ran and the request did not finish
-  (``managers/scheduler_components/batch_result_processor.py:356-392``): append the
-  first sampled token, then ``mem_cache.common.checkpoint_kv_cache(req, cache)``
-  (``common.py:271``) -> ``UnifiedRadixCache.checkpoint(req, up_to=req.extend_end)``.
-  With no_buffer that allocates a fresh SSM slot (evicting if short), copies the live
-  state into it (``MambaPool.copy_from``) and inserts the prompt with that copy
-  (``unified_cache/components/mamba.py:672-680``); a duplicate copy is freed
-  (``mamba.py:722-725``).
-* ``strategy="extra_buffer"``: see :class:`UpstreamExtraBufferDriver`.
-* ``kv_match_len`` reports the match's ``MatchResult.full_kv_hit_length`` (KV found
-  regardless of SSM state, capped like the match).
+:class:`UpstreamExtraBufferDriver` runs the ``extra_buffer`` strategy (ping-pong
+tracking). ``kv_match_len`` reports the match's ``MatchResult.full_kv_hit_length`` (KV
+found regardless of SSM state, capped like the match).
 """
 
 from __future__ import annotations
@@ -56,7 +32,7 @@ from unittest import mock
 
 import torch
 
-from bench_common import CacheDriver, TraceRecord
+from sglang_mamba_ext.benchmarks.scheduler import Handle, SchedulerDriver
 
 # Tiny per-slot shapes: the benchmark measures bookkeeping, not memory traffic.
 _NUM_LAYERS = 4
@@ -65,18 +41,7 @@ _HEAD_NUM = 1
 _HEAD_DIM = 8
 
 
-class _Handle:
-    __slots__ = ("req", "seq_len", "n_prompt", "output", "kv_match_len")
-
-    def __init__(self, req, n_prompt: int, output: list[int]):
-        self.req = req
-        self.seq_len = 0  # KV positions written into the request's row so far
-        self.n_prompt = n_prompt
-        self.output = output
-        self.kv_match_len = 0  # MatchResult.full_kv_hit_length of the match
-
-
-class UpstreamDriver(CacheDriver):
+class UpstreamDriver(SchedulerDriver):
     """SGLang 0.5.23 ``UnifiedRadixCache`` (FULL + MAMBA), page_size 1, no_buffer.
 
     Args:
@@ -119,27 +84,9 @@ class UpstreamDriver(CacheDriver):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import sglang.test.kits.unified_radix_cache.fixtures as fixtures
-            from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
-            from sglang.srt.mem_cache import allocation, common
-            from sglang.srt.mem_cache.unified_cache.components.base import (
-                ComponentType,
-            )
-            from sglang.srt.sampling.sampling_params import SamplingParams
+            from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
             from sglang.test.kits.unified_radix_cache.config import CacheConfig
         logging.getLogger("sglang").setLevel(logging.WARNING)
-
-        self._Req = Req
-        self._SamplingParams = SamplingParams
-        self._FINISH_LENGTH = FINISH_LENGTH
-        self._match_kv_cache = common.match_kv_cache
-        self._release_kv_cache = common.release_kv_cache
-        self._checkpoint_kv_cache = common.checkpoint_kv_cache
-        self._alloc_req_slots = allocation.alloc_req_slots
-        self._alloc_token_slots = allocation.alloc_token_slots
-        self.kv_size = kv_size
-        self.mamba_size = mamba_size
-        self.cow_copy = cow_copy
-        self.state_copies = 0
 
         cfg = CacheConfig(
             page_size=1,
@@ -164,34 +111,9 @@ class UpstreamDriver(CacheDriver):
         with mock.patch.object(
             fixtures, "get_device", lambda *a, **k: "cpu"
         ), mock.patch.object(fixtures, "HybridReqToTokenPool", pool_cls):
-            self.cache, self.allocator, self.req_to_token_pool = fixtures.build_fixture(
-                cfg
-            )
-        assert self.cache.enable_mamba_extra_buffer == extra_buffer
-        self.max_context_len = max_context_len
-
-        # Count the SSM state copies SGLang's cache makes (no_buffer checkpoint of an
-        # unfinished request: mamba.py:672-680). COW copies go through
-        # copy_mamba_state, not this.
-        mamba_pool = self.req_to_token_pool.mamba_pool
-        copy_from = mamba_pool.copy_from
-
-        def counting_copy_from(src, dst):
-            self.state_copies += int(dst.numel())
-            return copy_from(src, dst)
-
-        mamba_pool.copy_from = counting_copy_from
-
-        # Record the full-KV length of each match (the KV ceiling), without changing it.
-        match_prefix = self.cache.match_prefix
-        self._last_match = None
-
-        def recording_match_prefix(params):
-            result = match_prefix(params)
-            self._last_match = result
-            return result
-
-        self.cache.match_prefix = recording_match_prefix
+            cache, allocator, req_to_token_pool = fixtures.build_fixture(cfg)
+        assert cache.enable_mamba_extra_buffer == extra_buffer
+        self.bind(cache, allocator, req_to_token_pool, max_context_len=max_context_len, cow_copy=cow_copy)
 
     def describe(self) -> str:
         return (
@@ -202,135 +124,6 @@ class UpstreamDriver(CacheDriver):
             f"page_size={self.cache.page_size} cow_copy={self.cow_copy}"
             + (f" prompt_checkpoint={self.prompt_checkpoint}")
         )
-
-    # ---- per-request cycle -------------------------------------------------
-
-    def begin(self, rec: TraceRecord) -> _Handle:
-        n_total = len(rec.tokens) + len(rec.output)
-        if n_total > self.max_context_len:
-            raise ValueError(
-                f"rid {rec.rid}: {n_total} tokens exceed max_context_len "
-                f"{self.max_context_len}; raise UpstreamDriver(max_context_len=...)"
-            )
-        req = self._Req(
-            rid=str(rec.rid),
-            origin_input_text="",
-            origin_input_ids=array("q", rec.tokens),
-            sampling_params=self._SamplingParams(
-                temperature=0, max_new_tokens=max(1, len(rec.output))
-            ),
-        )
-        # What init_next_round_input does before its match.
-        req.refresh_fill_ids()
-        return _Handle(req, len(rec.tokens), list(rec.output))
-
-    def match(self, h: _Handle) -> int:
-        req = h.req
-        self._match_kv_cache(
-            req,
-            self.cache,
-            req.full_untruncated_fill_ids,
-            cow_mamba=True,
-            max_prefix_len=h.n_prompt - 1,
-        )
-        # init_next_round_input: the match did not report a protected length.
-        req.kv.cache_protected_len = req.prefix_len
-        h.kv_match_len = self._last_match.full_kv_hit_length
-        return req.prefix_len
-
-    def kv_match_len(self, h: _Handle) -> int:
-        return h.kv_match_len
-
-    def lock(self, h: _Handle) -> None:
-        req = h.req
-        req.lock = self.cache.lock(req.last_node)
-        # PrefillAdder._commit_prefill_admission (schedule_policy.py:1689): the whole
-        # prompt in one chunk (see bench_hit_rate.py on --chunked-prefill-size).
-        req.extend_end = h.n_prompt
-
-    def alloc_mamba(self, h: _Handle) -> None:
-        req = h.req
-        self._alloc_req_slots(self.req_to_token_pool, [req], self.cache)
-        if self.cow_copy:
-            pool = self.req_to_token_pool
-            if req.kv.mamba_cow_src_index is not None:
-                pool.copy_mamba_state(
-                    req.kv.mamba_cow_src_index, req.kv.mamba_pool_idx.unsqueeze(0)
-                )
-            elif req.kv.mamba_needs_clear:
-                pool.mamba_pool.clear_slots(req.kv.mamba_pool_idx.unsqueeze(0))
-        req.kv.mamba_cow_src_index = None
-        req.kv.mamba_needs_clear = False
-
-    def alloc_kv(self, h: _Handle, num_tokens: int) -> None:
-        req = h.req
-        row = req.kv.req_pool_idx
-        if h.seq_len == 0 and req.prefix_len > 0:
-            # alloc_for_extend: the matched prefix comes off the locked tree path.
-            prefix = self.cache.prefix_device_indices(req)
-            self.req_to_token_pool.write((row, slice(0, req.prefix_len)), prefix)
-            h.seq_len = req.prefix_len
-        if num_tokens > 0:
-            loc = self._alloc_token_slots(self.cache, num_tokens)
-            self.req_to_token_pool.write(
-                (row, slice(h.seq_len, h.seq_len + num_tokens)), loc.to(torch.int32)
-            )
-        h.seq_len += num_tokens
-        req.kv.kv_allocated_len = h.seq_len
-        req.kv.kv_committed_len = h.seq_len
-
-    def after_prefill(self, h: _Handle) -> None:
-        if not self.prompt_checkpoint:
-            return
-        self._prefill_result(h)
-
-    def _prefill_result(self, h: _Handle) -> None:
-        """batch_result_processor.py:356-394 for a request whose prompt just ran."""
-        req = h.req
-        if not h.output:
-            return
-        # The prefill forward samples the first output token (line 365).
-        req.output_ids.append(h.output[0])
-        if len(h.output) == 1:
-            return  # finished at prefill: release_kv_cache in finish() (line 387)
-        self._checkpoint_kv_cache(req, self.cache)
-
-    def finish(self, h: _Handle) -> None:
-        req = h.req
-        req.output_ids = array("q", h.output)
-        req.finished_reason = self._FINISH_LENGTH(length=len(h.output))
-        self._release_kv_cache(req, self.cache, checkpoint=True)
-
-    def unlock(self, h: _Handle) -> None:
-        # release_kv_cache (in finish) already dropped the tree lock.
-        assert h.req.lock is None
-
-    def end(self, h: _Handle) -> None:
-        h.req = None
-
-    # ---- end of run ---------------------------------------------------------
-
-    def leak_check(self) -> tuple[bool, str]:
-        cache = self.cache
-        kv_free = self.allocator.available_size()
-        kv_evictable = cache.full_evictable_size()
-        kv_protected = cache.full_protected_size()
-        kv_size = self.allocator.size
-        m_free = self.req_to_token_pool.mamba_allocator.available_size()
-        m_evictable = cache.mamba_evictable_size()
-        m_protected = cache.mamba_protected_size()
-        m_size = self.req_to_token_pool.mamba_pool.size
-        rows_free = self.req_to_token_pool.available_size()
-        rows = self.req_to_token_pool.size
-        kv_ok = kv_free + kv_evictable + kv_protected == kv_size
-        m_ok = m_free + m_evictable + m_protected == m_size
-        rows_ok = rows_free == rows
-        details = (
-            f"kv: free={kv_free} evictable={kv_evictable} protected={kv_protected} "
-            f"size={kv_size}; mamba: free={m_free} evictable={m_evictable} "
-            f"protected={m_protected} size={m_size}; req rows free={rows_free}/{rows}"
-        )
-        return kv_ok and m_ok and rows_ok, details
 
 
 class _ScheduleBatchView:
@@ -500,7 +293,7 @@ class UpstreamExtraBufferDriver(UpstreamDriver):
             + f" ping_pong_slots={self.req_to_token_pool.mamba_ping_pong_track_buffer_size}"
         )
 
-    def match(self, h: _Handle) -> int:
+    def match(self, h: Handle) -> int:
         req = h.req
         req.init_next_round_input(self.cache)
         if req.prefix_len > h.n_prompt - 1:
@@ -508,7 +301,7 @@ class UpstreamExtraBufferDriver(UpstreamDriver):
         h.kv_match_len = self._last_match.full_kv_hit_length
         return req.prefix_len
 
-    def after_prefill(self, h: _Handle) -> None:
+    def after_prefill(self, h: Handle) -> None:
         req = h.req
         entry = self._prepare_for_extend_track(self._batch, req)
         if entry.track_mask:
@@ -516,7 +309,7 @@ class UpstreamExtraBufferDriver(UpstreamDriver):
             self.state_copies += 1
         self._prefill_result(h)
 
-    def after_decode(self, h: _Handle) -> None:
+    def after_decode(self, h: Handle) -> None:
         req = h.req
         n_prompt, n_out = h.n_prompt, len(h.output)
         if not n_out:

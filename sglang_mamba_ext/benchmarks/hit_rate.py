@@ -1,0 +1,507 @@
+"""Hit-rate benchmark: usable prefix hits and recomputed prefill of SGLang 0.5.23's
+hybrid cache (no_buffer and extra_buffer) and of this project's cache variants.
+
+Replays the shared multi-turn trace (../shared/bench/README.md) request by request,
+with equal pools for every variant (KV 200,000 tokens; SSM 64 slots, and 16), page
+size 1, and reports per variant:
+
+* hit rate: sum of usable ``prefix_len`` (KV that has an SSM state) / prompt tokens;
+* KV ceiling: sum of the KV-only match (KV present whatever the state) / prompt tokens;
+* recomputed prefill tokens: sum of ``len(tokens) - prefix_len``;
+* requests with a hit, extra SSM state copies (checkpoint snapshots the strategy
+  wrote besides the running request's live state), and the leak check
+  (``free + evictable + protected == size`` for KV and SSM at the end).
+
+The last two lines compare the best variant of each side (best = highest hit rate;
+recompute of that same variant; upstream's best over the strategies SGLang 0.5.23 serves
+on a CPU device -- no_buffer -- unless ``--upstream-best-of all``; the comparison with
+extra_buffer, SGLang's GPU default, is printed just before), first at 16 SSM slots, then,
+as the very last line, at 64:
+
+    mamba_size=16 hit_ratio=<ours/upstream> recompute_ratio=<ours/upstream>
+    hit_ratio=<ours best / upstream best> recompute_ratio=<ours best / upstream best>
+
+Op sequence per request (one at a time, rid order): match, lock, alloc_mamba,
+alloc_kv(extend), after_prefill, alloc_kv(decode, one call), after_decode, finish,
+unlock -- the README's list plus two scheduler hooks (``CacheDriver.after_prefill`` /
+``after_decode`` in :mod:`.common`) that a driver may use to do what SGLang's
+scheduler does between those ops.
+
+Assumption on chunked prefill: every prompt is prefilled in one chunk. SGLang 0.5.23
+defaults ``--chunked-prefill-size`` from the device memory
+(``arg_groups/memory_hook.py:88-182``): 2,048 below 20 GiB, 4,096 below 60 GiB or on
+an unknown device, 8,192 on H100/H200, 16,384 above; the longest prompt of the trace
+is 3,716 tokens, so one chunk holds on every device of 20 GiB or more. (On a smaller
+GPU, prompts over 2,048 would be split and SGLang would checkpoint the chunk end too.)
+
+Variants (``--only`` names; see VARIANTS below):
+
+* ``upstream-nobuf``: SGLang no_buffer, the README's op list exactly (as
+  the tree-ops benchmark).
+* ``upstream-nobuf-ckpt``: SGLang no_buffer plus the post-prefill
+  ``checkpoint_kv_cache`` SGLang's scheduler really runs (a state copy per request).
+  no_buffer (+ --disable-overlap-schedule) is the only strategy SGLang serves on CPU.
+* ``upstream-xbuf``: SGLang extra_buffer with ping-pong tracking, overlap scheduler
+  sizing (2 track slots per running request) -- SGLang's default on GPU for the
+  supported architectures; SGLang refuses it on a CPU device
+  (``arg_groups/mamba_hook.py:101-118``), the tree bookkeeping runs here anyway.
+* ``upstream-xbuf-1pp``: the same with --disable-overlap-schedule (1 track slot).
+* ``ours-lru``: this project's cache as SGLang serves it (the plugin's
+  ``MambaRadixCacheAdapter``, :mod:`.ours`) under the same scheduler functions as the
+  upstream variants, no_buffer, LRU, no prefix checkpoints.
+* ``ours-branch-lru``: the same with branch-point + prompt-end checkpoints (planned by
+  the plugin's pool when a request gets its row, inserted by the finishing
+  ``checkpoint``), LRU eviction.
+* ``ours-branch-recompute``: branch-point + prompt-end checkpoints, recompute-aware
+  eviction (``--radix-eviction-policy recompute``: GreedyDual-Size-Frequency over tokens
+  of recompute saved per byte).
+
+Usage (``scripts/bench_hit_rate.py`` takes the same arguments):
+    python -m sglang_mamba_ext.benchmarks.hit_rate
+    python -m sglang_mamba_ext.benchmarks.hit_rate --mamba-sizes 64 --only upstream-xbuf --only ours-lru
+    python -m sglang_mamba_ext.benchmarks.hit_rate --limit 300
+
+Exit status: 0 on success, 1 when a leak check fails, 2 on bad arguments or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+from sglang_mamba_ext.benchmarks.common import (
+    DEFAULT_KV_SIZE,
+    TRACE_PATH,
+    TRACE_SHA256,
+    CacheDriver,
+    TraceError,
+    TraceRecord,
+    load_trace,
+)
+
+DEFAULT_MAMBA_SIZES = (64, 16)
+
+
+class VariantUnavailable(RuntimeError):
+    """A variant's driver cannot be built yet (its feature is not implemented)."""
+
+
+# ---------------------------------------------------------------------------- runner
+
+
+@dataclasses.dataclass
+class HitResult:
+    """Counters of one variant's run over the trace."""
+
+    name: str
+    side: str  # "upstream" or "ours"
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    matched_tokens: int = 0  # sum of prefix_len (usable: KV with an SSM state)
+    kv_matched_tokens: Optional[int] = 0  # sum of KV-only match; None if unknown
+    recomputed_tokens: int = 0  # sum of len(tokens) - prefix_len
+    hits: int = 0  # requests with prefix_len > 0
+    state_copies: int = 0
+    prefix_lens: list[int] = dataclasses.field(default_factory=list)
+    kv_prefix_lens: list[Optional[int]] = dataclasses.field(default_factory=list)
+    leak_ok: Optional[bool] = None
+    leak_details: str = ""
+    seconds: float = 0.0
+    describe: str = ""
+
+    @property
+    def hit_rate(self) -> float:
+        return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def kv_ceiling(self) -> Optional[float]:
+        if self.kv_matched_tokens is None or not self.prompt_tokens:
+            return None
+        return self.kv_matched_tokens / self.prompt_tokens
+
+
+def run_hit_trace(
+    driver: CacheDriver, records: Sequence[TraceRecord], *, side: str = "?"
+) -> HitResult:
+    """Replay ``records`` through ``driver`` in the hit-rate op order and count.
+
+    Raises:
+        ValueError: a driver reported a prefix outside ``[0, len(tokens)-1]`` or a
+            KV-only match shorter than its usable prefix or longer than the cap.
+    """
+    res = HitResult(name=driver.name, side=side, describe=driver.describe())
+    kv_known = True
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    t0 = time.perf_counter()
+    try:
+        with driver.activate():
+            for rec in records:
+                n_prompt, n_out = len(rec.tokens), len(rec.output)
+                h = driver.begin(rec)
+                prefix_len = driver.match(h)
+                kv_len: Optional[int] = None
+                if kv_known:
+                    try:
+                        kv_len = driver.kv_match_len(h)
+                    except NotImplementedError:
+                        kv_known = False
+                driver.lock(h)
+                driver.alloc_mamba(h)
+                driver.alloc_kv(h, n_prompt - prefix_len)
+                driver.after_prefill(h)
+                driver.alloc_kv(h, n_out)
+                driver.after_decode(h)
+                driver.finish(h)
+                driver.unlock(h)
+                driver.end(h)
+                if not 0 <= prefix_len <= n_prompt - 1:
+                    raise ValueError(
+                        f"{driver.name}: rid {rec.rid} matched {prefix_len} tokens of a "
+                        f"{n_prompt}-token prompt; a match must lie in [0, len(tokens)-1]"
+                    )
+                if kv_len is not None and not prefix_len <= kv_len <= n_prompt - 1:
+                    raise ValueError(
+                        f"{driver.name}: rid {rec.rid} reported a KV-only match of {kv_len} "
+                        f"tokens with a usable prefix of {prefix_len} and a "
+                        f"{n_prompt}-token prompt; it must lie in [prefix_len, len(tokens)-1]"
+                    )
+                res.num_requests += 1
+                res.prompt_tokens += n_prompt
+                res.matched_tokens += prefix_len
+                res.recomputed_tokens += n_prompt - prefix_len
+                res.hits += prefix_len > 0
+                res.prefix_lens.append(prefix_len)
+                res.kv_prefix_lens.append(kv_len)
+                if kv_len is not None:
+                    res.kv_matched_tokens += kv_len
+            res.seconds = time.perf_counter() - t0
+            res.leak_ok, res.leak_details = driver.leak_check()
+    finally:
+        if was_enabled:
+            gc.enable()
+    if not kv_known:
+        res.kv_matched_tokens = None
+    res.state_copies = int(getattr(driver, "state_copies", 0))
+    return res
+
+
+# ------------------------------------------------------------------------- variants
+
+
+def _upstream_nobuf(kv_size: int, mamba_size: int) -> CacheDriver:
+    from sglang_mamba_ext.benchmarks.upstream import UpstreamDriver
+
+    d = UpstreamDriver(kv_size, mamba_size)
+    d.name = "upstream-nobuf"
+    return d
+
+
+def _upstream_nobuf_ckpt(kv_size: int, mamba_size: int) -> CacheDriver:
+    from sglang_mamba_ext.benchmarks.upstream import UpstreamDriver
+
+    d = UpstreamDriver(kv_size, mamba_size, prompt_checkpoint=True)
+    d.name = "upstream-nobuf-ckpt"
+    return d
+
+
+def _upstream_xbuf(kv_size: int, mamba_size: int) -> CacheDriver:
+    from sglang_mamba_ext.benchmarks.upstream import UpstreamExtraBufferDriver
+
+    d = UpstreamExtraBufferDriver(kv_size, mamba_size)
+    d.name = "upstream-xbuf"
+    return d
+
+
+def _upstream_xbuf_1pp(kv_size: int, mamba_size: int) -> CacheDriver:
+    from sglang_mamba_ext.benchmarks.upstream import UpstreamExtraBufferDriver
+
+    d = UpstreamExtraBufferDriver(kv_size, mamba_size, enable_overlap_schedule=False)
+    d.name = "upstream-xbuf-1pp"
+    return d
+
+
+def _ours(kv_size: int, mamba_size: int, name: str, **kw) -> CacheDriver:
+    from sglang_mamba_ext.benchmarks.ours import OursDriver
+
+    return OursDriver(kv_size, mamba_size, name=name, **kw)
+
+
+def _ours_lru(kv_size: int, mamba_size: int) -> CacheDriver:
+    return _ours(kv_size, mamba_size, "ours-lru")
+
+
+def _ours_branch_lru(kv_size: int, mamba_size: int) -> CacheDriver:
+    return _ours(kv_size, mamba_size, "ours-branch-lru", prefix_checkpoints=True)
+
+
+def _ours_branch_recompute(kv_size: int, mamba_size: int) -> CacheDriver:
+    return _ours(
+        kv_size, mamba_size, "ours-branch-recompute", prefix_checkpoints=True, eviction_policy="recompute"
+    )
+
+
+#: upstream variants SGLang can serve on a CPU device (no_buffer); see the docstring.
+NO_BUFFER_VARIANTS = ("upstream-nobuf", "upstream-nobuf-ckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    side: str  # "upstream" or "ours"
+    factory: Callable[[int, int], CacheDriver]
+    doc: str
+
+
+VARIANTS: dict[str, Variant] = {
+    "upstream-nobuf": Variant(
+        "upstream", _upstream_nobuf, "SGLang no_buffer, README op list"
+    ),
+    "upstream-nobuf-ckpt": Variant(
+        "upstream",
+        _upstream_nobuf_ckpt,
+        "SGLang no_buffer + post-prefill checkpoint (its real scheduler)",
+    ),
+    "upstream-xbuf": Variant(
+        "upstream",
+        _upstream_xbuf,
+        "SGLang extra_buffer, 2 ping-pong slots (overlap), track interval 256",
+    ),
+    "upstream-xbuf-1pp": Variant(
+        "upstream",
+        _upstream_xbuf_1pp,
+        "SGLang extra_buffer, 1 ping-pong slot (--disable-overlap-schedule)",
+    ),
+    "ours-lru": Variant("ours", _ours_lru, "MambaRadixCache, LRU"),
+    "ours-branch-lru": Variant(
+        "ours", _ours_branch_lru, "MambaRadixCache, branch-point checkpoints + LRU"
+    ),
+    "ours-branch-recompute": Variant(
+        "ours",
+        _ours_branch_recompute,
+        "MambaRadixCache, branch-point checkpoints + recompute-aware eviction",
+    ),
+}
+
+
+# -------------------------------------------------------------------------- report
+
+
+def best_of(results: Sequence[HitResult], side: str) -> Optional[HitResult]:
+    """The result of ``side`` with the highest hit rate (first on ties), or None."""
+    best = None
+    for r in results:
+        if r.side == side and (best is None or r.hit_rate > best.hit_rate):
+            best = r
+    return best
+
+
+def comparison(results: Sequence[HitResult]) -> tuple[float, float, str, str]:
+    """``(hit_ratio, recompute_ratio, ours_name, upstream_name)`` of the best of each
+    side; NaN (and name "-") where a side has no result."""
+    ours, up = best_of(results, "ours"), best_of(results, "upstream")
+    if ours is None or up is None:
+        return (
+            math.nan,
+            math.nan,
+            ours.name if ours else "-",
+            up.name if up else "-",
+        )
+    hit_ratio = ours.hit_rate / up.hit_rate if up.hit_rate > 0 else math.inf
+    rec_ratio = (
+        ours.recomputed_tokens / up.recomputed_tokens
+        if up.recomputed_tokens > 0
+        else math.inf
+    )
+    return hit_ratio, rec_ratio, ours.name, up.name
+
+
+def format_table(
+    mamba_size: int,
+    kv_size: int,
+    results: Sequence[HitResult],
+    unavailable: dict[str, str],
+    order: Sequence[str],
+) -> str:
+    head = (
+        f"{'variant':<22} {'hit rate':>8} {'KV ceil':>8} {'recomputed':>11} "
+        f"{'req w/ hit':>10} {'state copies':>12} {'leak':>5} {'sec':>6}"
+    )
+    lines = [f"== SSM pool {mamba_size} slots, KV pool {kv_size} tokens, page_size 1 ==", head]
+    by_name = {r.name: r for r in results}
+    for name in order:
+        if name in unavailable:
+            lines.append(f"{name:<22} not available ({unavailable[name]})")
+            continue
+        r = by_name[name]
+        ceil = "n/a" if r.kv_ceiling is None else f"{100 * r.kv_ceiling:.2f}%"
+        lines.append(
+            f"{r.name:<22} {100 * r.hit_rate:>7.2f}% {ceil:>8} {r.recomputed_tokens:>11,} "
+            f"{r.hits:>10} {r.state_copies:>12,} {'ok' if r.leak_ok else 'LEAK':>5} "
+            f"{r.seconds:>6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt_ratio(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.4f}"
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=TRACE_PATH, help="trace .jsonl.gz (default: %(default)s)")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help=f"skip the sha256 check of the trace (expected {TRACE_SHA256[:12]}...)",
+    )
+    p.add_argument(
+        "--kv-size",
+        type=int,
+        default=DEFAULT_KV_SIZE,
+        help="KV pool size in tokens, for every variant (default: %(default)s)",
+    )
+    p.add_argument(
+        "--mamba-sizes",
+        default=",".join(str(m) for m in DEFAULT_MAMBA_SIZES),
+        help="comma-separated SSM pool sizes in slots; the last line compares at the "
+        "first one, the line before it at the second (default: %(default)s)",
+    )
+    p.add_argument(
+        "--only",
+        choices=list(VARIANTS),
+        action="append",
+        help="run only this variant (repeatable); default: all",
+    )
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default: %(default)s)",
+    )
+    p.add_argument(
+        "--upstream-best-of",
+        choices=("all", "no_buffer"),
+        default="no_buffer",
+        help="upstream variants the last lines take the best of: no_buffer (default: the "
+        "only strategy SGLang 0.5.23 serves on a CPU device, the issue's 'best strategy "
+        "that runs on CPU') or all (extra_buffer included: SGLang's default on GPU, whose "
+        "tree bookkeeping runs here although SGLang refuses it on CPU); the other set is "
+        "always printed just before",
+    )
+    p.add_argument("--verbose", action="store_true", help="print each driver's describe() and leak details")
+    args = p.parse_args(argv)
+    try:
+        args.mamba_sizes = [int(x) for x in args.mamba_sizes.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--mamba-sizes {args.mamba_sizes!r}: give comma-separated integers, e.g. 64,16")
+    if not args.mamba_sizes or any(m < 4 for m in args.mamba_sizes):
+        p.error(
+            f"--mamba-sizes {args.mamba_sizes}: each must be at least 4 (extra_buffer holds "
+            "3 SSM slots per running request)"
+        )
+    if args.kv_size < 4096:
+        p.error(
+            f"--kv-size {args.kv_size} is below 4096; one request of the trace needs up "
+            "to 3,766 KV slots, so use at least 4096"
+        )
+    if args.threads < 1:
+        p.error(f"--threads {args.threads} must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit {args.limit} must be at least 1")
+    return args
+
+
+def run_config(
+    names: Sequence[str], kv_size: int, mamba_size: int, records, *, verbose: bool = False
+) -> tuple[list[HitResult], dict[str, str]]:
+    results, unavailable = [], {}
+    for name in names:
+        v = VARIANTS[name]
+        try:
+            driver = v.factory(kv_size, mamba_size)
+        except VariantUnavailable as e:
+            unavailable[name] = str(e)
+            continue
+        if verbose:
+            print(driver.describe(), flush=True)
+        res = run_hit_trace(driver, records, side=v.side)
+        res.name = name
+        if verbose:
+            print(f"[{name}] leak_check={'ok' if res.leak_ok else 'LEAK'} {res.leak_details}")
+        results.append(res)
+        del driver
+    return results, unavailable
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        records = load_trace(
+            args.trace,
+            expected_sha256=None if args.no_verify else TRACE_SHA256,
+            limit=args.limit,
+        )
+    except TraceError as e:
+        print(f"hit_rate: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(args.threads)
+    names = [n for n in VARIANTS if args.only is None or n in args.only]
+    print(
+        f"trace={args.trace} requests={len(records)} "
+        f"prompt_tokens={sum(len(r.tokens) for r in records)} kv_size={args.kv_size} "
+        f"mamba_sizes={args.mamba_sizes} page_size=1"
+    )
+
+    per_size: dict[int, list[HitResult]] = {}
+    leak = False
+    for m in args.mamba_sizes:
+        results, unavailable = run_config(names, args.kv_size, m, records, verbose=args.verbose)
+        per_size[m] = results
+        leak |= any(not r.leak_ok for r in results)
+        print(format_table(m, args.kv_size, results, unavailable, names))
+        for r in results:
+            if not r.leak_ok:
+                print(f"[{r.name}] LEAK: {r.leak_details}")
+
+    def counted(results: Sequence[HitResult], best_of_set: str) -> list[HitResult]:
+        if best_of_set == "all":
+            return list(results)
+        return [r for r in results if r.side == "ours" or r.name in NO_BUFFER_VARIANTS]
+
+    # Informational: against the other upstream set.
+    other = "no_buffer" if args.upstream_best_of == "all" else "all"
+    for m in args.mamba_sizes:
+        h, rr, o, u = comparison(counted(per_size[m], other))
+        print(
+            f"mamba_size={m} against upstream best of {other} ({u}), ours {o}: "
+            f"hit_ratio={_fmt_ratio(h)} recompute_ratio={_fmt_ratio(rr)}"
+        )
+    for m in args.mamba_sizes:
+        h, rr, o, u = comparison(counted(per_size[m], args.upstream_best_of))
+        print(f"mamba_size={m} best (upstream best of {args.upstream_best_of}): ours {o}, upstream {u}")
+    main_size = args.mamba_sizes[0]
+    if len(args.mamba_sizes) > 1:
+        h, rr, _, _ = comparison(counted(per_size[args.mamba_sizes[1]], args.upstream_best_of))
+        print(
+            f"mamba_size={args.mamba_sizes[1]} hit_ratio={_fmt_ratio(h)} "
+            f"recompute_ratio={_fmt_ratio(rr)}"
+        )
+    h, rr, _, _ = comparison(counted(per_size[main_size], args.upstream_best_of))
+    print(f"hit_ratio={_fmt_ratio(h)} recompute_ratio={_fmt_ratio(rr)}")
+    return 1 if leak else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

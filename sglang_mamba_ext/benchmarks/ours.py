@@ -1,0 +1,208 @@
+"""Benchmark driver for this project's cache as SGLang serves it: the plugin's
+``MambaRadixCacheAdapter`` (``sglang_mamba_ext/plugin/cache.py``) over its
+``MambaRadixReqToTokenPool``, driven by :class:`.scheduler.SchedulerDriver` — the same
+SGLang scheduler functions the upstream driver runs on SGLang's ``UnifiedRadixCache``.
+
+The pool and the cache are built the way a scheduler process builds them under
+``--enable-mamba-radix`` (:func:`build_plugin_cache`): the plugin's entry point and hooks
+are applied, the server arguments are parsed by SGLang's own parser for the tiny hybrid
+model (``sglang_mamba_ext.models.tiny_builder``, written once per process to a temporary
+directory) with ``--device cpu --mamba-radix-cache-strategy no_buffer``, and, inside that
+runtime context, ``KVCacheConfigurator._build_hybrid_req_pool`` (the plugin's AROUND hook)
+builds the pool and ``registry.create_tree_cache`` the adapter over a
+``TokenToKVPoolAllocator`` of ``kv_size`` tokens. The replay runs in that context too
+(:meth:`OursDriver.activate`): SGLang's release path reads its serving flags.
+
+``prefix_checkpoints=True`` declares the linear-attention backend able to write a state at
+any token (``MambaRadixReqToTokenPool.prefix_checkpoint_writer``, as the tiny model's
+backend does), so the pool plans the core's branch-point and prompt-end checkpoints when a
+request gets its row and the finishing ``checkpoint`` inserts them (docs/design.md,
+prefix checkpoints). The prefill that would write those states is not run; every planned
+checkpoint is counted in ``state_copies``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+from sglang_mamba_ext.benchmarks.scheduler import Handle, SchedulerDriver, apply_plugin
+
+_tiny_dir: Optional[str] = None
+_tiny_tmp: Optional[tempfile.TemporaryDirectory] = None
+
+
+def tiny_model_dir() -> str:
+    """The tiny hybrid model's directory (config only matters here), built once per process."""
+    global _tiny_dir, _tiny_tmp
+    if _tiny_dir is None:
+        from sglang_mamba_ext.models.tiny_builder import build_tiny_model
+
+        _tiny_tmp = tempfile.TemporaryDirectory(prefix="bench-tiny-")
+        _tiny_dir = build_tiny_model(os.path.join(_tiny_tmp.name, "tiny"), seed=0)
+    return _tiny_dir
+
+
+def scheduler_context(argv: list[str]):
+    """SGLang's runtime context of a scheduler process launched with ``argv`` (the plugin's
+    entry point run and its hooks applied first, as ``load_plugins`` does)."""
+    from sglang.srt.runtime_context import create_context
+    from sglang.srt.server_args import prepare_server_args
+
+    apply_plugin()
+    return create_context(prepare_server_args(argv), role="scheduler")
+
+
+def build_plugin_cache(
+    kv_size: int,
+    mamba_size: int,
+    *,
+    eviction_policy: str = "lru",
+    max_context_len: int = 4096,
+    max_num_reqs: int = 4,
+):
+    """``(adapter, kv_allocator, req_to_token_pool, runtime_context)`` built through SGLang's code paths
+    (module docstring). Sizes: ``kv_size`` tokens, ``mamba_size`` SSM slots (slot 0 of
+    each reserved on top), ``max_num_reqs`` rows of ``max_context_len`` tokens.
+
+    Raises:
+        ValueError: from the plugin, for sizes or a policy it refuses (naming the flag).
+    """
+    from transformers import AutoConfig
+
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.runtime_context import get_exec, get_memory, get_server_args, use_context
+
+    model = tiny_model_dir()
+    ctx = scheduler_context(
+        [
+            "--model-path", model, "--device", "cpu", "--page-size", "1",
+            "--enable-mamba-radix", "--mamba-radix-cache-strategy", "no_buffer",
+            "--disable-overlap-schedule", "--max-mamba-cache-size", str(mamba_size),
+            "--radix-eviction-policy", eviction_policy,
+        ]
+    )
+    with use_context(ctx):
+        hf = AutoConfig.from_pretrained(model)
+        # The configurator holds only what _build_hybrid_req_pool reads.
+        conf = object.__new__(KVCacheConfigurator)
+        conf.mambaish_config = hf
+        conf.layer_info = SimpleNamespace(start_layer=0, end_layer=hf.num_hidden_layers)
+        conf.model_config = SimpleNamespace(context_len=max_context_len)
+        conf.device = "cpu"
+        conf.hybrid_kda_config = None
+        conf.hybrid_gdn_config = None
+        pool = KVCacheConfigurator._build_hybrid_req_pool(conf, max_num_reqs=max_num_reqs, extra_max_context_len=0)
+        allocator = TokenToKVPoolAllocator(kv_size, torch.float32, "cpu", None, False)
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=pool,
+            token_to_kv_pool_allocator=allocator,
+            page_size=1,
+            enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
+            enable_mamba_extra_buffer_lazy=get_exec().mamba.enable_mamba_extra_buffer_lazy,
+            eviction_policy=get_memory().radix_eviction_policy,
+        )
+        build_ctx = TreeCacheBuildContext(
+            server_args=get_server_args(),
+            params=params,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=True,
+            enable_hierarchical_cache=False,
+            disable_radix_cache=False,
+            tp_worker=None,
+            model_config=None,
+            tp_size=1,
+            tp_rank=0,
+            tp_group=None,
+        )
+        cache = create_tree_cache(build_ctx)
+    return cache, allocator, pool, ctx
+
+
+class OursDriver(SchedulerDriver):
+    """The plugin's ``MambaRadixCacheAdapter`` under SGLang's scheduler functions.
+
+    Args:
+        kv_size: KV pool size (tokens).
+        mamba_size: SSM pool size (slots).
+        max_context_len: row width of ``req_to_token`` (tokens).
+        cow_copy: also run the deferred SSM copy / clear SGLang runs at forward.
+        eviction_policy: ``--radix-eviction-policy`` (``"lru"`` or ``"recompute"``).
+        prefix_checkpoints: plan branch-point / prompt-end checkpoints (module docstring).
+        prompt_checkpoint: ``after_prefill`` runs SGLang's ``checkpoint_kv_cache``.
+        name: label in reports.
+    """
+
+    name = "ours"
+
+    def __init__(
+        self,
+        kv_size: int,
+        mamba_size: int,
+        *,
+        max_context_len: int = 4096,
+        cow_copy: bool = False,
+        eviction_policy: str = "lru",
+        prefix_checkpoints: bool = False,
+        prompt_checkpoint: bool = False,
+        name: str = "ours",
+    ):
+        cache, allocator, pool, self.context = build_plugin_cache(
+            kv_size, mamba_size, eviction_policy=eviction_policy, max_context_len=max_context_len
+        )
+        pool.prefix_checkpoint_writer = prefix_checkpoints
+        self.bind(cache, allocator, pool, max_context_len=max_context_len, cow_copy=cow_copy)
+        self.name = name
+        self.eviction_policy = eviction_policy
+        self.prefix_checkpoints = prefix_checkpoints
+        self.prompt_checkpoint = prompt_checkpoint
+        self.checkpoints_planned = 0
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {type(self.cache).__name__} via SGLang scheduler functions "
+            f"kv_size={self.allocator.size} mamba_size={self.req_to_token_pool.mamba_pool.size} "
+            f"page_size={self.cache.page_size} strategy=no_buffer cow_copy={self.cow_copy} "
+            f"prefix_checkpoints={self.prefix_checkpoints} eviction_policy={self.eviction_policy}"
+        )
+
+    def alloc_mamba(self, h: Handle) -> None:
+        super().alloc_mamba(h)
+        if self.prefix_checkpoints:
+            planned = self.req_to_token_pool.prefix_checkpoints.get(h.req.kv.req_pool_idx, ())
+            self.checkpoints_planned += len(planned)
+            self.state_copies += len(planned)
+
+    def activate(self):
+        """The scheduler's runtime context (``runtime_context.use_context``)."""
+        from sglang.srt.runtime_context import use_context
+
+        return use_context(self.context)
+
+    def leak_check(self) -> tuple[bool, str]:
+        """The pool counts (:meth:`SchedulerDriver.leak_check`), no planned prefix
+        checkpoint left, and the core's invariant check (``sanity_check``)."""
+        ok, details = super().leak_check()
+        pool = self.req_to_token_pool
+        if pool.prefix_checkpoints:
+            ok = False
+            details += f"; planned prefix checkpoints left: {dict(pool.prefix_checkpoints)}"
+        try:
+            self.cache.sanity_check()
+        except AssertionError as e:
+            ok = False
+            details += f"; sanity_check: {e}"
+        return ok, details
+
+
+def make_ours_driver(args: Any) -> OursDriver:
+    """The tree-ops benchmark's "ours" (``args``: ``kv_size``, ``mamba_size``, ``cow_copy``)."""
+    return OursDriver(args.kv_size, args.mamba_size, cow_copy=args.cow_copy)
