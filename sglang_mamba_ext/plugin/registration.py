@@ -4,7 +4,8 @@ SGLang 0.5.23 calls :func:`register` in every process it starts
 (``sglang/srt/plugins/__init__.py::load_plugins``: launcher / HTTP server, schedulers,
 detokenizer, DP controller; ``SGLANG_PLUGINS`` restricts which plugins run), before the
 launchers parse server arguments, then applies the registered hooks. What it installs, all
-in-process (no environment variable is set, no file written):
+in-process (no file written; the one environment change, ``SGLANG_MAMBA_CONV_DTYPE=float32``,
+comes with the CPU defaults of :mod:`.cpu_defaults`):
 
 - hooks on SGLang functions through ``HookRegistry`` (each listed in ``docs/sglang-hooks.md``):
   argument parsing (:mod:`.args`, :mod:`.cpu_defaults`, :mod:`.speculative`), model lookup
@@ -13,16 +14,20 @@ in-process (no environment variable is set, no file written):
   verify path (:mod:`.speculative.hooks`);
 - registry entries: the ``--radix-cache-backend mamba_radix_ext`` factory, the
   ``--radix-eviction-policy recompute`` choice, the ``kda_cache`` warmup, the ``tiny_hybrid``
-  config and linear-attention model spec.
+  config and linear-attention model spec;
+- later, only when a check of the plugin's flags fails, a ``sys.excepthook``
+  (:mod:`.startup_errors`).
 
-Each hook returns SGLang's own result unless ``--enable-mamba-radix``,
-``--warmups kda_cache`` (with ``--warmup-prompts-file``), ``--radix-eviction-policy
-recompute`` or ``--mamba-spec-state-update`` is given or the model is the project's tiny
-model: for any other launch SGLang resolves the same ``ServerArgs`` and the same
-``os.environ`` as without the plugin (``tests/test_plugin_no_side_effects.py``). A bad use of
-those flags exits like an argparse error (:mod:`.startup_errors`). Keep :func:`register`
-cheap and idempotent. Mechanism: ``docs/design.md``, "SGLang wiring".
+Each hook returns SGLang's own result unless one of the plugin's flags
+(``--enable-mamba-radix``, ``--warmups kda_cache`` / ``--warmup-prompts-file``,
+``--radix-eviction-policy recompute``, ``--mamba-spec-state-update``) is given or the model
+is the project's tiny model (CPU defaults on ``--device cpu``): for any other launch SGLang
+resolves the same ``ServerArgs`` and the same ``os.environ`` as without the plugin
+(``tests/test_plugin_no_side_effects.py``). A bad use of those flags exits like an argparse
+error. Keep :func:`register` cheap and idempotent. Mechanism: ``docs/design.md``, "SGLang
+wiring".
 """
+
 from __future__ import annotations
 
 _installed = False

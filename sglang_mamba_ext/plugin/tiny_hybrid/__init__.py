@@ -20,8 +20,7 @@ ARCHITECTURE = "TinyHybridForCausalLM"
 BACKEND_CLASS = "sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend"
 _EXTERNAL_PKG_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 _REGISTRY_MODULE = "sglang.srt.models.registry"
-#: Where SGLang resolves a config's architectures to a model class (its only caller of the
-#: model registry on the serving path).
+#: Where SGLang's model loader resolves a config's architectures to a model class.
 GET_MODEL_ARCHITECTURE = "sglang.srt.model_loader.utils.get_model_architecture"
 
 _registered = False
