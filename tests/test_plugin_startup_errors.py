@@ -17,6 +17,9 @@ import sys
 import tempfile
 import time
 import unittest
+from unittest import mock
+
+from sglang_mamba_ext.plugin import startup_errors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROG = "sglang serve"
@@ -24,6 +27,35 @@ USAGE = f"usage: {PROG} [-h] --model-path MODEL_PATH [options] (--help lists the
 #: Seconds from start to exit. Importing SGLang alone took 25-77 s on the 2-core test machine
 #: shared with other jobs, a whole failing launch 31-53 s; a launch that lingers takes minutes.
 BOUND_S = 180
+
+
+class TestFlagErrorReport(unittest.TestCase):
+    """In-process: the error type and the excepthook it arms."""
+
+    def test_flag_errors_are_value_errors_of_every_check(self):
+        from sglang_mamba_ext.plugin.speculative.hooks import DeferredSpecConfigError
+        from sglang_mamba_ext.plugin.warmup import PromptsFileError
+
+        for cls in (startup_errors.FlagError, PromptsFileError, DeferredSpecConfigError):
+            self.assertTrue(issubclass(cls, startup_errors.FlagError) and issubclass(cls, ValueError), cls)
+
+    def test_excepthook_reports_flag_errors_and_passes_others_on(self):
+        with mock.patch.object(sys, "excepthook", sys.excepthook), \
+                mock.patch.object(startup_errors, "_previous_hook", None):
+            exc = startup_errors.FlagError("--x bad: use --y")  # arms the hook
+            self.assertIs(sys.excepthook, startup_errors.argparse_excepthook)
+            previous = mock.Mock()
+            with mock.patch.object(startup_errors, "_previous_hook", previous), \
+                    mock.patch.object(startup_errors.os, "_exit") as exit_, \
+                    mock.patch.object(sys, "stderr") as stderr:
+                startup_errors.argparse_excepthook(type(exc), exc, None)
+                exit_.assert_called_once_with(2)
+                stderr.write.assert_called_once_with(f"{USAGE}\n{PROG}: error: --x bad: use --y\n")
+                previous.assert_not_called()
+                other = RuntimeError("not ours")
+                startup_errors.argparse_excepthook(RuntimeError, other, None)
+                previous.assert_called_once_with(RuntimeError, other, None)
+                self.assertEqual(exit_.call_count, 1)
 
 
 class TestStartupErrorsLikeArgparse(unittest.TestCase):

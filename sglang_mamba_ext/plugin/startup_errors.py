@@ -55,15 +55,16 @@ def usage_and_error(message: str) -> str:
 def argparse_excepthook(exc_type, exc, tb) -> None:
     """``sys.excepthook``: a :class:`FlagError` becomes :func:`usage_and_error` on stderr and
     exit status 2 at once; anything else goes to the previous hook."""
-    if isinstance(exc, FlagError):
-        try:
-            sys.stdout.flush()
-        except Exception:  # a closed stdout must not hide the message
-            pass
-        sys.stderr.write(usage_and_error(str(exc)))
-        sys.stderr.flush()
-        os._exit(2)
-    (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
+    if not isinstance(exc, FlagError):
+        (_previous_hook or sys.__excepthook__)(exc_type, exc, tb)
+        return
+    try:
+        sys.stdout.flush()
+    except Exception:  # a closed stdout must not hide the message
+        pass
+    sys.stderr.write(usage_and_error(str(exc)))
+    sys.stderr.flush()
+    os._exit(2)
 
 
 def install_excepthook() -> None:
