@@ -7,8 +7,11 @@
 #       --warmups kda_cache --warmup-prompts-file examples/warmup_prompts.jsonl --host H --port P
 #
 # Environment: HOST (default 127.0.0.1), PORT (default 30000), TINY_MODEL_DIR, WARMUP_FILE.
-# Extra arguments are passed to sglang.launch_server (an explicit flag always wins over the
-# plugin's CPU defaults). Stop the server with Ctrl-C.
+# Extra arguments are passed to sglang.launch_server. The plugin adds CPU defaults for flags
+# not given (the model is the project's tiny one and --enable-mamba-radix is on; see
+# docs/design.md, "CPU serving"); an explicit flag always wins. A bad flag or prompts file
+# stops at once with exit status 2 and a last line "sglang serve: error: ...".
+# Stop the server with Ctrl-C.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 vpy="$("$root/scripts/setup_env.sh" | tail -n 1)"

@@ -54,9 +54,30 @@ class TestCpuDefaultArgs(unittest.TestCase):
 
     def test_bf16_checkpoint_keeps_dtype_auto(self):
         with open(os.path.join(self.tmp.name, "config.json"), "w") as f:
-            json.dump({"torch_dtype": "bfloat16"}, f)
+            json.dump({"torch_dtype": "bfloat16", "model_type": "tiny_hybrid"}, f)
         new, _ = cpu_default_args(["--model-path", self.tmp.name, "--device", "cpu"])
         self.assertIsNone(cpu_defaults._flag_value(new, "--dtype"))
+
+    def test_other_models_get_defaults_only_under_the_flag(self):
+        with open(os.path.join(self.tmp.name, "config.json"), "w") as f:
+            json.dump({"torch_dtype": "float32", "model_type": "llama"}, f)
+        argv = ["--model-path", self.tmp.name, "--device", "cpu"]
+        self.assertEqual(cpu_default_args(argv), (argv, []))
+        self.assertEqual(cpu_default_args(["--model-path", "org/hub-name", "--device", "cpu"]),
+                         (["--model-path", "org/hub-name", "--device", "cpu"], []))
+        with mock.patch.dict(os.environ, {}, clear=False):
+            os.environ.pop(cpu_defaults.CONV_DTYPE_ENV, None)
+            before = dict(os.environ)
+            (new,), _ = cpu_defaults._before_prepare_server_args(argv)
+            self.assertEqual(new, argv)
+            self.assertEqual(dict(os.environ), before)
+        new, added = cpu_default_args(argv + ["--enable-mamba-radix"])
+        self.assertEqual(added, [
+            "--attention-backend torch_native", "--dtype float32",
+            f"--max-total-tokens {cpu_defaults.DEFAULT_MAX_TOTAL_TOKENS}",
+            f"--max-mamba-cache-size {cpu_defaults.DEFAULT_MAX_MAMBA_CACHE_SIZE}",
+        ])
+        self.assertEqual(new, argv + ["--enable-mamba-radix"] + " ".join(added).split())
 
     def test_hook_sets_conv_dtype_env_only_if_unset(self):
         argv = ["--model-path", self.tmp.name, "--device", "cpu"]

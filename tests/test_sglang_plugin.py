@@ -51,6 +51,38 @@ class TestEntryPoint(unittest.TestCase):
         self.assertEqual(len(got["patched"]), 7, got["patched"])
         self.assertTrue(got["file"].startswith(REPO), got["file"])
 
+    def test_tiny_model_class_is_found_through_the_loader_without_env(self):
+        """``get_model_architecture`` as SGLang's model loader binds it resolves
+        ``TinyHybridForCausalLM`` (plugin hook), importing SGLang's registry without its
+        built-in models, and leaves ``SGLANG_EXTERNAL_MODEL_PACKAGE`` unset."""
+        code = (
+            "import json, os, sys\n"
+            "from types import SimpleNamespace\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "load_plugins()\n"
+            "after_load = 'SGLANG_EXTERNAL_MODEL_PACKAGE' in os.environ\n"
+            "from sglang.srt.configs.model_config import ModelImpl\n"
+            "from sglang.srt.model_loader import loader\n"
+            "cfg = SimpleNamespace(hf_config=SimpleNamespace(architectures=['TinyHybridForCausalLM']),\n"
+            "    quantization=None, model_impl=ModelImpl.AUTO, is_embedding_gemma=False)\n"
+            "cls, arch = loader.get_model_architecture(cfg)\n"
+            "from sglang.srt.models.registry import ModelRegistry\n"
+            "print(json.dumps({'cls': cls.__module__ + '.' + cls.__name__, 'arch': arch,\n"
+            "  'env_after_load': after_load, 'env_after': 'SGLANG_EXTERNAL_MODEL_PACKAGE' in os.environ,\n"
+            "  'builtin_models_loaded': ModelRegistry._default_models_loaded}))\n"
+        )
+        env = _env()
+        env["SGLANG_PLUGINS"] = "mamba_radix"
+        env.pop("SGLANG_EXTERNAL_MODEL_PACKAGE", None)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        self.assertEqual(got, {
+            "cls": "sglang_mamba_ext.plugin.tiny_hybrid.model.TinyHybridForCausalLM",
+            "arch": "TinyHybridForCausalLM", "env_after_load": False, "env_after": False,
+            "builtin_models_loaded": False,
+        })
+
     def test_launch_server_help_lists_flags(self):
         out = subprocess.run(
             [sys.executable, "-m", "sglang.launch_server", "--help"],

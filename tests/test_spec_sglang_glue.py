@@ -71,8 +71,9 @@ class TestFlags(unittest.TestCase):
         hooks.from_cli_args_after(res, object, SimpleNamespace(mamba_spec_state_update="deferred"))
         self.assertEqual(res._mamba_spec_state_update, "deferred")
         res = self.sa()
-        hooks.from_cli_args_after(res, object, SimpleNamespace())  # flag absent -> snapshot
-        self.assertEqual(res._mamba_spec_state_update, "snapshot")
+        hooks.from_cli_args_after(res, object, SimpleNamespace())  # flag absent -> snapshot, no attribute
+        self.assertNotIn("_mamba_spec_state_update", vars(res))
+        self.assertEqual(hooks.mode(res), "snapshot")
         self.assertFalse(hooks.deferred_active(res))
 
     def test_refused_combinations_name_the_flags(self):
@@ -137,7 +138,8 @@ class TestFlags(unittest.TestCase):
             p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)
             base = ["--model-path", "/nonexistent"]
             sa = ServerArgs.from_cli_args(p.parse_args(base))
-            print("default", sa._mamba_spec_state_update)
+            from sglang_mamba_ext.plugin.speculative.hooks import mode
+            print("default", mode(sa), "_mamba_spec_state_update" in vars(sa))
             sa = ServerArgs.from_cli_args(p.parse_args(base + ["--mamba-spec-state-update", "deferred",
                 "--speculative-algorithm", "FROZEN_KV_MTP", "--disable-overlap-schedule"]))
             print("deferred", pickle.loads(pickle.dumps(sa))._mamba_spec_state_update)
@@ -149,7 +151,7 @@ class TestFlags(unittest.TestCase):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
-        self.assertIn("default snapshot", out.stdout)
+        self.assertIn("default snapshot False", out.stdout)
         self.assertIn("deferred deferred", out.stdout)
         self.assertIn("refused DeferredSpecConfigError", out.stdout)
 

@@ -1,12 +1,19 @@
 """Command-line flags of the plugin and the start-up checks of flag combinations.
 
-Hooks (applied by SGLang's ``load_plugins()`` before ``prepare_server_args`` parses argv):
+The plugin's flags enter SGLang 0.5.23 through four hooks (applied by SGLang's
+``load_plugins()`` before ``prepare_server_args`` parses argv; mechanism in
+``docs/design.md``, "SGLang wiring"). Every check raises a
+:class:`~sglang_mamba_ext.plugin.startup_errors.FlagError` (a ``ValueError`` naming the flag
+and the fix), which the launchers report like an argparse error (usage line, ``error: ...``,
+exit status 2). Without the plugin's flags these hooks leave the parsed ``ServerArgs`` exactly
+as SGLang makes it (no field written, no extra attribute).
 
 - AFTER ``ServerArgs.add_cli_args(parser)``: adds ``--enable-mamba-radix`` and
   ``--warmup-prompts-file PATH`` (so ``python -m sglang.launch_server --help`` lists them).
 - AFTER ``ServerArgs.from_cli_args(namespace)``: turns ``--enable-mamba-radix`` into SGLang
-  settings (:func:`apply_flags`), checks the prompts file, and stores the plugin's settings
-  as ``ServerArgs._mamba_radix_ext`` (see :mod:`.settings`).
+  settings (:func:`apply_flags`), checks the prompts file, and, when one of the plugin's flags
+  was given, stores the plugin's settings as ``ServerArgs._mamba_radix_ext`` (see
+  :mod:`.settings`).
 - AROUND ``arg_groups.mamba_hook.validate_mamba_extra_buffer``: SGLang refuses its
   ``extra_buffer`` checkpoint tracking on CPU and for models whose registry spec does not
   declare support; under ``--enable-mamba-radix`` a model whose linear-attention backend
@@ -17,7 +24,6 @@ Hooks (applied by SGLang's ``load_plugins()`` before ``prepare_server_args`` par
   ``--enable-mamba-radix`` fails with a message naming the flag (instead of SGLang's message
   about ``--mamba-radix-cache-strategy``, which the user did not pass).
 """
-
 from __future__ import annotations
 
 import logging
@@ -25,6 +31,7 @@ import pkgutil
 from typing import Any, Dict
 
 from sglang_mamba_ext.plugin import settings as S
+from sglang_mamba_ext.plugin.startup_errors import FlagError, remember_parser
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,7 @@ def add_cli_args_after(result, parser, *args, **kwargs):
     """AFTER hook on the static ``ServerArgs.add_cli_args(parser)``."""
     if ENABLE_FLAG in parser._option_string_actions:  # applied twice (tests)
         return None
+    remember_parser(parser)
     group = parser.add_argument_group("sglang-mamba-ext")
     group.add_argument(
         ENABLE_FLAG,
@@ -82,14 +90,14 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         the plugin settings stored on ``server_args``.
 
     Raises:
-        ValueError: naming the flags, for combinations that cannot work, and for a bad or
-            missing prompts file (see :func:`sglang_mamba_ext.plugin.warmup.load_prompts`).
+        FlagError: (a ``ValueError``) naming the flags, for combinations that cannot work,
+            and for a bad or missing prompts file (see :func:`sglang_mamba_ext.plugin.warmup.load_prompts`).
     """
     from sglang_mamba_ext.plugin.warmup import load_prompts
 
     warmups = _warmup_names(server_args)
     if S.WARMUP_NAME in warmups and not prompts_file:
-        raise ValueError(
+        raise FlagError(
             f"--warmups {S.WARMUP_NAME} needs {PROMPTS_FLAG} PATH (the prompts to cache at start-up)"
         )
     if prompts_file:
@@ -104,14 +112,14 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     policy = getattr(server_args, "radix_eviction_policy", "lru")
     if not enable:
         if policy == S.RECOMPUTE_POLICY:
-            raise ValueError(
+            raise FlagError(
                 f"--radix-eviction-policy {S.RECOMPUTE_POLICY} is sglang-mamba-ext's policy: "
                 f"add {ENABLE_FLAG} (or choose another policy)"
             )
         return settings
 
     def refuse(flag: str, why: str = "") -> None:
-        raise ValueError(f"{ENABLE_FLAG} cannot be combined with {flag}{why}; drop one of them")
+        raise FlagError(f"{ENABLE_FLAG} cannot be combined with {flag}{why}; drop one of them")
 
     if server_args.disable_radix_cache:
         refuse("--disable-radix-cache", " (it is a radix prefix cache)")
@@ -139,7 +147,7 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     settings["eviction_policy"] = policy
     strategy = server_args.mamba_radix_cache_strategy
     if strategy == "extra_buffer_lazy":
-        raise ValueError(
+        raise FlagError(
             f"{ENABLE_FLAG} cannot be combined with --mamba-radix-cache-strategy extra_buffer_lazy; "
             "use extra_buffer (the default with the flag) or no_buffer"
         )
@@ -164,7 +172,7 @@ def _check_mamba_cache_size(server_args) -> None:
     plugin's pool (SGLang would fail later with advice about GPU memory, also on CPU).
 
     Raises:
-        ValueError: naming the flag and the smallest size that serves a request."""
+        FlagError: naming the flag and the smallest size that serves a request."""
     size = getattr(server_args, "max_mamba_cache_size", None)
     if size is None:
         return
@@ -172,7 +180,7 @@ def _check_mamba_cache_size(server_args) -> None:
     need = 1 + (2 if tracking else 0)  # working state (+ two ping-pong checkpoints)
     if size < need:
         what = "its working state and two ping-pong checkpoints" if tracking else "its working state"
-        raise ValueError(
+        raise FlagError(
             f"--max-mamba-cache-size {size} is too small: with {ENABLE_FLAG} one running "
             f"request holds {need} SSM state slots ({what}) and SGLang keeps one more per "
             f"request, so give about {need + 1} per running request you want, or leave the "
@@ -181,11 +189,19 @@ def _check_mamba_cache_size(server_args) -> None:
 
 
 def from_cli_args_after(result, cls, args, *rest, **kwargs):
-    """AFTER hook on the classmethod ``ServerArgs.from_cli_args(namespace)``."""
+    """AFTER hook on the classmethod ``ServerArgs.from_cli_args(namespace)``.
+
+    Attaches ``ServerArgs._mamba_radix_ext`` only when ``--enable-mamba-radix`` or
+    ``--warmup-prompts-file`` was given; otherwise the record stays as SGLang built it
+    (:func:`.settings.settings_of` then reads ``{}``).
+
+    Raises:
+        FlagError: from :func:`apply_flags`."""
     enable = bool(getattr(args, "enable_mamba_radix", False))
     prompts_file = getattr(args, "warmup_prompts_file", None)
     settings = apply_flags(result, enable, prompts_file)
-    setattr(result, S.SETTINGS_ATTR, settings)
+    if enable or prompts_file:
+        setattr(result, S.SETTINGS_ATTR, settings)
     S.remember(settings)
     return result
 
@@ -222,17 +238,17 @@ def validate_mamba_extra_buffer_around(original, view, hf_config, *args, **kwarg
         interval = view.mamba_track_interval
         drafts = getattr(view, "speculative_num_draft_tokens", None)
         if drafts is not None and interval < drafts:
-            raise ValueError(
+            raise FlagError(
                 f"--mamba-track-interval ({interval}) must be >= --speculative-num-draft-tokens ({drafts})"
             )
         page = getattr(view, "page_size", None)
         if page is not None and interval % page:
-            raise ValueError(f"--mamba-track-interval ({interval}) must be a multiple of --page-size ({page})")
+            raise FlagError(f"--mamba-track-interval ({interval}) must be a multiple of --page-size ({page})")
         return None
     try:
         return original(view, hf_config, *args, **kwargs)
     except AssertionError as exc:
-        raise ValueError(
+        raise FlagError(
             f"{ENABLE_FLAG} tracks SSM checkpoints with SGLang's extra_buffer pipeline "
             f"(--mamba-radix-cache-strategy extra_buffer), which SGLang refuses here: {exc}. "
             "Pass --mamba-radix-cache-strategy no_buffer to cache without ping-pong checkpoints."
@@ -252,10 +268,10 @@ def handle_mamba_radix_cache_around(original, server_args, hf_config, *args, **k
         result = original(server_args, hf_config, *args, **kwargs)
     except ValueError as exc:
         if "needs mamba state" in str(exc):
-            raise ValueError(message) from exc
+            raise FlagError(message) from exc
         raise
     from sglang.srt.arg_groups.model_override_base import resolved_view
 
     if not resolved_view(server_args).uses_mamba_radix_cache:
-        raise ValueError(message)
+        raise FlagError(message)
     return result

@@ -1,33 +1,28 @@
-"""CPU-safe server defaults, applied only to flags the user did not pass.
+"""CPU-safe server defaults for the project's own model or ``--enable-mamba-radix`` on CPU.
 
-With ``--device cpu``, stock SGLang 0.5.23 needs a few flags to serve a hybrid model well
-(facts in ``shared/design/CPU_SERVING.md`` and the report of issue 4):
+When the launch is ``--device cpu`` and either the model at ``--model-path`` is the project's
+tiny hybrid model (``config.json`` ``model_type`` ``tiny_hybrid``) or ``--enable-mamba-radix``
+is given, a few flags the user did not pass are appended to argv, and
+``SGLANG_MAMBA_CONV_DTYPE=float32`` is set unless already set. Any other launch (another model
+without the flag, another device, a ``--config`` file, or
+``SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS=1``) keeps its argv and environment exactly. Why each
+default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serving".
 
 - ``--attention-backend torch_native``: SGLang's CPU default is ``intel_amx``
-  (``arg_groups/platform_hook.py::handle_cpu_backends``), which needs ``sgl_kernel`` CPU ops
-  that PyPI's CUDA-only ``sglang-kernel`` lacks; it falls back to ``torch_native`` only on
-  hosts without AMX.
+  (``sglang/srt/arg_groups/platform_hook.py::handle_cpu_backends``), which needs
+  ``sgl_kernel`` CPU ops that PyPI's CUDA-only ``sglang-kernel`` lacks.
 - ``--dtype float32`` when the checkpoint is float32: ``--dtype auto`` downcasts a float32
-  checkpoint to float16 (``configs/model_config.py::_get_and_verify_dtype``), slow and
-  inexact on CPU.
+  checkpoint to float16 (``sglang/srt/configs/model_config.py::_get_and_verify_dtype``).
 - ``--max-total-tokens`` / ``--max-mamba-cache-size``: unset, SGLang sizes the KV pool and
-  the Mamba pool from ~72% of free host memory (observed: 14 GB of KV for the tiny model).
+  the Mamba pool from ~72% of free host memory (14 GB of KV for the tiny model).
 - ``SGLANG_MAMBA_CONV_DTYPE=float32``: SGLang keeps the conv window in bf16 by default
-  (``configs/mamba_utils.py::mamba2_state_dtype``), about 2e-3 log-prob drift.
-
-Not needed as flags (SGLang resolves them on CPU by itself): ``--sampling-backend pytorch``
-(``handle_cpu_backends``), ``--disable-cuda-graph`` (no graphs off CUDA), and
-``--mamba-radix-cache-strategy no_buffer`` + ``--disable-overlap-schedule`` (strategy
-``auto`` resolves to ``no_buffer`` and turns overlap off when the model's
-``LinearAttnModelSpec`` has no extra-buffer support, ``arg_groups/overrides.py``).
+  (``sglang/srt/configs/mamba_utils.py::mamba2_state_dtype``), about 2e-3 log-prob drift.
 
 Mechanism: a BEFORE hook on ``sglang.srt.server_args.prepare_server_args(argv)`` through
-SGLang's plugin ``HookRegistry`` (``srt/plugins/hook_registry.py``). ``launch_server`` and
-``sglang serve`` call ``load_plugins()`` before ``prepare_server_args``, so the hook sees the
-raw argv and appends defaults. ``sglang.Engine(...)`` (no argv) is not covered. A ``--config``
-file disables the defaults (its values are merged inside ``prepare_server_args``).
+SGLang's plugin ``HookRegistry`` (``sglang/srt/plugins/hook_registry.py``); the launchers call
+``load_plugins()`` before ``prepare_server_args``, so the hook sees the raw argv.
+``sglang.Engine(...)`` (no argv) is not covered.
 """
-
 from __future__ import annotations
 
 import json
@@ -41,12 +36,16 @@ HOOK_TARGET = "sglang.srt.server_args.prepare_server_args"
 #: Set to 1 to turn the defaults off (e.g. to measure which flags SGLang needs by itself).
 DISABLE_ENV = "SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS"
 CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"
+ENABLE_FLAG = "--enable-mamba-radix"
+#: ``config.json`` ``model_type`` of the project's tiny hybrid model.
+TINY_MODEL_TYPE = "tiny_hybrid"
 
 #: KV tokens: a few thousand-token conversations at once.
 DEFAULT_MAX_TOTAL_TOKENS = 16384
-#: SSM slots. Each running request holds up to 4 (working, copy-on-write, 2 ping-pong
-#: checkpoints), so 32 slots capped running requests at 8 and left no room for cached
-#: states under concurrency; 128 keeps ~100 states cached at 8 running requests.
+#: SSM slots. Under ``--enable-mamba-radix`` with ping-pong tracking one running request
+#: holds 3 (its working state and two checkpoints, see ``args._check_mamba_cache_size``)
+#: and SGLang keeps one more per request; 128 leaves about 100 slots for cached states at
+#: 8 running requests.
 DEFAULT_MAX_MAMBA_CACHE_SIZE = 128
 
 _installed = False
@@ -64,15 +63,26 @@ def _flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
     return None
 
 
-def _checkpoint_dtype(model_path: Optional[str]) -> Optional[str]:
+def local_model_config(model_path: Optional[str]) -> dict:
+    """``config.json`` of a local model directory; ``{}`` when there is none or it is not
+    JSON (a hub name, a missing file)."""
     if not model_path:
-        return None
-    path = os.path.join(model_path, "config.json")
+        return {}
     try:
-        with open(path) as f:
+        with open(os.path.join(model_path, "config.json")) as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return None
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def is_tiny_model(argv: Sequence[str]) -> bool:
+    """Whether ``--model-path`` in argv is the project's tiny hybrid model."""
+    return local_model_config(_flag_value(argv, "--model-path")).get("model_type") == TINY_MODEL_TYPE
+
+
+def _checkpoint_dtype(model_path: Optional[str]) -> Optional[str]:
+    cfg = local_model_config(model_path)
     return cfg.get("dtype") or cfg.get("torch_dtype")
 
 
@@ -81,13 +91,15 @@ def _active(argv: Sequence[str]) -> bool:
         _flag_value(argv, "--device") == "cpu"
         and _flag_value(argv, "--config") is None
         and os.environ.get(DISABLE_ENV, "0") in ("", "0")
+        and (_flag_value(argv, ENABLE_FLAG) is not None or is_tiny_model(argv))
     )
 
 
 def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     """Append CPU-safe defaults to a ``launch_server`` argv.
 
-    Only acts when ``--device cpu`` is given, no ``--config`` file is used and
+    Only acts when ``--device cpu`` is given, the model is the tiny hybrid model or
+    ``--enable-mamba-radix`` is given, no ``--config`` file is used and
     ``SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS`` is not set to 1; never touches
     a flag the user passed (nor its related flags, e.g. ``--mem-fraction-static`` keeps the
     pool sizes SGLang's).

@@ -2,11 +2,30 @@
 
 SGLang 0.5.23 calls :func:`register` in every process it starts
 (``sglang/srt/plugins/__init__.py::load_plugins``: launcher / HTTP server, schedulers,
-detokenizer, DP controller), before parsing server arguments in ``launch_server`` /
-``sglang serve``, then applies the registered hooks. Keep it cheap and idempotent. Nothing
-it installs changes SGLang's behaviour unless ``--enable-mamba-radix`` (or
-``--warmups kda_cache``) is given. Every SGLang symbol touched is listed in
-``docs/sglang-hooks.md``.
+detokenizer, DP controller; ``SGLANG_PLUGINS`` restricts which plugins run), before the
+launchers parse server arguments, then applies the registered hooks. What it installs, all
+in-process (no file written; the one environment change, ``SGLANG_MAMBA_CONV_DTYPE=float32``,
+comes with the CPU defaults of :mod:`.cpu_defaults`):
+
+- hooks on SGLang functions through ``HookRegistry`` (each listed in ``docs/sglang-hooks.md``):
+  argument parsing (:mod:`.args`, :mod:`.cpu_defaults`, :mod:`.speculative`), model lookup
+  (:mod:`.tiny_hybrid`), request-pool construction (:mod:`.pool`), decode preparation
+  (:mod:`.cpu_pin_memory`), request validation (:mod:`.request_validation`), the speculative
+  verify path (:mod:`.speculative.hooks`);
+- registry entries: the ``--radix-cache-backend mamba_radix_ext`` factory, the
+  ``--radix-eviction-policy recompute`` choice, the ``kda_cache`` warmup, the ``tiny_hybrid``
+  config and linear-attention model spec;
+- later, only when a check of the plugin's flags fails, a ``sys.excepthook``
+  (:mod:`.startup_errors`).
+
+Each hook returns SGLang's own result unless one of the plugin's flags
+(``--enable-mamba-radix``, ``--warmups kda_cache`` / ``--warmup-prompts-file``,
+``--radix-eviction-policy recompute``, ``--mamba-spec-state-update``) is given or the model
+is the project's tiny model (CPU defaults on ``--device cpu``): for any other launch SGLang
+resolves the same ``ServerArgs`` and the same ``os.environ`` as without the plugin
+(``tests/test_plugin_no_side_effects.py``). A bad use of those flags exits like an argparse
+error. Keep :func:`register` cheap and idempotent. Mechanism: ``docs/design.md``, "SGLang
+wiring".
 """
 
 from __future__ import annotations
@@ -62,11 +81,12 @@ def install_mamba_radix() -> None:
 
 
 def register() -> None:
-    """Register this package's SGLang extensions: the tiny hybrid model, CPU-safe
-    defaults for flags the user did not pass with ``--device cpu``
-    (:mod:`sglang_mamba_ext.plugin.cpu_defaults`), the mamba-radix cache
+    """Register this package's SGLang extensions (idempotent): the tiny hybrid model
+    (:mod:`.tiny_hybrid`), CPU-safe defaults for the tiny model or ``--enable-mamba-radix``
+    with ``--device cpu`` (:mod:`.cpu_defaults`), the mamba-radix cache
     (:func:`install_mamba_radix`) and the deferred-update speculative verify
-    (``--mamba-spec-state-update``, :mod:`sglang_mamba_ext.plugin.speculative`)."""
+    (``--mamba-spec-state-update``, :mod:`.speculative`). Hooks are applied by SGLang's
+    ``load_plugins()`` after every plugin ran."""
     from sglang_mamba_ext.plugin.cpu_defaults import install_cpu_defaults
     from sglang_mamba_ext.plugin.speculative import register_spec_hooks
     from sglang_mamba_ext.plugin.tiny_hybrid import register_tiny_hybrid

@@ -3,7 +3,10 @@
 ``--enable-mamba-radix`` becomes ``ServerArgs.radix_cache_backend = BACKEND_NAME`` (an
 existing SGLang field: every process reads it as ``get_memory().radix_cache_backend``) plus
 an extra attribute ``ServerArgs._mamba_radix_ext`` (a dict) holding the plugin's own
-settings. ``ServerArgs`` is a msgspec Struct with ``dict=True``: an undeclared underscore
+settings; the attribute exists only when ``--enable-mamba-radix`` or
+``--warmup-prompts-file`` was given (:func:`settings_of` reads ``{}`` otherwise), so a launch
+without the plugin's flags keeps SGLang's record unchanged (``docs/design.md``, "SGLang
+wiring"). ``ServerArgs`` is a msgspec Struct with ``dict=True``: an undeclared underscore
 attribute lives in ``__dict__``, is exempt from the resolution seal and survives the pickling
 that hands ``ServerArgs`` to the scheduler processes (``ServerArgs.__reduce__``).
 """
@@ -50,5 +53,6 @@ def current_settings() -> Dict[str, Any]:
 
 
 def remember(settings: Dict[str, Any]) -> None:
+    """Keep ``settings`` as this process's last parsed settings (:func:`current_settings`)."""
     _last_settings.clear()
     _last_settings.update(settings)

@@ -1,8 +1,9 @@
-"""The ``kda_cache`` warmup (seed §6.1, §7.4): cache system prompts before real traffic.
+"""The ``kda_cache`` warmup: cache system prompts before real traffic.
 
 ``--warmups kda_cache --warmup-prompts-file F`` makes SGLang's HTTP server run
 :func:`kda_cache_warmup` in its start-up (``entrypoints/http_server.py`` lifespan →
-``entrypoints/warmup.py::execute_warmups``), before it reports ready. For each prompt of ``F``:
+``entrypoints/warmup.py::execute_warmups``; ``docs/design.md``, "SGLang wiring"), before it
+reports ready; without ``--warmups kda_cache`` it never runs. For each prompt of ``F``:
 
 1. send it with ``max_new_tokens=1`` (greedy): the prefill runs, the request finishes, and
    its KV and final SSM state are inserted into the radix tree;
@@ -30,6 +31,7 @@ import logging
 from typing import Any, List, Optional, Sequence
 
 from sglang_mamba_ext.plugin import settings as S
+from sglang_mamba_ext.plugin.startup_errors import FlagError
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +48,10 @@ class WarmPrompt:
     line: int
 
 
-class PromptsFileError(ValueError):
-    """A prompts file that cannot be used; the message names the file (and line)."""
+class PromptsFileError(FlagError):
+    """A prompts file that cannot be used; the message names the file (and line). A
+    ``ValueError``; at start-up the launcher reports it like an argparse error
+    (:mod:`sglang_mamba_ext.plugin.startup_errors`)."""
 
 
 def _fail(path: str, line: Optional[int], what: str) -> PromptsFileError:

@@ -1,4 +1,9 @@
-"""SGLang glue of the deferred-update speculative verify (seed §9): ``--mamba-spec-state-update``.
+"""SGLang glue of the deferred-update speculative verify: ``--mamba-spec-state-update``.
+
+Without the flag every hook below returns SGLang's own result and the parsed ``ServerArgs``
+carries no extra attribute; a bad combination with it is refused at start-up like an
+argparse error (:mod:`sglang_mamba_ext.plugin.startup_errors`). Mechanism and invariants:
+``docs/design.md``, "SGLang wiring".
 
 ``--mamba-spec-state-update {snapshot,deferred}`` (default ``snapshot``, SGLang's own path).
 With ``deferred`` and ``--speculative-algorithm FROZEN_KV_MTP`` on a KDA hybrid (Kimi-Linear):
@@ -41,17 +46,19 @@ layers, a target without them, a non-KDA target (GDN/Mamba2 need their own repla
 required: the state update of round N moves to the start of round N+1, which overlap would run
 while round N's results, including cache inserts, are still being processed).
 
-CLI plumbing: the flag is added by an AFTER hook on ``ServerArgs.add_cli_args`` and read by an
-AFTER hook on ``ServerArgs.from_cli_args`` into ``server_args._mamba_spec_state_update`` (an
-underscore attribute, carried to the scheduler/worker processes with the pickled ServerArgs and
-read there through ``runtime_context.get_server_args()``).
+CLI plumbing: the flag is added by an AFTER hook on ``ServerArgs.add_cli_args`` and, when
+given, read by an AFTER hook on ``ServerArgs.from_cli_args`` into
+``server_args._mamba_spec_state_update`` (an underscore attribute, carried to the
+scheduler/worker processes with the pickled ServerArgs and read there through
+``runtime_context.get_server_args()``).
 
-Not covered here (see the report): GDN / Mamba2 targets, the KDA safe gate (``lower_bound``),
-ragged verify layouts, overlap scheduling, tensor parallelism of the stash (per-rank shapes
-work, untested). The on-chip tree-verify kernel (``spec/verify_triton.py``) is not wired into
-SGLang's KDA backend: verify here uses SGLang's kernels with the one-layer buffer, and the
+Not covered here: GDN / Mamba2 targets, the KDA safe gate (``lower_bound``), ragged verify
+layouts, overlap scheduling, tensor parallelism of the stash (per-rank shapes work,
+untested). The on-chip tree-verify Triton kernel (``sglang_mamba_ext/speculative/``) is not
+wired into SGLang's KDA backend: verify here uses SGLang's kernels with the one-layer buffer, and the
 pending workspace is preallocated (fixed addresses for CUDA graphs), so this glue's footprint
-is the planner's ``one_layer`` peak (``scripts/plan_spec_memory.py``). SGLang's memory planner
+is the planner's ``one_layer`` peak (``scripts/plan_spec_memory.py``, also
+``python -m sglang_mamba_ext.benchmarks.spec_memory``). SGLang's memory planner
 (``mem_cache/kv_cache_configurator.py``, ``reserves_spec_state``) still reserves the snapshot
 buffer's size when it sizes the pools, so the saved memory is not yet handed to the KV pool.
 """

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from sglang_mamba_ext.plugin.startup_errors import FlagError
 from sglang_mamba_ext.speculative.deferred import DeferredSpecState
 from sglang_mamba_ext.speculative.stash import StashDims
 
@@ -25,8 +26,10 @@ CHOICES = ("snapshot", "deferred")
 POOL_ATTR = "mamba_spec_deferred"  # DeferredSpecState attached to a MambaPool
 
 
-class DeferredSpecConfigError(ValueError):
-    """An invalid combination with ``--mamba-spec-state-update deferred``."""
+class DeferredSpecConfigError(FlagError):
+    """An invalid combination with ``--mamba-spec-state-update deferred`` (a ``ValueError``;
+    at start-up the launcher reports it like an argparse error,
+    :mod:`sglang_mamba_ext.plugin.startup_errors`)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -44,7 +47,8 @@ def _server_args() -> Any:
 
 
 def mode(server_args: Any = None) -> str:
-    """The value of ``--mamba-spec-state-update`` in effect (``"snapshot"`` when unset)."""
+    """The value of ``--mamba-spec-state-update`` in effect (``"snapshot"`` when the flag was
+    not given: the attribute is then absent)."""
     sa = server_args if server_args is not None else _server_args()
     return getattr(sa, ATTR, "snapshot") if sa is not None else "snapshot"
 
@@ -61,12 +65,12 @@ def add_cli_args_after(result, parser) -> None:
         FLAG,
         type=str,
         choices=list(CHOICES),
-        default="snapshot",
+        default=None,  # not given: ServerArgs stays as SGLang builds it; means snapshot
         help=(
             "How speculative verify handles Mamba/linear-attention state (sglang-mamba-ext). "
             "'snapshot' (default): SGLang's own path, per-layer per-draft-token states, scattered "
             "after acceptance. 'deferred': a one-layer verify buffer, a stash of the accepted "
-            "tokens' activations and replay at the start of the next round (seed §9); needs "
+            "tokens' activations and replay at the start of the next round; needs "
             "--speculative-algorithm FROZEN_KV_MTP, a KDA hybrid target and "
             "--disable-overlap-schedule."
         ),
@@ -116,10 +120,16 @@ def validate_flags(server_args: Any, value: str) -> None:
 
 
 def from_cli_args_after(result, cls, args) -> None:
-    """AFTER ``ServerArgs.from_cli_args``: validate and store the value as
-    ``server_args._mamba_spec_state_update`` (it travels with the pickled ServerArgs to the
-    scheduler / worker processes)."""
-    value = getattr(args, "mamba_spec_state_update", "snapshot")
+    """AFTER ``ServerArgs.from_cli_args``: when ``--mamba-spec-state-update`` was given,
+    validate it and store the value as ``server_args._mamba_spec_state_update`` (it travels
+    with the pickled ServerArgs to the scheduler / worker processes); when it was not, the
+    record is left as SGLang built it.
+
+    Raises:
+        DeferredSpecConfigError: from :func:`validate_flags`."""
+    value = getattr(args, "mamba_spec_state_update", None)
+    if value is None:
+        return None
     validate_flags(result, value)
     result.__dict__[ATTR] = value
     return None

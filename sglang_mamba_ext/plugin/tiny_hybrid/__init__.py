@@ -1,10 +1,13 @@
-"""SGLang registration of the tiny hybrid test model (config, model class, linear backend).
+"""SGLang registration of the project's tiny hybrid test model (config, model class, backend).
 
 :func:`register_tiny_hybrid` is called by the plugin entry point
-(``sglang_mamba_ext.plugin.registration:register``, group ``sglang.srt.plugins``) in every SGLang
-process; it is idempotent and cheap (imports no model code unless the model registry is
-already loaded). Modules: ``config`` (config class with ``mamba2_cache_params``), ``model``
-(``TinyHybridForCausalLM``, ``EntryClass``), ``backend`` (the linear-attention backend).
+(``sglang_mamba_ext.plugin.registration:register``, group ``sglang.srt.plugins``) in every
+SGLang process; it is idempotent and cheap. It fills in-process registries only (transformers'
+``AutoConfig``, SGLang's linear-attention model registry, and a hook that puts the model class
+into SGLang's model registry when a config names it); it sets no environment variable and
+changes nothing for any other model. Modules: ``config`` (config class with
+``mamba2_cache_params``), ``model`` (``TinyHybridForCausalLM``, ``EntryClass``), ``backend``
+(the linear-attention backend). Mechanism: ``docs/design.md``, "SGLang wiring".
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ MODEL_TYPE = "tiny_hybrid"
 ARCHITECTURE = "TinyHybridForCausalLM"
 BACKEND_CLASS = "sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend"
 _EXTERNAL_PKG_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
+_REGISTRY_MODULE = "sglang.srt.models.registry"
+#: Where SGLang's model loader resolves a config's architectures to a model class.
+GET_MODEL_ARCHITECTURE = "sglang.srt.model_loader.utils.get_model_architecture"
 
 _registered = False
 
@@ -29,12 +35,11 @@ def register_tiny_hybrid() -> None:
     2. ``register_linear_attn_model(LinearAttnModelSpec(...))``
        (``sglang/srt/configs/linear_attn_model_registry.py``): SGLang then builds a
        ``HybridLinearAttnBackend`` with :class:`TinyHybridLinearAttnBackend` for the linear
-       layers and a hybrid (KV + Mamba) pool with SGLang's ``MambaRadixCache``.
-    3. Make ``TinyHybridForCausalLM`` resolvable by ``sglang.srt.models.registry``: if the
-       registry is not imported yet and ``SGLANG_EXTERNAL_MODEL_PACKAGE`` is unset, set it to
-       this package (the registry then imports only this package at start-up and loads
-       SGLang's built-in models lazily, on the first architecture it does not know);
-       otherwise add the class to ``ModelRegistry.models`` directly.
+       layers and a hybrid (KV + Mamba) request pool; the prefix cache is SGLang's own
+       ``MambaRadixCache`` unless ``--enable-mamba-radix`` selects this project's.
+    3. A BEFORE hook on ``model_loader/utils.py::get_model_architecture``
+       (:func:`get_model_architecture_before`) makes ``TinyHybridForCausalLM`` resolvable by
+       ``sglang.srt.models.registry`` when a config names it, and only then.
     """
     global _registered
     if _registered:
@@ -46,6 +51,7 @@ def register_tiny_hybrid() -> None:
         get_linear_attn_spec_by_arch,
         register_linear_attn_model,
     )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_mamba_ext.plugin.tiny_hybrid.config import TinyHybridSGLangConfig
 
@@ -60,17 +66,32 @@ def register_tiny_hybrid() -> None:
                 support_mamba_cache=True,
             )
         )
-    _register_model_class()
+    HookRegistry.register(GET_MODEL_ARCHITECTURE, get_model_architecture_before, HookType.BEFORE)
     _registered = True
 
 
-def _register_model_class() -> None:
-    if "sglang.srt.models.registry" not in sys.modules and not os.environ.get(_EXTERNAL_PKG_ENV):
+def get_model_architecture_before(model_config, *args, **kwargs) -> None:
+    """BEFORE hook on ``get_model_architecture(model_config)``: when the config names
+    ``TinyHybridForCausalLM``, put the class into ``ModelRegistry.models``.
+
+    If SGLang's model registry is not imported yet, it is imported here with
+    ``SGLANG_EXTERNAL_MODEL_PACKAGE`` naming this package for the duration of the import
+    (the registry then imports only this package and loads SGLang's own models lazily, on
+    the first architecture it does not know), and the variable is restored right after.
+    """
+    archs = getattr(getattr(model_config, "hf_config", None), "architectures", None) or []
+    if ARCHITECTURE not in archs:
+        return None
+    if _REGISTRY_MODULE not in sys.modules and not os.environ.get(_EXTERNAL_PKG_ENV):
         os.environ[_EXTERNAL_PKG_ENV] = __name__
-        return
+        try:
+            import sglang.srt.models.registry  # noqa: F401  (reads the variable on import)
+        finally:
+            os.environ.pop(_EXTERNAL_PKG_ENV, None)
     from sglang.srt.models.registry import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.models:
         from sglang_mamba_ext.plugin.tiny_hybrid.model import TinyHybridForCausalLM
 
         ModelRegistry.models[ARCHITECTURE] = TinyHybridForCausalLM
+    return None
