@@ -16,15 +16,15 @@ from unittest import mock
 
 import torch
 
-try:
+from conftest import SGLANG_INSTALLED, requires_sglang
+
+# Skipped only where SGLang is not installed; an installed SGLang that fails to import
+# fails this module.
+if SGLANG_INSTALLED:
     from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape, Mamba2StateDType
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
     from sglang_mamba_ext.plugin.speculative import HOOK_TARGETS, hooks
-
-    _IMPORT_ERROR = None
-except Exception as e:  # pragma: no cover - sglang is installed in CI
-    _IMPORT_ERROR = e
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.speculative.replay import ReplayWeights, replay_torch
@@ -56,7 +56,7 @@ class _Mode:
         return self._extend
 
 
-@unittest.skipIf(_IMPORT_ERROR is not None, f"sglang not importable: {_IMPORT_ERROR}")
+@requires_sglang
 class TestFlags(unittest.TestCase):
     def sa(self, **kw):
         base = dict(speculative_algorithm="FROZEN_KV_MTP", enable_linear_replayssm_spec=False,
@@ -167,7 +167,7 @@ def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3)):
     return pool
 
 
-@unittest.skipIf(_IMPORT_ERROR is not None, f"sglang not importable: {_IMPORT_ERROR}")
+@requires_sglang
 class TestPoolConstruction(unittest.TestCase):
     def test_deferred_pool_has_one_layer_buffers(self):
         snap = _make_pool(False)
@@ -195,7 +195,7 @@ class TestPoolConstruction(unittest.TestCase):
                                          speculative_num_draft_tokens=4)
 
 
-@unittest.skipIf(_IMPORT_ERROR is not None, f"sglang not importable: {_IMPORT_ERROR}")
+@requires_sglang
 @unittest.skipUnless(_CAN_TRITON, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
 class TestCommitReplayPath(unittest.TestCase):
     """verify capture -> commit -> next-round replay -> release, through the hooks."""
@@ -251,7 +251,7 @@ class TestCommitReplayPath(unittest.TestCase):
             hooks.kda_target_verify_around(sglang_verify, backend, layer, fb, mq, a, b.unsqueeze(0))
             recs.append((mq, a, b))
         self.assertEqual(calls, [1, 3])  # SGLang's own verify still runs
-        self.assertTrue(torch.equal(self.pool.mamba_cache.conv[0], conv_before))  # main windows restored
+        torch.testing.assert_close(self.pool.mamba_cache.conv[0], conv_before, rtol=0, atol=0)  # main windows restored
         return recs
 
     def test_commit_then_replay_then_release(self):
@@ -271,14 +271,14 @@ class TestCommitReplayPath(unittest.TestCase):
                                 accept_lens, accept_index, T)
         st = self.state.stash
         # stash holds exactly the accepted nodes of every layer; main state untouched
-        self.assertTrue(torch.equal(self.pool.mamba_cache.temporal, before_temporal))
+        torch.testing.assert_close(self.pool.mamba_cache.temporal, before_temporal, rtol=0, atol=0)
         self.assertEqual(st.count[rows].tolist(), [3, 1, 2])
         self.assertEqual(st.seq_len[rows].tolist(), [14, 9, 30])
         self.assertEqual(st.track_slot[rows].tolist(), [5, 1, 2])
         for l, (mq, _, _) in enumerate(recs):
-            self.assertTrue(torch.equal(st.mixed_qkv[l, 1, :3], mq[[0, 2, 4]]))
-            self.assertTrue(torch.equal(st.mixed_qkv[l, 2, :1], mq[[T]]))
-            self.assertTrue(torch.equal(st.mixed_qkv[l, 3, :2], mq[[2 * T, 2 * T + 3]]))
+            torch.testing.assert_close(st.mixed_qkv[l, 1, :3], mq[[0, 2, 4]], rtol=0, atol=0)
+            torch.testing.assert_close(st.mixed_qkv[l, 2, :1], mq[[T]], rtol=0, atol=0)
+            torch.testing.assert_close(st.mixed_qkv[l, 3, :2], mq[[2 * T, 2 * T + 3]], rtol=0, atol=0)
 
         # expected main state: torch reference replay on SGLang-layout views of a copy
         ref_conv = self.pool.mamba_cache.conv[0].clone()

@@ -94,9 +94,9 @@ class TestRawProjection(unittest.TestCase):
         mq, g, beta = m.project(x)
         mq2, gr, br = m.project_raw(x)
         g2, beta2 = m.activate_gates(gr, br)
-        self.assertTrue(torch.equal(mq, mq2))
-        self.assertTrue(torch.equal(g, g2))
-        self.assertTrue(torch.equal(beta, beta2))
+        torch.testing.assert_close(mq, mq2, rtol=0, atol=0)
+        torch.testing.assert_close(g, g2, rtol=0, atol=0)
+        torch.testing.assert_close(beta, beta2, rtol=0, atol=0)
 
 
 class TestStash(unittest.TestCase):
@@ -116,7 +116,7 @@ class TestStash(unittest.TestCase):
         # rejected nodes (1, 3 of request 0; 1..4 of request 1) never appear anywhere
         vals = set(st.mixed_qkv.flatten().tolist()) | set(st.g_raw.flatten().tolist())
         self.assertFalse(vals & {1.0, 3.0, 101.0, 102.0, 103.0, 104.0})
-        self.assertTrue(torch.equal(st.mixed_qkv[0], torch.zeros_like(st.mixed_qkv[0])))
+        torch.testing.assert_close(st.mixed_qkv[0], torch.zeros_like(st.mixed_qkv[0]), rtol=0, atol=0)
         st.set_pending(rows, torch.tensor([3, 1]), torch.tensor([10, 20]))
         with self.assertRaises(RuntimeError):
             st.set_pending(rows, torch.tensor([1, 1]), torch.tensor([0, 0]))
@@ -228,10 +228,10 @@ class TestTreeVerifyTorch(unittest.TestCase):
         temp = torch.zeros(2, 5, *s.temporal_state_shape)
         commit_snapshot(snap, torch.tensor([1, 2]), torch.tensor([3, 0]), torch.tensor([2, 0]), conv, temp,
                         torch.tensor([4, 1]), torch.tensor([1, -1]))
-        self.assertTrue(torch.equal(temp[:, 3], snap.ssm[:, 1, 2]))
-        self.assertTrue(torch.equal(conv[:, 0], snap.conv[:, 2, 0]))
-        self.assertTrue(torch.equal(temp[:, 4], snap.ssm[:, 1, 1]))
-        self.assertTrue(torch.equal(temp[:, 1], torch.zeros_like(temp[:, 1])))
+        torch.testing.assert_close(temp[:, 3], snap.ssm[:, 1, 2], rtol=0, atol=0)
+        torch.testing.assert_close(conv[:, 0], snap.conv[:, 2, 0], rtol=0, atol=0)
+        torch.testing.assert_close(temp[:, 4], snap.ssm[:, 1, 1], rtol=0, atol=0)
+        torch.testing.assert_close(temp[:, 1], torch.zeros_like(temp[:, 1]), rtol=0, atol=0)
 
 
 if __name__ == "__main__":

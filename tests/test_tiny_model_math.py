@@ -81,7 +81,7 @@ class TestGatedDeltaRule(unittest.TestCase):
         torch.testing.assert_close(o1, o2)
         torch.testing.assert_close(S1, S2)
         gated_delta_rule(q, k, v, g, beta, S0)
-        self.assertTrue(torch.equal(S0, keep))
+        torch.testing.assert_close(S0, keep, rtol=0, atol=0)
 
     def test_chunked_equals_one_shot(self):
         q, k, v, g, beta, S0 = _random_inputs(11, 2, 4, 16, 32, seed=6)
@@ -126,7 +126,7 @@ class TestCausalConv(unittest.TestCase):
         ref = F.silu(F.conv1d(u, self.w[:, None, :], self.b, groups=self.D))[0].T
         torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-6)
         # window: last W-1 inputs, oldest first
-        self.assertTrue(torch.equal(new_state, self.x[-(self.W - 1):].T))
+        torch.testing.assert_close(new_state, self.x[-(self.W - 1):].T, rtol=0, atol=0)
 
     def test_chunked_equals_unchunked(self):
         y, s = causal_conv1d_update(self.x, self.state, self.w, self.b)
@@ -135,12 +135,12 @@ class TestCausalConv(unittest.TestCase):
             yc, st = causal_conv1d_update(self.x[lo:hi], st, self.w, self.b)
             ys.append(yc)
         torch.testing.assert_close(torch.cat(ys), y, atol=1e-6, rtol=1e-6)
-        self.assertTrue(torch.equal(st, s))
+        torch.testing.assert_close(st, s, rtol=0, atol=0)
 
     def test_fresh_state_is_zero_padding(self):
         y, _ = causal_conv1d_update(self.x, None, self.w)
         y0, _ = causal_conv1d_update(self.x, torch.zeros(self.D, self.W - 1), self.w)
-        self.assertTrue(torch.equal(y, y0))
+        torch.testing.assert_close(y, y0, rtol=0, atol=0)
 
     def test_batch_dims_and_state_dtype(self):
         xs = self.x.view(2, 5, self.D)
@@ -150,7 +150,7 @@ class TestCausalConv(unittest.TestCase):
         for n in range(2):
             yn, sn = causal_conv1d_update(xs[n], states[n], self.w)
             torch.testing.assert_close(y[n], yn)
-            self.assertTrue(torch.equal(new[n], sn))
+            torch.testing.assert_close(new[n], sn, rtol=0, atol=0)
 
     def test_bad_state_shape_raises(self):
         with self.assertRaises(ValueError):
@@ -244,7 +244,7 @@ class TestReferenceModel(unittest.TestCase):
         for i in (1, 3):
             torch.testing.assert_close(c2.temporal[i], full_cache.temporal[i], atol=1e-5, rtol=1e-5)
         # the input cache is not modified
-        self.assertTrue(torch.equal(c1.temporal[1], snapshot.temporal[1]))
+        torch.testing.assert_close(c1.temporal[1], snapshot.temporal[1], rtol=0, atol=0)
         self.assertEqual(c1.seq_len, 7)
 
     def test_tree_mask_building_blocks(self):
