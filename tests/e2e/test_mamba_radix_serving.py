@@ -135,7 +135,7 @@ class TestProductLaunch(_Base):
         self.assertEqual(out["meta_info"]["cached_tokens"], expected)
         self.assertEqual(out["output_ids"], self.ref.generate_greedy(self.tok.encode(text), NEW_TOKENS))
 
-    def test_b_repeated_prefixes_report_cached_tokens(self):
+    def test_b_repeated_prefixes_hit_exactly(self):
         long = self.tok.encode("A quick brown fox jumps over the lazy dog, again and again. " * 4)
         # Long enough for several prefill checkpoints; not on the 8-token checkpoint grid,
         # so an identical prompt (matched up to len - 1) finds the prompt's checkpoint.
