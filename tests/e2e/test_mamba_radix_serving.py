@@ -315,8 +315,11 @@ def _eviction_probe(server, tok, ssm_flood: bool) -> dict:
     With ``ssm_flood``, 14 short prompts (each its own branch, each leaving at least one
     state) follow: more than the 12 slots, all newer than the probe's states, so LRU SSM
     eviction takes the probe's states first and its resend hits 0; it is resent once more
-    (hits ``len - 1`` again). Then prompts holding more than 640 KV tokens in all: the
-    probe's KV (older than all of them) is evicted and its resend hits 0.
+    (hits ``len - 1`` again). Then prompts holding more than 640 KV tokens in all: under LRU
+    the probe's KV (older than all of them) is evicted and its resend hits 0. Under any
+    policy the probe and those prompts do not fit together, so once they are all sent at
+    least one of them is missing and its resend (``resends``: (hit, length) each, the probe
+    last) hits less than ``len - 1``: resends only re-insert themselves.
 
     Returns the hits by step name and the probe's length."""
     enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
@@ -340,7 +343,10 @@ def _eviction_probe(server, tok, ssm_flood: bool) -> dict:
         hits["resend_again"] = hit(probe)
     for ids in big:
         hit(ids)
-    hits["after_kv_flood"] = hit(probe)
+    if ssm_flood:
+        hits["after_kv_flood"] = hit(probe)
+    else:
+        hits["resends"] = [(hit(ids), len(ids)) for ids in [*big, probe]]
     return hits
 
 
@@ -382,7 +388,9 @@ class _Workload(_Base):
         if self.PROBE:
             self.assertEqual(p["after_ssm_flood"], 0, p)  # its states were evicted
             self.assertEqual(p["resend_again"], p["len"] - 1, p)
-        self.assertEqual(p["after_kv_flood"], 0, p)  # its KV was evicted
+            self.assertEqual(p["after_kv_flood"], 0, p)  # its KV was evicted
+        else:  # something was evicted: not every prompt still hits all but its last token
+            self.assertTrue(any(h < n - 1 for h, n in p["resends"]), p)
         self.assertIn("sglang-mamba-ext: mamba_radix_ext tree cache", self.log)
 
 
@@ -407,8 +415,9 @@ class TestRadixWorkload(_Workload):
 class TestRecomputeEvictionWorkload(_Workload):
     """The recompute-aware SSM eviction (issue 6, ``--radix-eviction-policy recompute``),
     with the live-state donation of non-overlap serving, under the same pressure. The probe
-    floods KV only: which SSM state this policy evicts first depends on recompute saved
-    per byte, not recency."""
+    floods KV only, and checks only that something was evicted: what this policy evicts
+    first depends on recompute saved per byte, not recency (the probe itself survived
+    the flood in one run)."""
 
     __test__ = True
 
