@@ -1,35 +1,20 @@
 """Shared set-up for the tests of the SGLang glue (``sglang_mamba_ext/plugin``): the tiny
 model directory, the plugin's hooks applied in this process, a scheduler-side runtime
 context built from parsed command-line flags, and pools / caches built through SGLang's own
-code paths on ``device="cpu"``."""
+code paths on ``device="cpu"``. Only for tests that need SGLang (they fail, not skip,
+when SGLang is installed but broken)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
-import tempfile
 from array import array
 from types import SimpleNamespace
 from typing import List, Optional
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-_model_dir: Optional[str] = None
-_tmp = None
-
-
-def tiny_model_dir() -> str:
-    """A tiny hybrid model directory, built once per test process."""
-    global _model_dir, _tmp
-    if _model_dir is None:
-        from sglang_mamba_ext.models.tiny_builder import build_tiny_model
-
-        _tmp = tempfile.TemporaryDirectory(prefix="glue-tiny-")
-        _model_dir = build_tiny_model(os.path.join(_tmp.name, "tiny"), seed=0)
-    return _model_dir
+from conftest import tiny_model_dir  # noqa: F401  (shared with the e2e tests; built once per process)
 
 
 def apply_plugin_hooks() -> None:

@@ -55,8 +55,8 @@ class TestMambaPool(unittest.TestCase):
         pool.temporal_state[:, 1] = 7.0
         pool.conv_state[:, 1] = 3.0
         pool.copy_from([1], [2])
-        self.assertTrue(torch.equal(pool.temporal_state[:, 2], pool.temporal_state[:, 1]))
-        self.assertTrue(torch.equal(pool.conv_state[:, 2], pool.conv_state[:, 1]))
+        torch.testing.assert_close(pool.temporal_state[:, 2], pool.temporal_state[:, 1], rtol=0, atol=0)
+        torch.testing.assert_close(pool.conv_state[:, 2], pool.conv_state[:, 1], rtol=0, atol=0)
         pool.clear([2])
         self.assertEqual(float(pool.temporal_state[:, 2].abs().sum()), 0.0)
         self.assertEqual(float(pool.temporal_state[:, 1].sum()), 7.0 * 2 * 18)

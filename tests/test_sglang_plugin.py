@@ -9,6 +9,8 @@ import sys
 import unittest
 from importlib.metadata import entry_points
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,6 +26,7 @@ class TestEntryPoint(unittest.TestCase):
         self.assertEqual(len(eps), 1, "pip install -e . registers the entry point")
         self.assertEqual(eps[0].value, "sglang_mamba_ext.plugin:register")
 
+    @pytest.mark.slow  # a fresh interpreter importing SGLang: ~30 s on 2 cores
     def test_load_plugins_in_fresh_process(self):
         code = (
             "import json\n"
@@ -51,6 +54,7 @@ class TestEntryPoint(unittest.TestCase):
         self.assertEqual(len(got["patched"]), 7, got["patched"])
         self.assertTrue(got["file"].startswith(REPO), got["file"])
 
+    @pytest.mark.slow  # a fresh interpreter importing SGLang: ~30 s on 2 cores
     def test_tiny_model_class_is_found_through_the_loader_without_env(self):
         """``get_model_architecture`` as SGLang's model loader binds it resolves
         ``TinyHybridForCausalLM`` (plugin hook), importing SGLang's registry without its
@@ -83,6 +87,7 @@ class TestEntryPoint(unittest.TestCase):
             "builtin_models_loaded": False,
         })
 
+    @pytest.mark.slow  # a fresh interpreter importing SGLang: ~30 s on 2 cores
     def test_launch_server_help_lists_flags(self):
         out = subprocess.run(
             [sys.executable, "-m", "sglang.launch_server", "--help"],

@@ -161,6 +161,31 @@ class ServerProcess:
         r.raise_for_status()
         return r.json()
 
+    def loads(self, timeout: float = 60) -> dict:
+        """SGLang's ``GET /v1/loads`` for the (single) scheduler: ``num_running_reqs``,
+        ``num_waiting_reqs``, ``num_used_tokens`` (KV tokens held by requests or locked in
+        the tree, i.e. neither free nor evictable), ``max_total_num_tokens``, ...
+
+        Raises:
+            requests.HTTPError: on a non-2xx answer."""
+        import requests
+
+        r = requests.get(self.base_url + "/v1/loads", params={"include": "core"}, timeout=timeout)
+        r.raise_for_status()
+        (load,) = r.json()["loads"]
+        return load
+
+    def healthy(self, timeout: float = 60) -> bool:
+        """The process runs and ``/health`` answers 200 (the scheduler is serving)."""
+        import requests
+
+        if not self.alive():
+            return False
+        try:
+            return requests.get(self.base_url + "/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
     def log_text(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()

@@ -1,17 +1,27 @@
 """Helpers of the e2e tests: the server subprocess (the package's
 ``sglang_mamba_ext.testing.server``, always killed as a process group when the test class
-ends, also when start-up fails) and parsers of the server log.
+ends, also when start-up fails), the environment that makes SGLang's own idle checks stop
+the server on a leak, and the check that a server went idle and survived them.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Dict, List, Optional
 
 from sglang_mamba_ext.testing.server import ServerProcess
 
 START_TIMEOUT_S = 420
+
+#: SGLang's idle checks (``Scheduler.on_idle`` → ``scheduler_components/invariant_checker.py``),
+#: run each time the scheduler finds nothing to do: the pool check (KV and SSM
+#: ``free + evictable + protected == size``, request slots all free) raises in the scheduler
+#: when strict (SGLang's default, set here explicitly), and the tree sanity check calls the
+#: cache's ``sanity_check()`` (assertions). Either kills the scheduler and so the server.
+CHECKED_ENV = {
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+    "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1",
+}
 
 
 class Server(ServerProcess):
@@ -25,24 +35,30 @@ class Server(ServerProcess):
         self.start()
 
 
-IDLE_RE = re.compile(
-    r"mamba-radix idle check ok: kv evictable=(\d+) protected=(\d+), ssm evictable=(\d+) protected=(\d+), "
-    r"free kv=(\d+) ssm=(\d+), evicted kv=(\d+) ssm=(\d+)"
-)
+def idle_and_checked(server: ServerProcess, settle_s: float = 3.0, timeout_s: float = 120) -> dict:
+    """Wait until the scheduler has no running or waiting request, let it idle ``settle_s``
+    seconds (its idle checks run on every idle pass), then require the server still
+    healthy and no leak report in its log. Returns ``/v1/loads`` taken while idle.
 
-
-def idle_checks(log: str) -> List[Dict[str, int]]:
-    """The cache's idle-check lines (``SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK=1``) as dicts."""
-    keys = ("kv_evictable", "kv_protected", "ssm_evictable", "ssm_protected", "kv_free", "ssm_free",
-            "evicted_kv", "evicted_ssm")
-    return [dict(zip(keys, map(int, m.groups()))) for m in IDLE_RE.finditer(log)]
-
-
-def pool_sizes(log: str) -> Dict[str, int]:
-    """KV tokens and SSM slots of the server's pools, from SGLang's start-up log."""
-    kv = re.search(r"max_total_num_tokens=(\d+)", log)
-    ssm = re.search(r"max_mamba_cache_size: (\d+)", log)
-    return {"kv": int(kv.group(1)), "ssm": int(ssm.group(1))}
+    Raises:
+        AssertionError: the server died, is not healthy, or logged a leak or a scheduler
+            exception (the message carries the end of its log).
+    """
+    deadline = time.time() + timeout_s
+    load = server.loads()
+    while load["num_running_reqs"] or load["num_waiting_reqs"]:
+        if time.time() > deadline:
+            raise AssertionError(f"server not idle after {timeout_s:.0f} s: {load}")
+        time.sleep(0.5)
+        load = server.loads()
+    time.sleep(settle_s)
+    log = server.log_text()
+    for bad in ("memory leak detected", "Scheduler hit an exception", "double free", "use-after-free"):
+        if bad in log:
+            raise AssertionError(f"server log reports {bad!r}:\n{server.log_tail()}")
+    if not server.healthy():
+        raise AssertionError(f"server did not survive going idle:\n{server.log_tail()}")
+    return server.loads()
 
 
 def wait_for(predicate, timeout_s: float = 120, poll_s: float = 0.5):
