@@ -20,6 +20,8 @@ import tempfile
 import unittest
 from importlib.metadata import entry_points
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN = "mamba_radix"
 MARK = "RESOLVED-JSON:"
@@ -110,6 +112,7 @@ def _resolve(argvs, with_plugin):
     return results
 
 
+@pytest.mark.slow  # fresh processes importing SGLang: 1-2 min on 2 cores
 class TestNoSideEffectsWithoutFlags(unittest.TestCase):
     maxDiff = None
 

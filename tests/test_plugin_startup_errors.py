@@ -19,6 +19,8 @@ import time
 import unittest
 from unittest import mock
 
+import pytest
+
 from sglang_mamba_ext.plugin import startup_errors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +60,7 @@ class TestFlagErrorReport(unittest.TestCase):
                 self.assertEqual(exit_.call_count, 1)
 
 
+@pytest.mark.slow  # fresh processes importing SGLang: 1-2 min on 2 cores
 class TestStartupErrorsLikeArgparse(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
