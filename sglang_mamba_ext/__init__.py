@@ -1,8 +1,8 @@
 """sglang-mamba-ext: hybrid prefix cache (KV + SSM state) and deferred-update verify for SGLang.
 
-Layers (DESIGN.md): ``mem_cache`` (core, torch only) <- ``spec`` (torch/Triton only)
-<- ``sglang`` (the only subpackage that imports SGLang). Importing this package imports
-nothing from SGLang.
+Layers (``docs/design.md``, "Layers"): ``mem_cache`` (core, torch only) <- ``models`` and
+``speculative`` (torch/Triton) <- ``plugin`` (the only layer that imports SGLang) <-
+``benchmarks`` and ``testing``. Importing this package imports nothing from SGLang.
 """
 
 __version__ = "0.1.0"

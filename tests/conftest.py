@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 import unittest
-from typing import Optional
 
 import pytest
+
+from sglang_mamba_ext.benchmarks.common import TRACE_PATH  # noqa: F401  (one lookup rule)
+from sglang_mamba_ext.testing import tiny_model_dir  # noqa: F401  (shared with the benchmarks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 E2E_DIR = os.path.join(REPO, "tests", "e2e")
@@ -31,35 +31,10 @@ E2E_DIR = os.path.join(REPO, "tests", "e2e")
 #: False; with SGLang installed a broken import fails the test that needs it.
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
 
-#: The shared multi-turn trace (``<repo>/../shared/bench/``, or ``$SGLANG_MAMBA_EXT_TRACE``).
-TRACE_PATH = os.environ.get(
-    "SGLANG_MAMBA_EXT_TRACE",
-    os.path.normpath(os.path.join(REPO, "..", "shared", "bench", "multiturn-trace-v1.jsonl.gz")),
-)
-
 
 def requires_sglang(obj):
     """``unittest.skipUnless`` SGLang is installed (class or test decorator)."""
     return unittest.skipUnless(SGLANG_INSTALLED, "SGLang is not installed")(obj)
-
-
-_tiny_dir: Optional[str] = None
-
-
-def tiny_model_dir() -> str:
-    """The tiny hybrid model directory (seed 0: the weights every test compares against),
-    built on first use in a temporary directory removed when the test process exits.
-    Read-only for callers: a test that needs other weights builds its own."""
-    global _tiny_dir
-    if _tiny_dir is None:
-        import atexit
-
-        from sglang_mamba_ext.models.tiny_builder import build_tiny_model
-
-        root = tempfile.mkdtemp(prefix="tests-tiny-")
-        atexit.register(shutil.rmtree, root, True)
-        _tiny_dir = build_tiny_model(os.path.join(root, "tiny"), seed=0)
-    return _tiny_dir
 
 
 # -- pytest hooks and fixtures -------------------------------------------------------------

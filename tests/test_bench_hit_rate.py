@@ -11,12 +11,13 @@ strategy can hit when nothing is evicted.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import math
 import os
 import unittest
 from unittest import mock
+
+from conftest import SGLANG_INSTALLED
 
 from sglang_mamba_ext.benchmarks import hit_rate as bench_hit_rate
 from sglang_mamba_ext.benchmarks.common import TRACE_PATH, CacheDriver, TraceRecord, load_trace
@@ -283,11 +284,8 @@ class ComparisonTest(unittest.TestCase):
         self.assertEqual(unavailable, {"b": "not built"})
 
 
-def _have_sglang() -> bool:
-    return importlib.util.find_spec("sglang") is not None
 
-
-@unittest.skipUnless(_have_sglang() and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
+@unittest.skipUnless(SGLANG_INSTALLED and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
 class UpstreamDriversTest(unittest.TestCase):
     N = 150
 
@@ -363,7 +361,7 @@ class UpstreamDriversTest(unittest.TestCase):
         self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
 
 
-@unittest.skipUnless(_have_sglang() and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
+@unittest.skipUnless(SGLANG_INSTALLED and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
 class OursVariantsTest(unittest.TestCase):
     """The "ours" variants: the plugin's ``MambaRadixCacheAdapter`` under SGLang's scheduler
     functions, checked request by request against :func:`reference_model`."""

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.util
 import json
 import os
 import tempfile
 import unittest
+
+from conftest import SGLANG_INSTALLED
 
 from sglang_mamba_ext.benchmarks.common import (
     TRACE_PATH,
@@ -197,11 +198,8 @@ class RunnerTest(unittest.TestCase):
             median_result([a, b])
 
 
-def _have_sglang() -> bool:
-    return importlib.util.find_spec("sglang") is not None
 
-
-@unittest.skipUnless(_have_sglang() and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
+@unittest.skipUnless(SGLANG_INSTALLED and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
 class UpstreamDriverTest(unittest.TestCase):
     N = 120
 
@@ -236,7 +234,7 @@ class UpstreamDriverTest(unittest.TestCase):
         self.assertEqual(driver.cache.mamba_evictable_size(), 4)
 
 
-@unittest.skipUnless(_have_sglang() and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
+@unittest.skipUnless(SGLANG_INSTALLED and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
 class OursDriverTest(unittest.TestCase):
     """This project's cache through the plugin's adapter and SGLang's scheduler functions."""
 

@@ -21,6 +21,7 @@ This module imports neither SGLang nor the rest of the project; the drivers do.
 from __future__ import annotations
 
 import abc
+import argparse
 import contextlib
 import dataclasses
 import gc
@@ -28,6 +29,7 @@ import gzip
 import hashlib
 import json
 import os
+import sys
 import time
 from typing import Any, Iterator, Optional, Sequence
 
@@ -157,6 +159,70 @@ def load_trace(
     if not records:
         raise TraceError(f"trace file {path!r} holds no records")
     return records
+
+
+# ------------------------------------------------------------------ command line
+
+
+def add_common_args(
+    p: argparse.ArgumentParser, *, each: str, only: Sequence[str], threads_note: str = ""
+) -> None:
+    """The options both benchmarks take: ``--trace``, ``--no-verify``, ``--kv-size``
+    (``each``: what the size applies to in the help, "cache" or "variant"), ``--only``
+    (one of ``only``, repeatable), ``--limit`` and ``--threads`` (``threads_note``:
+    appended to its help). Checked by :func:`check_common_args`."""
+    p.add_argument("--trace", default=TRACE_PATH, help="trace .jsonl.gz (default: %(default)s)")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help=f"skip the sha256 check of the trace (expected {TRACE_SHA256[:12]}...)",
+    )
+    p.add_argument(
+        "--kv-size",
+        type=int,
+        default=DEFAULT_KV_SIZE,
+        help=f"KV pool size in tokens, for every {each} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--only",
+        choices=list(only),
+        action="append",
+        help=f"run only this {each} (repeatable); default: all",
+    )
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help=f"torch intra-op threads (default: %(default)s{threads_note})",
+    )
+
+
+def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``p.error`` (exit 2) for a value of :func:`add_common_args`' options out of range."""
+    if args.kv_size < 4096:
+        p.error(
+            f"--kv-size {args.kv_size} is below 4096; one request of the trace needs up "
+            "to 3,766 KV slots, so use at least 4096"
+        )
+    if args.threads < 1:
+        p.error(f"--threads {args.threads} must be at least 1")
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit {args.limit} must be at least 1")
+
+
+def load_trace_for(args: argparse.Namespace, prog: str) -> Optional[list[TraceRecord]]:
+    """:func:`load_trace` of ``args.trace`` (``--no-verify``, ``--limit``); on a
+    :class:`TraceError`, prints ``<prog>: <error>`` to stderr and returns None."""
+    try:
+        return load_trace(
+            args.trace,
+            expected_sha256=None if args.no_verify else TRACE_SHA256,
+            limit=args.limit,
+        )
+    except TraceError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
 
 
 class CacheDriver(abc.ABC):

@@ -75,13 +75,11 @@ import time
 from typing import Callable, Optional, Sequence
 
 from sglang_mamba_ext.benchmarks.common import (
-    DEFAULT_KV_SIZE,
-    TRACE_PATH,
-    TRACE_SHA256,
     CacheDriver,
-    TraceError,
     TraceRecord,
-    load_trace,
+    add_common_args,
+    check_common_args,
+    load_trace_for,
 )
 
 DEFAULT_MAMBA_SIZES = (64, 16)
@@ -195,56 +193,30 @@ def run_hit_trace(
 # ------------------------------------------------------------------------- variants
 
 
-def _upstream_nobuf(kv_size: int, mamba_size: int) -> CacheDriver:
-    from sglang_mamba_ext.benchmarks.upstream import UpstreamDriver
+def _upstream(driver_cls: str, name: str, **kw) -> Callable[[int, int], CacheDriver]:
+    """The factory of an upstream variant: ``upstream.<driver_cls>(kv_size, mamba_size,
+    **kw)`` labelled ``name``."""
 
-    d = UpstreamDriver(kv_size, mamba_size)
-    d.name = "upstream-nobuf"
-    return d
+    def factory(kv_size: int, mamba_size: int) -> CacheDriver:
+        from sglang_mamba_ext.benchmarks import upstream
 
+        d = getattr(upstream, driver_cls)(kv_size, mamba_size, **kw)
+        d.name = name
+        return d
 
-def _upstream_nobuf_ckpt(kv_size: int, mamba_size: int) -> CacheDriver:
-    from sglang_mamba_ext.benchmarks.upstream import UpstreamDriver
-
-    d = UpstreamDriver(kv_size, mamba_size, prompt_checkpoint=True)
-    d.name = "upstream-nobuf-ckpt"
-    return d
+    return factory
 
 
-def _upstream_xbuf(kv_size: int, mamba_size: int) -> CacheDriver:
-    from sglang_mamba_ext.benchmarks.upstream import UpstreamExtraBufferDriver
+def _ours(name: str, **kw) -> Callable[[int, int], CacheDriver]:
+    """The factory of one of this project's variants: ``ours.OursDriver(kv_size,
+    mamba_size, name=name, **kw)``."""
 
-    d = UpstreamExtraBufferDriver(kv_size, mamba_size)
-    d.name = "upstream-xbuf"
-    return d
+    def factory(kv_size: int, mamba_size: int) -> CacheDriver:
+        from sglang_mamba_ext.benchmarks.ours import OursDriver
 
+        return OursDriver(kv_size, mamba_size, name=name, **kw)
 
-def _upstream_xbuf_1pp(kv_size: int, mamba_size: int) -> CacheDriver:
-    from sglang_mamba_ext.benchmarks.upstream import UpstreamExtraBufferDriver
-
-    d = UpstreamExtraBufferDriver(kv_size, mamba_size, enable_overlap_schedule=False)
-    d.name = "upstream-xbuf-1pp"
-    return d
-
-
-def _ours(kv_size: int, mamba_size: int, name: str, **kw) -> CacheDriver:
-    from sglang_mamba_ext.benchmarks.ours import OursDriver
-
-    return OursDriver(kv_size, mamba_size, name=name, **kw)
-
-
-def _ours_lru(kv_size: int, mamba_size: int) -> CacheDriver:
-    return _ours(kv_size, mamba_size, "ours-lru")
-
-
-def _ours_branch_lru(kv_size: int, mamba_size: int) -> CacheDriver:
-    return _ours(kv_size, mamba_size, "ours-branch-lru", prefix_checkpoints=True)
-
-
-def _ours_branch_recompute(kv_size: int, mamba_size: int) -> CacheDriver:
-    return _ours(
-        kv_size, mamba_size, "ours-branch-recompute", prefix_checkpoints=True, eviction_policy="recompute"
-    )
+    return factory
 
 
 #: upstream variants SGLang can serve on a CPU device (no_buffer); see the docstring.
@@ -260,30 +232,30 @@ class Variant:
 
 VARIANTS: dict[str, Variant] = {
     "upstream-nobuf": Variant(
-        "upstream", _upstream_nobuf, "SGLang no_buffer, README op list"
+        "upstream", _upstream("UpstreamDriver", "upstream-nobuf"), "SGLang no_buffer, README op list"
     ),
     "upstream-nobuf-ckpt": Variant(
         "upstream",
-        _upstream_nobuf_ckpt,
+        _upstream("UpstreamDriver", "upstream-nobuf-ckpt", prompt_checkpoint=True),
         "SGLang no_buffer + post-prefill checkpoint (its real scheduler)",
     ),
     "upstream-xbuf": Variant(
         "upstream",
-        _upstream_xbuf,
+        _upstream("UpstreamExtraBufferDriver", "upstream-xbuf"),
         "SGLang extra_buffer, 2 ping-pong slots (overlap), track interval 256",
     ),
     "upstream-xbuf-1pp": Variant(
         "upstream",
-        _upstream_xbuf_1pp,
+        _upstream("UpstreamExtraBufferDriver", "upstream-xbuf-1pp", enable_overlap_schedule=False),
         "SGLang extra_buffer, 1 ping-pong slot (--disable-overlap-schedule)",
     ),
-    "ours-lru": Variant("ours", _ours_lru, "MambaRadixCache, LRU"),
+    "ours-lru": Variant("ours", _ours("ours-lru"), "MambaRadixCache, LRU"),
     "ours-branch-lru": Variant(
-        "ours", _ours_branch_lru, "MambaRadixCache, branch-point checkpoints + LRU"
+        "ours", _ours("ours-branch-lru", prefix_checkpoints=True), "MambaRadixCache, branch-point checkpoints + LRU"
     ),
     "ours-branch-recompute": Variant(
         "ours",
-        _ours_branch_recompute,
+        _ours("ours-branch-recompute", prefix_checkpoints=True, eviction_policy="recompute"),
         "MambaRadixCache, branch-point checkpoints + recompute-aware eviction",
     ),
 }
@@ -357,36 +329,12 @@ def _fmt_ratio(x: float) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=TRACE_PATH, help="trace .jsonl.gz (default: %(default)s)")
-    p.add_argument(
-        "--no-verify",
-        action="store_true",
-        help=f"skip the sha256 check of the trace (expected {TRACE_SHA256[:12]}...)",
-    )
-    p.add_argument(
-        "--kv-size",
-        type=int,
-        default=DEFAULT_KV_SIZE,
-        help="KV pool size in tokens, for every variant (default: %(default)s)",
-    )
+    add_common_args(p, each="variant", only=list(VARIANTS))
     p.add_argument(
         "--mamba-sizes",
         default=",".join(str(m) for m in DEFAULT_MAMBA_SIZES),
         help="comma-separated SSM pool sizes in slots; the last line compares at the "
         "first one, the line before it at the second (default: %(default)s)",
-    )
-    p.add_argument(
-        "--only",
-        choices=list(VARIANTS),
-        action="append",
-        help="run only this variant (repeatable); default: all",
-    )
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads (default: %(default)s)",
     )
     p.add_argument(
         "--upstream-best-of",
@@ -409,15 +357,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             f"--mamba-sizes {args.mamba_sizes}: each must be at least 4 (extra_buffer holds "
             "3 SSM slots per running request)"
         )
-    if args.kv_size < 4096:
-        p.error(
-            f"--kv-size {args.kv_size} is below 4096; one request of the trace needs up "
-            "to 3,766 KV slots, so use at least 4096"
-        )
-    if args.threads < 1:
-        p.error(f"--threads {args.threads} must be at least 1")
-    if args.limit is not None and args.limit < 1:
-        p.error(f"--limit {args.limit} must be at least 1")
+    check_common_args(p, args)
     return args
 
 
@@ -445,14 +385,8 @@ def run_config(
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        records = load_trace(
-            args.trace,
-            expected_sha256=None if args.no_verify else TRACE_SHA256,
-            limit=args.limit,
-        )
-    except TraceError as e:
-        print(f"hit_rate: {e}", file=sys.stderr)
+    records = load_trace_for(args, "hit_rate")
+    if records is None:
         return 2
     import torch
 

@@ -9,8 +9,9 @@ are applied, the server arguments are parsed by SGLang's own parser for the tiny
 model (``sglang_mamba_ext.models.tiny_builder``, written once per process to a temporary
 directory) with ``--device cpu --mamba-radix-cache-strategy no_buffer``, and, inside that
 runtime context, ``KVCacheConfigurator._build_hybrid_req_pool`` (the plugin's AROUND hook)
-builds the pool and ``registry.create_tree_cache`` the adapter over a
-``TokenToKVPoolAllocator`` of ``kv_size`` tokens. The replay runs in that context too
+builds the pool (:func:`build_req_pool`) and ``registry.create_tree_cache`` the adapter
+over a ``TokenToKVPoolAllocator`` of ``kv_size`` tokens (:func:`build_tree_cache`); the
+SGLang glue tests build theirs with these two functions too. The replay runs in that context too
 (:meth:`OursDriver.activate`): SGLang's release path reads its serving flags.
 
 ``prefix_checkpoints=True`` declares the linear-attention backend able to write a state at
@@ -23,29 +24,13 @@ checkpoint is counted in ``state_copies``.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from sglang_mamba_ext.benchmarks.scheduler import Handle, SchedulerDriver, apply_plugin
-
-_tiny_dir: Optional[str] = None
-_tiny_tmp: Optional[tempfile.TemporaryDirectory] = None
-
-
-def tiny_model_dir() -> str:
-    """The tiny hybrid model's directory (config only matters here), built once per process."""
-    global _tiny_dir, _tiny_tmp
-    if _tiny_dir is None:
-        from sglang_mamba_ext.models.tiny_builder import build_tiny_model
-
-        _tiny_tmp = tempfile.TemporaryDirectory(prefix="bench-tiny-")
-        _tiny_dir = build_tiny_model(os.path.join(_tiny_tmp.name, "tiny"), seed=0)
-    return _tiny_dir
-
+from sglang_mamba_ext.testing import tiny_model_dir
 
 def scheduler_context(argv: list[str]):
     """SGLang's runtime context of a scheduler process launched with ``argv`` (the plugin's
@@ -55,6 +40,63 @@ def scheduler_context(argv: list[str]):
 
     apply_plugin()
     return create_context(prepare_server_args(argv), role="scheduler")
+
+
+#: The rest of ``TreeCacheBuildContext`` for one scheduler rank on CPU serving an SSM hybrid
+#: (no SWA, no hierarchical cache, radix cache on, no model worker).
+_SINGLE_RANK_SSM_HYBRID: dict[str, Any] = {
+    "is_hybrid_swa": False,
+    "is_hybrid_ssm": True,
+    "enable_hierarchical_cache": False,
+    "disable_radix_cache": False,
+    "tp_worker": None,
+    "model_config": None,
+    "tp_size": 1,
+    "tp_rank": 0,
+    "tp_group": None,
+}
+
+
+def build_req_pool(max_num_reqs: int = 4, context_len: int = 256):
+    """SGLang's ``KVCacheConfigurator._build_hybrid_req_pool`` (with the plugin's AROUND
+    hook) for the tiny model, on a configurator holding only what that method reads:
+    ``max_num_reqs`` rows of ``context_len`` tokens. Call inside a scheduler context."""
+    from transformers import AutoConfig
+
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+    hf = AutoConfig.from_pretrained(tiny_model_dir())
+    conf = object.__new__(KVCacheConfigurator)
+    conf.mambaish_config = hf
+    conf.layer_info = SimpleNamespace(start_layer=0, end_layer=hf.num_hidden_layers)
+    conf.model_config = SimpleNamespace(context_len=context_len)
+    conf.device = "cpu"
+    conf.hybrid_kda_config = None
+    conf.hybrid_gdn_config = None
+    return KVCacheConfigurator._build_hybrid_req_pool(conf, max_num_reqs=max_num_reqs, extra_max_context_len=0)
+
+
+def build_tree_cache(pool, kv_size: int, page_size: int = 1):
+    """``(cache, kv_allocator)``: SGLang's ``registry.create_tree_cache`` over ``pool`` and a
+    ``TokenToKVPoolAllocator`` of ``kv_size`` tokens, with the flags of the current runtime
+    context. Call inside a scheduler context."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.runtime_context import get_exec, get_memory, get_server_args
+
+    allocator = TokenToKVPoolAllocator(kv_size, torch.float32, "cpu", None, False)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
+        enable_mamba_extra_buffer_lazy=get_exec().mamba.enable_mamba_extra_buffer_lazy,
+        eviction_policy=get_memory().radix_eviction_policy,
+    )
+    build_ctx = TreeCacheBuildContext(server_args=get_server_args(), params=params, **_SINGLE_RANK_SSM_HYBRID)
+    return create_tree_cache(build_ctx), allocator
 
 
 def build_plugin_cache(
@@ -72,72 +114,28 @@ def build_plugin_cache(
     Raises:
         ValueError: from the plugin, for sizes or a policy it refuses (naming the flag).
     """
-    from transformers import AutoConfig
+    from sglang.srt.runtime_context import use_context
 
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-    from sglang.srt.runtime_context import get_exec, get_memory, get_server_args, use_context
-
-    model = tiny_model_dir()
     ctx = scheduler_context(
         [
-            "--model-path", model, "--device", "cpu", "--page-size", "1",
+            "--model-path", tiny_model_dir(), "--device", "cpu", "--page-size", "1",
             "--enable-mamba-radix", "--mamba-radix-cache-strategy", "no_buffer",
             "--disable-overlap-schedule", "--max-mamba-cache-size", str(mamba_size),
             "--radix-eviction-policy", eviction_policy,
         ]
     )
     with use_context(ctx):
-        hf = AutoConfig.from_pretrained(model)
-        # The configurator holds only what _build_hybrid_req_pool reads.
-        conf = object.__new__(KVCacheConfigurator)
-        conf.mambaish_config = hf
-        conf.layer_info = SimpleNamespace(start_layer=0, end_layer=hf.num_hidden_layers)
-        conf.model_config = SimpleNamespace(context_len=max_context_len)
-        conf.device = "cpu"
-        conf.hybrid_kda_config = None
-        conf.hybrid_gdn_config = None
-        pool = KVCacheConfigurator._build_hybrid_req_pool(conf, max_num_reqs=max_num_reqs, extra_max_context_len=0)
-        allocator = TokenToKVPoolAllocator(kv_size, torch.float32, "cpu", None, False)
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=pool,
-            token_to_kv_pool_allocator=allocator,
-            page_size=1,
-            enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
-            enable_mamba_extra_buffer_lazy=get_exec().mamba.enable_mamba_extra_buffer_lazy,
-            eviction_policy=get_memory().radix_eviction_policy,
-        )
-        build_ctx = TreeCacheBuildContext(
-            server_args=get_server_args(),
-            params=params,
-            is_hybrid_swa=False,
-            is_hybrid_ssm=True,
-            enable_hierarchical_cache=False,
-            disable_radix_cache=False,
-            tp_worker=None,
-            model_config=None,
-            tp_size=1,
-            tp_rank=0,
-            tp_group=None,
-        )
-        cache = create_tree_cache(build_ctx)
+        pool = build_req_pool(max_num_reqs, max_context_len)
+        cache, allocator = build_tree_cache(pool, kv_size)
     return cache, allocator, pool, ctx
 
 
 class OursDriver(SchedulerDriver):
     """The plugin's ``MambaRadixCacheAdapter`` under SGLang's scheduler functions.
 
-    Args:
-        kv_size: KV pool size (tokens).
-        mamba_size: SSM pool size (slots).
-        max_context_len: row width of ``req_to_token`` (tokens).
-        cow_copy: also run the deferred SSM copy / clear SGLang runs at forward.
+    Args (besides :class:`.scheduler.SchedulerDriver`'s, in ``kw``):
         eviction_policy: ``--radix-eviction-policy`` (``"lru"`` or ``"recompute"``).
         prefix_checkpoints: plan branch-point / prompt-end checkpoints (module docstring).
-        prompt_checkpoint: ``after_prefill`` runs SGLang's ``checkpoint_kv_cache``.
         name: label in reports.
     """
 
@@ -148,23 +146,23 @@ class OursDriver(SchedulerDriver):
         kv_size: int,
         mamba_size: int,
         *,
-        max_context_len: int = 4096,
-        cow_copy: bool = False,
         eviction_policy: str = "lru",
         prefix_checkpoints: bool = False,
-        prompt_checkpoint: bool = False,
         name: str = "ours",
+        **kw,
     ):
-        cache, allocator, pool, self.context = build_plugin_cache(
-            kv_size, mamba_size, eviction_policy=eviction_policy, max_context_len=max_context_len
-        )
-        pool.prefix_checkpoint_writer = prefix_checkpoints
-        self.bind(cache, allocator, pool, max_context_len=max_context_len, cow_copy=cow_copy)
         self.name = name
         self.eviction_policy = eviction_policy
         self.prefix_checkpoints = prefix_checkpoints
-        self.prompt_checkpoint = prompt_checkpoint
         self.checkpoints_planned = 0
+        super().__init__(kv_size, mamba_size, **kw)
+
+    def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
+        cache, allocator, pool, self.context = build_plugin_cache(
+            kv_size, mamba_size, eviction_policy=self.eviction_policy, max_context_len=max_context_len
+        )
+        pool.prefix_checkpoint_writer = self.prefix_checkpoints
+        return cache, allocator, pool
 
     def describe(self) -> str:
         return (

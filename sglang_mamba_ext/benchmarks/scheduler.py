@@ -69,13 +69,40 @@ class Handle:
 class SchedulerDriver(CacheDriver):
     """SGLang's scheduler functions over one cache (module docstring).
 
-    Subclasses build the objects and call :meth:`bind`. ``state_copies`` counts SSM
-    states written through ``MambaPool.copy_from`` (a checkpoint snapshot; a COW copy goes
-    through ``copy_mamba_state`` and is not counted).
+    Subclasses build the objects (:meth:`build`), which the constructor hands to
+    :meth:`bind`. ``state_copies`` counts SSM states written through ``MambaPool.copy_from``
+    (a checkpoint snapshot; a COW copy goes through ``copy_mamba_state`` and is not
+    counted).
+
+    Args:
+        kv_size: KV pool size (tokens).
+        mamba_size: SSM pool size (slots).
+        max_context_len: row width of ``req_to_token`` (tokens); must exceed the longest
+            ``tokens + output`` of the trace (3,766 for the shared trace).
+        cow_copy: also run the deferred SSM copy / clear SGLang runs at forward.
+        prompt_checkpoint: ``after_prefill`` runs SGLang's post-prefill
+            ``checkpoint_kv_cache``. Off by default: the README's op list does not have it.
     """
 
     name = "?"
     prompt_checkpoint = False
+
+    def __init__(
+        self,
+        kv_size: int,
+        mamba_size: int,
+        *,
+        max_context_len: int = 4096,
+        cow_copy: bool = False,
+        prompt_checkpoint: bool = False,
+    ):
+        cache, allocator, req_to_token_pool = self.build(kv_size, mamba_size, max_context_len)
+        self.bind(cache, allocator, req_to_token_pool, max_context_len=max_context_len, cow_copy=cow_copy)
+        self.prompt_checkpoint = prompt_checkpoint
+
+    def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
+        """``(cache, kv_allocator, req_to_token_pool)`` of the sizes given (constructor)."""
+        raise NotImplementedError
 
     def bind(
         self,

@@ -7,9 +7,9 @@ resident and peak bytes of
 
 - snapshot mode: SGLang's per-layer intermediate SSM + conv-window buffers
   ``[L, N+1, T, state]`` (resident for the server's life; peak = resident);
-- deferred mode (seed §9): resident = the accepted-token activation stash; peak = stash + the
+- deferred mode (``docs/design.md``, "Deferred update"): resident = the accepted-token activation stash; peak = stash + the
   verify workspace (all nodes' raw activations until acceptance, one layer of per-node conv
-  windows, and the per-node SSM states of the verify variant: ``one_layer`` (seed §9.5),
+  windows, and the per-node SSM states of the verify variant: ``one_layer`` (``docs/design.md``, "Speculative verify"),
   ``head_chunk`` (one-layer buffer for ``--head-chunk`` value heads at a time) or ``on_chip``
   (Triton kernel keeping node states in registers: no buffer)),
 

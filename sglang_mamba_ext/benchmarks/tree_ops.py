@@ -25,16 +25,14 @@ import sys
 from typing import Callable, Optional
 
 from sglang_mamba_ext.benchmarks.common import (
-    DEFAULT_KV_SIZE,
     DEFAULT_MAMBA_SIZE,
-    TRACE_PATH,
-    TRACE_SHA256,
     BenchResult,
     CacheDriver,
-    TraceError,
+    add_common_args,
+    check_common_args,
     format_comparison,
     format_result,
-    load_trace,
+    load_trace_for,
     median_result,
     run_trace,
 )
@@ -61,32 +59,18 @@ DRIVERS: dict[str, Callable[[argparse.Namespace], CacheDriver]] = {
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=TRACE_PATH, help="trace .jsonl.gz (default: %(default)s)")
-    p.add_argument(
-        "--no-verify",
-        action="store_true",
-        help=f"skip the sha256 check of the trace (expected {TRACE_SHA256[:12]}...)",
-    )
-    p.add_argument(
-        "--kv-size",
-        type=int,
-        default=DEFAULT_KV_SIZE,
-        help="KV pool size in tokens, for every cache (default: %(default)s)",
+    add_common_args(
+        p,
+        each="cache",
+        only=sorted(DRIVERS),
+        threads_note="; the cache ops are tiny tensor ops, and spinning worker threads "
+        "make timings erratic on a busy machine",
     )
     p.add_argument(
         "--mamba-size",
         type=int,
         default=DEFAULT_MAMBA_SIZE,
         help="SSM (mamba) pool size in slots, for every cache (default: %(default)s)",
-    )
-    p.add_argument(
-        "--only",
-        choices=sorted(DRIVERS),
-        action="append",
-        help="run only this cache (repeatable); default: all",
-    )
-    p.add_argument(
-        "--limit", type=int, default=None, help="replay only the first N requests"
     )
     p.add_argument(
         "--repeat",
@@ -96,44 +80,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(default: %(default)s)",
     )
     p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads (default: %(default)s; the cache ops are tiny "
-        "tensor ops, and spinning worker threads make timings erratic on a busy machine)",
-    )
-    p.add_argument(
         "--cow-copy",
         action="store_true",
         help="also copy SSM state on a hit (deferred to the forward in SGLang; off by default)",
     )
     args = p.parse_args(argv)
-    if args.kv_size < 4096:
-        p.error(
-            f"--kv-size {args.kv_size} is below 4096; one request of the trace needs up "
-            "to 3,766 KV slots, so use at least 4096"
-        )
+    check_common_args(p, args)
     if args.mamba_size < 1:
         p.error(f"--mamba-size {args.mamba_size} must be at least 1")
-    if args.threads < 1:
-        p.error(f"--threads {args.threads} must be at least 1")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat} must be at least 1")
-    if args.limit is not None and args.limit < 1:
-        p.error(f"--limit {args.limit} must be at least 1")
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        records = load_trace(
-            args.trace,
-            expected_sha256=None if args.no_verify else TRACE_SHA256,
-            limit=args.limit,
-        )
-    except TraceError as e:
-        print(f"tree_ops: {e}", file=sys.stderr)
+    records = load_trace_for(args, "tree_ops")
+    if records is None:
         return 2
     names = [n for n in DRIVERS if args.only is None or n in args.only]
     import torch

@@ -44,42 +44,20 @@ _HEAD_DIM = 8
 class UpstreamDriver(SchedulerDriver):
     """SGLang 0.5.23 ``UnifiedRadixCache`` (FULL + MAMBA), page_size 1, no_buffer.
 
-    Args:
-        kv_size: KV pool slots (tokens), slot 0 reserved on top.
-        mamba_size: SSM slots, slot 0 reserved on top.
-        max_context_len: row width of ``req_to_token``; must exceed the longest
-            ``tokens + output`` of the trace (3,766 for the shared trace).
-        cow_copy: also perform the deferred SSM copy / clear SGLang runs at forward.
-        prompt_checkpoint: ``after_prefill`` runs SGLang's post-prefill
-            ``checkpoint_kv_cache`` (see the module docstring). Off by default: the
-            README's op list does not have it.
+    Arguments: :class:`.scheduler.SchedulerDriver`'s (KV and SSM sizes: slot 0 of each
+    reserved on top); ``prompt_checkpoint`` (hit-rate benchmark only) is described in
+    the module docstring.
     """
 
     name = "upstream"
     strategy = "no_buffer"
+    #: the test kit's ``enable_mamba_extra_buffer``
+    extra_buffer = False
+    #: the pool's ``enable_overlap_schedule`` (SGLang's default; matters under extra_buffer)
+    enable_overlap_schedule = True
 
-    def __init__(
-        self,
-        kv_size: int,
-        mamba_size: int,
-        *,
-        max_context_len: int = 4096,
-        cow_copy: bool = False,
-        prompt_checkpoint: bool = False,
-    ):
-        self._build(kv_size, mamba_size, max_context_len, cow_copy, extra_buffer=False)
-        self.prompt_checkpoint = prompt_checkpoint
-
-    def _build(
-        self,
-        kv_size: int,
-        mamba_size: int,
-        max_context_len: int,
-        cow_copy: bool,
-        *,
-        extra_buffer: bool,
-        enable_overlap_schedule: bool = True,
-    ) -> None:
+    def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
+        extra_buffer = self.extra_buffer
         # Heavy imports only when the driver is built.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -102,18 +80,18 @@ class UpstreamDriver(SchedulerDriver):
             max_num_reqs=4,
             max_context_len=max_context_len,
         )
-        # The kit builds HybridReqToTokenPool with SGLang's default
-        # enable_overlap_schedule=True (2 ping-pong slots under extra_buffer).
+        # The kit's HybridReqToTokenPool gets ``enable_overlap_schedule`` (SGLang's
+        # default True: 2 ping-pong slots under extra_buffer).
         pool_cls = functools.partial(
             fixtures.HybridReqToTokenPool,
-            enable_overlap_schedule=enable_overlap_schedule,
+            enable_overlap_schedule=self.enable_overlap_schedule,
         )
         with mock.patch.object(
             fixtures, "get_device", lambda *a, **k: "cpu"
         ), mock.patch.object(fixtures, "HybridReqToTokenPool", pool_cls):
             cache, allocator, req_to_token_pool = fixtures.build_fixture(cfg)
         assert cache.enable_mamba_extra_buffer == extra_buffer
-        self.bind(cache, allocator, req_to_token_pool, max_context_len=max_context_len, cow_copy=cow_copy)
+        return cache, allocator, req_to_token_pool
 
     def describe(self) -> str:
         return (
@@ -219,28 +197,14 @@ class UpstreamExtraBufferDriver(UpstreamDriver):
 
     name = "upstream-extra_buffer"
     strategy = "extra_buffer"
+    extra_buffer = True
 
-    def __init__(
-        self,
-        kv_size: int,
-        mamba_size: int,
-        *,
-        max_context_len: int = 4096,
-        cow_copy: bool = False,
-        enable_overlap_schedule: bool = True,
-    ):
-        self._build(
-            kv_size,
-            mamba_size,
-            max_context_len,
-            cow_copy,
-            extra_buffer=True,
-            enable_overlap_schedule=enable_overlap_schedule,
-        )
+    def __init__(self, kv_size: int, mamba_size: int, *, enable_overlap_schedule: bool = True, **kw):
+        """``kw``: ``max_context_len``, ``cow_copy`` (:class:`.scheduler.SchedulerDriver`)."""
+        self.enable_overlap_schedule = enable_overlap_schedule
         # The real scheduler always checkpoints after prefill; extra_buffer's prompt
         # states reach the tree only that way.
-        self.prompt_checkpoint = True
-        self.enable_overlap_schedule = enable_overlap_schedule
+        super().__init__(kv_size, mamba_size, prompt_checkpoint=True, **kw)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from sglang.srt.managers.schedule_batch import (
