@@ -405,13 +405,14 @@ class MambaRadixCache(PrefixCheckpoints):
         """:meth:`insert` starting the walk at ``node`` (a node on the key's path, e.g. the
         request's locked ``last_node``), which skips re-comparing the locked prefix."""
         n = len(tokens)
-        path, pos = self._walk(node, tokens, node.seq_len, n, extra_key)
+        start = node.seq_len
+        path, pos = self._walk(node, tokens, start, n, extra_key)
         if path:
-            kv_free = self.token_to_kv_pool_allocator.free
-            for child in path:
-                end = child.seq_len
-                if prev_prefix_len < end:
-                    kv_free(value[max(prev_prefix_len, end - len(child.key)) : end])
+            # The walked nodes cover value[start:pos] back to back: the caller's duplicates
+            # of them (past prev_prefix_len) are one contiguous range, freed in one call.
+            lo = max(prev_prefix_len, start)
+            if lo < pos:
+                self.token_to_kv_pool_allocator.free(value[lo:pos])
             node = path[-1]
         prefix_len = pos
         if pos < n:

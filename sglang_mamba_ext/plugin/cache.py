@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -108,6 +108,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         self.disable = False
         self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
         self.checkpoint_grid = max(1, int(checkpoint_grid))
+        self._kv_free_groups = hasattr(token_to_kv_pool_allocator, "free_group_begin") and hasattr(
+            token_to_kv_pool_allocator, "free_group"
+        )
         for name, core_name in self._CORE_QUERIES.items():
             setattr(self, name, getattr(core, core_name))
         req_to_token_pool.tree_cache = self
@@ -137,12 +140,18 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         key = params.key
         if getattr(key, "is_bigram", False):
             raise NotImplementedError("--enable-mamba-radix does not support EAGLE bigram keys")
-        tokens = key.raw_token_ids()
+        tokens = _token_list(key.raw_token_ids())
         ns = req_bridge.namespace(key.extra_key, key.cache_salt)
         req = params.req
         cow = bool(params.cow_mamba) and req is not None
         creq = req_bridge.pull(req) if cow else None
-        res = self.core.match_prefix(CoreRadixKey(list(tokens), ns), cow_mamba=cow, req=creq)
+        # A copy-on-write slot may evict a state (and its leaf's KV): one batched free.
+        group = self._free_group_begin() if cow else False
+        try:
+            res = self.core.match_prefix(CoreRadixKey(tokens, ns), cow_mamba=cow, req=creq)
+        finally:
+            if group:
+                self.token_to_kv_pool_allocator.free_group_end()
         if cow:
             req_bridge.push_mamba(req, creq, self.device)
         branching = None
@@ -166,16 +175,33 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             full_kv_hit_length=res.kv_match_len,
         )
 
+    def _free_group_begin(self) -> bool:
+        """Open a free group on the KV allocator (SGLang's ``free_group_begin`` /
+        ``free_group_end``: the frees of one adapter call reach the free list as one
+        concatenation, in the same order). Returns whether one was opened: not when the
+        allocator has no groups or the caller (SGLang's scheduler) already holds one."""
+        alloc = self.token_to_kv_pool_allocator
+        if not self._kv_free_groups or alloc.free_group is not None:
+            return False
+        alloc.free_group_begin()
+        return True
+
     # -- checkpoint / release ----------------------------------------------------------
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
         fill = req.full_untruncated_fill_ids
         up_to = min(int(up_to), len(fill))
         pool = self.req_to_token_pool
-        tokens = fill[:up_to].tolist() if hasattr(fill, "tolist") else list(fill[:up_to])
+        tokens = _token_list(fill if up_to == len(fill) else fill[:up_to])
         creq = req_bridge.pull(req, tokens, pool=pool)
         row = creq.req_pool_idx
         finished = req.finished()
-        self.core.checkpoint(creq, up_to=up_to, finished=finished)
+        # The insert frees duplicate KV and a slot allocation may evict: one batched free.
+        group = self._free_group_begin()
+        try:
+            self.core.checkpoint(creq, up_to=up_to, finished=finished)
+        finally:
+            if group:
+                self.token_to_kv_pool_allocator.free_group_end()
         req_bridge.push_prefix_checkpoints(pool, row, creq)
         req_bridge.push_checkpoint(req, creq, self.device, finished=finished)
 
@@ -192,7 +218,13 @@ class MambaRadixCacheAdapter(BasePrefixCache):
     # -- eviction and locks ------------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
         start = time.perf_counter()
-        res = self.core.evict(num_tokens=params.num_tokens, mamba_num=params.mamba_num)
+        # Every removed leaf frees its KV: one batched free for the whole eviction.
+        group = self._free_group_begin()
+        try:
+            res = self.core.evict(num_tokens=params.num_tokens, mamba_num=params.mamba_num)
+        finally:
+            if group:
+                self.token_to_kv_pool_allocator.free_group_end()
         self.update_eviction_metrics(res.num_tokens_evicted, start)
         return EvictResult(num_tokens_evicted=res.num_tokens_evicted, mamba_num_evicted=res.mamba_num_evicted)
 
@@ -213,6 +245,15 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             f"Available KV tokens: {kv_free + kv_evictable} ({kv_free} free + {kv_evictable} evictable); "
             f"SSM slots: {ssm_free + ssm_evictable} ({ssm_free} free + {ssm_evictable} evictable)\n"
         )
+
+
+def _token_list(tokens) -> List[int]:
+    """Token ids as a list (the core compares and slices lists): an ``array`` or tensor
+    converted in C, a list passed as it is (the core never mutates a key)."""
+    if type(tokens) is list:
+        return tokens
+    tolist = getattr(tokens, "tolist", None)
+    return tolist() if tolist is not None else list(tokens)
 
 
 #: Environment override of what a finished request donates: ``auto`` (default: the newest

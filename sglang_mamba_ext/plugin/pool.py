@@ -31,7 +31,8 @@ from sglang_mamba_ext.plugin import req_bridge
 
 logger = logging.getLogger(__name__)
 
-#: Ping-pong entries per request when tracking (seed §3.4: 1 working + 2 checkpoint slots).
+#: Ping-pong entries per request when tracking: 1 working + 2 checkpoint slots
+#: (``docs/design.md``, "Ping-pong checkpoints").
 TRACK_SLOTS = 2
 
 
@@ -159,7 +160,8 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         ping_pong_map = None
         if tracking:
             # SGLang sizes this map with 1 column without overlap scheduling; the core
-            # always keeps two checkpoints (seed §3.4), so rebuild it with two.
+            # always keeps two checkpoints (docs/design.md, "Ping-pong checkpoints"), so
+            # rebuild it with two.
             ping_pong_map = torch.zeros(
                 (self.req_to_token.shape[0], TRACK_SLOTS), dtype=torch.int64, device=self.device
             )
@@ -185,6 +187,8 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         self.prefix_checkpoint_writer = False
         #: The tree cache planning the checkpoints (set by ``MambaRadixCacheAdapter``).
         self.tree_cache = None
+        #: ``(req_generation, numpy view of it)`` for :meth:`_rows_taken`.
+        self._req_generation_view = None
 
     # -- rows: the core's free list ---------------------------------------------------
     @property
@@ -205,7 +209,19 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
 
     def _rows_taken(self, rows: List[int]) -> None:
         if rows:
-            self.req_generation[rows] += 1
+            gen = self.req_generation
+            view = getattr(self, "_req_generation_view", None)
+            if view is None or view[0] is not gen:
+                # SGLang keeps the counters in a CPU int64 tensor; a numpy view of it
+                # bumps a row without a tensor indexing call (same memory, same values).
+                view = (gen, gen.numpy() if gen.device.type == "cpu" else None)
+                self._req_generation_view = view
+            counters = view[1]
+            if counters is None:
+                gen[rows] += 1
+            else:
+                for row in rows:
+                    counters[row] += 1
             if self._on_alloc_rows is not None:
                 self._on_alloc_rows(rows)
 

@@ -39,7 +39,8 @@ def namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Any:
 def _as_int(t: Optional[torch.Tensor]) -> Optional[int]:
     if t is None:
         return None
-    return int(t.reshape(-1)[0])
+    # SGLang's slot fields hold one element (0-d or [1]); ``item`` reads it without a view.
+    return t.item() if t.numel() == 1 else int(t.reshape(-1)[0])
 
 
 def pull(req, token_ids: Sequence[int] = (), pool=None) -> CacheReq:
@@ -65,7 +66,7 @@ def pull(req, token_ids: Sequence[int] = (), pool=None) -> CacheReq:
     planned = pool.prefix_checkpoints.get(kv.req_pool_idx) if pool is not None else None
     return CacheReq(
         rid=req.rid,
-        token_ids=token_ids if isinstance(token_ids, list) else list(token_ids),
+        token_ids=token_ids if type(token_ids) is list else list(token_ids),
         extra_key=namespace(req.extra_key, req.cache_salt),
         req_pool_idx=kv.req_pool_idx,
         kv_allocated_len=kv.kv_allocated_len,
@@ -96,7 +97,9 @@ def push_prefix_checkpoints(pool, row: Optional[int], creq: CacheReq) -> None:
 
 
 def _slot_tensor(slot: int, device) -> torch.Tensor:
-    return torch.tensor(slot, dtype=torch.int64, device=device)
+    """A fresh 0-d int64 tensor holding ``slot`` (``scalar_tensor`` skips the Python-data
+    parsing of ``torch.tensor``)."""
+    return torch.scalar_tensor(slot, dtype=torch.int64, device=device)
 
 
 def push_mamba(req, creq: CacheReq, device) -> None:
