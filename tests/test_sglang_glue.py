@@ -261,6 +261,8 @@ class TestFlags(unittest.TestCase):
             (["--enable-mamba-radix", "--max-mamba-cache-size", "0"], "--max-mamba-cache-size 0 is too small"),
             (["--enable-mamba-radix", "--max-mamba-cache-size", "-4"], "--max-mamba-cache-size -4 is too small"),
             (["--enable-mamba-radix", "--max-mamba-cache-size", "2"], "holds 3 SSM state slots"),
+            # SGLang serves size // 4 requests: 3 slots would start a server that serves none.
+            (["--enable-mamba-radix", "--max-mamba-cache-size", "3"], "give at least 4"),
         ]
         for extra, needle in cases:
             with self.subTest(extra=extra):
@@ -274,6 +276,24 @@ class TestFlags(unittest.TestCase):
         with self.assertRaises(ValueError) as cm:
             F.parse_args(F.base_argv("--warmups", "kda_cache", "--warmup-prompts-file", "/nonexistent/p.json"))
         self.assertIn("/nonexistent/p.json", str(cm.exception))
+
+    def test_out_of_vocabulary_warmup_ids_fail_at_parsing(self):
+        """A token id outside the local model's ``vocab_size`` in an ``input_ids`` prompt fails
+        while parsing (before the model loads), naming the file, the line and the size."""
+        with open(os.path.join(F.tiny_model_dir(), "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        d = tempfile.TemporaryDirectory()
+        self.addCleanup(d.cleanup)
+        path = os.path.join(d.name, "p.jsonl")
+        with open(path, "w") as f:
+            f.write('{"input_ids": [1, 2]}\n{"input_ids": [1, %d]}\n' % vocab)
+        with self.assertRaises(ValueError) as cm:
+            F.parse_args(F.base_argv("--warmups", "kda_cache", "--warmup-prompts-file", path))
+        self.assertIn(f"{path}:2: token id {vocab} is outside the vocabulary (size {vocab})", str(cm.exception))
+        # The last valid id parses.
+        with open(path, "w") as f:
+            f.write('{"input_ids": [1, %d]}\n' % (vocab - 1))
+        F.parse_args(F.base_argv("--warmups", "kda_cache", "--warmup-prompts-file", path))
 
     def test_non_hybrid_model_is_refused(self):
         d = tempfile.TemporaryDirectory()

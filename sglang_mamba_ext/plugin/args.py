@@ -102,6 +102,7 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         )
     if prompts_file:
         prompts = load_prompts(prompts_file)  # fail before the model loads
+        _check_prompt_vocab(prompts, prompts_file, getattr(server_args, "model_path", None))
         if S.WARMUP_NAME not in warmups:
             logger.warning(
                 "%s %s is ignored without --warmups %s", PROMPTS_FLAG, prompts_file, S.WARMUP_NAME
@@ -178,14 +179,39 @@ def _check_mamba_cache_size(server_args) -> None:
         return
     tracking = server_args.mamba_radix_cache_strategy != "no_buffer"
     need = 1 + (2 if tracking else 0)  # working state (+ two ping-pong checkpoints)
-    if size < need:
+    # SGLang sizes its running requests as size // (need + 1): below need + 1 it serves none.
+    if size < need + 1:
         what = "its working state and two ping-pong checkpoints" if tracking else "its working state"
         raise FlagError(
             f"--max-mamba-cache-size {size} is too small: with {ENABLE_FLAG} one running "
             f"request holds {need} SSM state slots ({what}) and SGLang keeps one more per "
-            f"request, so give about {need + 1} per running request you want, or leave the "
+            f"request, so give at least {need + 1}, about {need + 1} per running request you want, or leave the "
             "flag out (sized from memory; 128 slots on --device cpu)"
         )
+
+
+def _check_prompt_vocab(prompts, prompts_file: str, model_path) -> None:
+    """Refuse ``input_ids`` prompts with a token id outside the vocabulary of a local model's
+    ``config.json`` (``vocab_size``), at parse time; a hub model name is checked by the
+    warm-up itself once the tokenizer manager knows the vocabulary.
+
+    Raises:
+        PromptsFileError: naming the file, the line and the vocabulary size."""
+    from sglang_mamba_ext.plugin.cpu_defaults import local_model_config
+    from sglang_mamba_ext.plugin.warmup import PromptsFileError
+
+    vocab = local_model_config(model_path).get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    for p in prompts:
+        if p.kind != "input_ids" or not p.value:
+            continue
+        bad = max(p.value) if max(p.value) >= vocab else (min(p.value) if min(p.value) < 0 else None)
+        if bad is not None:
+            raise PromptsFileError(
+                f"{PROMPTS_FLAG} {prompts_file}:{p.line}: token id {bad} is outside the vocabulary "
+                f"(size {vocab}) of {model_path}"
+            )
 
 
 def from_cli_args_after(result, cls, args, *rest, **kwargs):
