@@ -21,12 +21,14 @@ if [ ! -f "$model/config.json" ]; then
   echo "[serve] building the tiny hybrid model in $model" >&2
   "$vpy" scripts/make_tiny_model.py --out "$model"
 fi
+# WARMUP_FILE= (set and empty) serves without the kda_cache warm-up.
+warm=(--warmups kda_cache --warmup-prompts-file "${WARMUP_FILE-$root/examples/warmup_prompts.jsonl}")
+[ -z "${WARMUP_FILE-x}" ] && warm=()
 exec "$vpy" -m sglang.launch_server \
   --model-path "$model" \
   --device cpu \
   --enable-mamba-radix \
-  --warmups kda_cache \
-  --warmup-prompts-file "${WARMUP_FILE:-$root/examples/warmup_prompts.jsonl}" \
+  "${warm[@]}" \
   --host "${HOST:-127.0.0.1}" \
   --port "${PORT:-30000}" \
   "$@"
