@@ -32,6 +32,25 @@ E2E_DIR = os.path.join(REPO, "tests", "e2e")
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
 
 
+class TraceDriverCase(unittest.TestCase):
+    """Base of the tests that replay the first ``N`` records of the shared trace through a
+    benchmark driver (one torch thread, as the benchmarks run). Skips without SGLang or the
+    trace."""
+
+    N = 120
+
+    @classmethod
+    def setUpClass(cls):
+        if not (SGLANG_INSTALLED and os.path.isfile(TRACE_PATH)):
+            raise unittest.SkipTest("needs SGLang and the trace")
+        import torch
+
+        from sglang_mamba_ext.benchmarks.common import load_trace
+
+        torch.set_num_threads(1)
+        cls.records = load_trace(limit=cls.N)
+
+
 def requires_sglang(obj):
     """``unittest.skipUnless`` SGLang is installed (class or test decorator)."""
     return unittest.skipUnless(SGLANG_INSTALLED, "SGLang is not installed")(obj)

@@ -13,14 +13,13 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import os
 import unittest
 from unittest import mock
 
-from conftest import SGLANG_INSTALLED
+from conftest import TraceDriverCase
 
 from sglang_mamba_ext.benchmarks import hit_rate as bench_hit_rate
-from sglang_mamba_ext.benchmarks.common import TRACE_PATH, CacheDriver, TraceRecord, load_trace
+from sglang_mamba_ext.benchmarks.common import CacheDriver, TraceRecord
 from sglang_mamba_ext.benchmarks.hit_rate import (
     HitResult,
     Variant,
@@ -285,16 +284,8 @@ class ComparisonTest(unittest.TestCase):
 
 
 
-@unittest.skipUnless(SGLANG_INSTALLED and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
-class UpstreamDriversTest(unittest.TestCase):
+class UpstreamDriversTest(TraceDriverCase):
     N = 150
-
-    @classmethod
-    def setUpClass(cls):
-        import torch
-
-        torch.set_num_threads(1)
-        cls.records = load_trace(limit=cls.N)
 
     def _check_against_model(self, variant: str, strategy: str):
         # Pools large enough that nothing is evicted in the first N requests.
@@ -361,19 +352,11 @@ class UpstreamDriversTest(unittest.TestCase):
         self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
 
 
-@unittest.skipUnless(SGLANG_INSTALLED and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
-class OursVariantsTest(unittest.TestCase):
+class OursVariantsTest(TraceDriverCase):
     """The "ours" variants: the plugin's ``MambaRadixCacheAdapter`` under SGLang's scheduler
     functions, checked request by request against :func:`reference_model`."""
 
     N = 150
-
-    @classmethod
-    def setUpClass(cls):
-        import torch
-
-        torch.set_num_threads(1)
-        cls.records = load_trace(limit=cls.N)
 
     def _check_against_model(self, variant: str, strategy: str):
         from sglang_mamba_ext.plugin.cache import MambaRadixCacheAdapter

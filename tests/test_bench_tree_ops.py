@@ -14,10 +14,9 @@ import os
 import tempfile
 import unittest
 
-from conftest import SGLANG_INSTALLED
+from conftest import TraceDriverCase
 
 from sglang_mamba_ext.benchmarks.common import (
-    TRACE_PATH,
     CacheDriver,
     TraceError,
     TraceRecord,
@@ -199,16 +198,20 @@ class RunnerTest(unittest.TestCase):
 
 
 
-@unittest.skipUnless(SGLANG_INSTALLED and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
-class UpstreamDriverTest(unittest.TestCase):
-    N = 120
+class _DriverChecks:
+    """Checks shared by both sides' drivers (mixed into :class:`TraceDriverCase` classes)."""
 
-    @classmethod
-    def setUpClass(cls):
-        import torch
+    def check_small_pools(self, driver):
+        """4 SSM slots and 8,192 KV tokens: evictions lose hits only relative to the
+        no-eviction reference, nothing leaks, and all 4 states end in the tree."""
+        res = run_trace(driver, self.records)
+        self.assertTrue(res.leak_ok, res.leak_details)
+        for got, ref in zip(res.prefix_lens, reference_prefix_lens(self.records)):
+            self.assertLessEqual(got, ref)
+        self.assertEqual(driver.cache.mamba_evictable_size(), 4)
 
-        torch.set_num_threads(1)
-        cls.records = load_trace(limit=cls.N)
+
+class UpstreamDriverTest(_DriverChecks, TraceDriverCase):
 
     def test_matches_no_eviction_reference(self):
         from sglang_mamba_ext.benchmarks.upstream import UpstreamDriver
@@ -218,34 +221,17 @@ class UpstreamDriverTest(unittest.TestCase):
         res = run_trace(driver, self.records)
         expected = reference_prefix_lens(self.records)
         self.assertEqual(res.prefix_lens, expected)
-        self.assertGreater(res.matched_tokens, 0)
+        self.assertEqual(res.matched_tokens, sum(expected))
         self.assertTrue(res.leak_ok, res.leak_details)
 
     def test_small_pools_evict_without_leak(self):
         from sglang_mamba_ext.benchmarks.upstream import UpstreamDriver
 
-        driver = UpstreamDriver(kv_size=8192, mamba_size=4, cow_copy=True)
-        res = run_trace(driver, self.records)
-        self.assertTrue(res.leak_ok, res.leak_details)
-        # Eviction can only lose hits relative to the no-eviction reference.
-        for got, ref in zip(res.prefix_lens, reference_prefix_lens(self.records)):
-            self.assertLessEqual(got, ref)
-        # All 4 SSM slots end up in the tree (the last finished states).
-        self.assertEqual(driver.cache.mamba_evictable_size(), 4)
+        self.check_small_pools(UpstreamDriver(kv_size=8192, mamba_size=4, cow_copy=True))
 
 
-@unittest.skipUnless(SGLANG_INSTALLED and os.path.isfile(TRACE_PATH), "needs SGLang and the trace")
-class OursDriverTest(unittest.TestCase):
+class OursDriverTest(_DriverChecks, TraceDriverCase):
     """This project's cache through the plugin's adapter and SGLang's scheduler functions."""
-
-    N = 120
-
-    @classmethod
-    def setUpClass(cls):
-        import torch
-
-        torch.set_num_threads(1)
-        cls.records = load_trace(limit=cls.N)
 
     def test_matches_no_eviction_reference(self):
         from sglang_mamba_ext.benchmarks.ours import OursDriver
@@ -265,11 +251,7 @@ class OursDriverTest(unittest.TestCase):
         from sglang_mamba_ext.benchmarks.ours import OursDriver
 
         driver = OursDriver(kv_size=8192, mamba_size=4, cow_copy=True)
-        res = run_trace(driver, self.records)
-        self.assertTrue(res.leak_ok, res.leak_details)
-        for got, ref in zip(res.prefix_lens, reference_prefix_lens(self.records)):
-            self.assertLessEqual(got, ref)
-        self.assertEqual(driver.cache.mamba_evictable_size(), 4)
+        self.check_small_pools(driver)
         self.assertEqual(driver.req_to_token_pool.mamba_allocator.available_size(), 0)
 
     def test_main_names_the_adapter_and_prints_the_comparison_last(self):
