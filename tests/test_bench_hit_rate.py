@@ -284,22 +284,27 @@ class ComparisonTest(unittest.TestCase):
 
 
 
+def _check_variant(case, variant: str, strategy: str, *, side: str, states_per_req: int):
+    """Replay ``case.records`` through ``variant`` with pools that evict nothing and check it
+    request by request against :func:`reference_model` (prefix and KV lengths, state copies,
+    recomputed tokens) and the leak check. Returns ``(result, driver)``."""
+    driver = bench_hit_rate.VARIANTS[variant].factory(400_000, states_per_req * case.N + 8)
+    res = run_hit_trace(driver, case.records, side=side)
+    prefix, kv, copies = reference_model(case.records, strategy)
+    case.assertEqual(res.prefix_lens, prefix)
+    case.assertEqual(res.kv_prefix_lens, kv)
+    case.assertEqual(res.state_copies, copies)
+    case.assertTrue(res.leak_ok, res.leak_details)
+    case.assertEqual(res.recomputed_tokens, sum(len(r.tokens) for r in case.records) - sum(prefix))
+    return res, driver
+
+
 class UpstreamDriversTest(TraceDriverCase):
     N = 150
 
     def _check_against_model(self, variant: str, strategy: str):
         # Pools large enough that nothing is evicted in the first N requests.
-        driver = bench_hit_rate.VARIANTS[variant].factory(400_000, 2 * self.N + 8)
-        res = run_hit_trace(driver, self.records, side="upstream")
-        prefix, kv, copies = reference_model(self.records, strategy)
-        self.assertEqual(res.prefix_lens, prefix)
-        self.assertEqual(res.kv_prefix_lens, kv)
-        self.assertEqual(res.state_copies, copies)
-        self.assertTrue(res.leak_ok, res.leak_details)
-        self.assertEqual(
-            res.recomputed_tokens, sum(len(r.tokens) for r in self.records) - sum(prefix)
-        )
-        return res
+        return _check_variant(self, variant, strategy, side="upstream", states_per_req=2)[0]
 
     def test_no_buffer_readme_ops(self):
         res = self._check_against_model("upstream-nobuf", "nobuf")
@@ -362,14 +367,8 @@ class OursVariantsTest(TraceDriverCase):
         from sglang_mamba_ext.plugin.cache import MambaRadixCacheAdapter
 
         # Pools large enough that nothing is evicted (3 states at most per request).
-        driver = bench_hit_rate.VARIANTS[variant].factory(400_000, 3 * self.N + 8)
+        res, driver = _check_variant(self, variant, strategy, side="ours", states_per_req=3)
         self.assertIsInstance(driver.cache, MambaRadixCacheAdapter)
-        res = run_hit_trace(driver, self.records, side="ours")
-        prefix, kv, copies = reference_model(self.records, strategy)
-        self.assertEqual(res.prefix_lens, prefix)
-        self.assertEqual(res.kv_prefix_lens, kv)
-        self.assertEqual(res.state_copies, copies)
-        self.assertTrue(res.leak_ok, res.leak_details)
         return res
 
     def test_lru_is_no_buffer(self):
