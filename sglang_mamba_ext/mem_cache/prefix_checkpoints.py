@@ -161,7 +161,8 @@ class PrefixCheckpoints:
         """``(tokens, slot)`` of the state a finished request donates, at most ``limit``
         tokens: the working slot if it holds exactly ``limit`` tokens (a whole number of
         pages, no copy-on-write or clear pending) under ``finish_state="working"``, else
-        the newest ping-pong checkpoint not past ``limit`` if it ends on a page boundary;
+        the newest ping-pong checkpoint not past ``limit`` if it ends on a page boundary,
+        else (without overlap scheduling) the older one still held in the other entry;
         ``(0, None)`` if neither (``docs/design.md``, "Ping-pong checkpoints"). The KV
         past the returned length stays the caller's, which frees it with the row."""
         done = req.kv_committed_len
@@ -175,10 +176,21 @@ class PrefixCheckpoints:
             and not req.mamba_needs_clear
         ):
             return done, req.mamba_pool_idx
+        ps = self.page_size
         c = req.mamba_last_track_seqlen
         slot = req.last_track_slot()
-        if c is not None and slot is not None and 0 < c <= min(done, limit) and c % self.page_size == 0:
+        if c is not None and slot is not None and 0 < c <= min(done, limit) and c % ps == 0:
             return c, slot
+        # A stop before the newest checkpoint (``limit`` below it): the older checkpoint
+        # still sits in the other entry, as SGLang's finish falls back to it. Only
+        # without overlap scheduling, where no forward of this request is in flight to
+        # overwrite that entry.
+        c = req.mamba_prev_track_seqlen
+        buf = req.mamba_ping_pong_track_buffer
+        if self.finish_state == "working" and c is not None and buf and 0 < c <= min(done, limit) and c % ps == 0:
+            slot = buf[req.mamba_next_track_idx]
+            if slot >= 0:
+                return c, slot
         return 0, None
 
     def _adopt_prefix(self, req: CacheReq, n: int, slot: int) -> InsertResult:
