@@ -252,6 +252,40 @@ class TestDiagnostics(unittest.TestCase):
         )
         self.assertEqual(got["ours"], got["sglang"])
 
+    def test_idle_mamba_leak_message_names_the_leaked_slot(self):
+        """SGLang's idle check (``SchedulerInvariantChecker._check_mamba_pool``) writes its leak
+        message from the cache's sizes and slot lists; over our cache it reads as over
+        SGLang's and names exactly the slot that leaked."""
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker as InvariantChecker
+
+        msgs = {}
+        for side in both():
+            with side.active():
+                side.insert(TOKENS_B, side.new_req())  # the tree takes the request's slot
+                leaked = int(side.pool.mamba_allocator.alloc(1)[0])  # never freed
+                checker = SimpleNamespace(
+                    _check_pool_invariant=InvariantChecker._check_pool_invariant,
+                    tree_cache=side.cache,
+                    req_to_token_pool=side.pool,
+                    token_to_kv_pool_allocator=side.allocator,
+                    pool_stats_observer=SimpleNamespace(session_held_mamba_slots=lambda: 0),
+                )
+                stats = SimpleNamespace(
+                    mamba_available_size=side.pool.mamba_allocator.available_size(),
+                    mamba_evictable_size=side.cache.mamba_evictable_size(),
+                )
+                leak, msg = InvariantChecker._check_mamba_pool(checker, stats)
+                self.assertTrue(leak)
+                msgs[side.name] = msg.replace(f"{{{leaked}}}", "{LEAKED}")
+        self.assertEqual(
+            msgs["ours"],
+            "[mamba] total=20, available=18, evictable=1, protected=0, session_held=0, uncached=0, "
+            "leaked_full_pages=None, leaked_mamba_pages={LEAKED}",
+        )
+        self.assertEqual(msgs["ours"], msgs["sglang"])
+
 
 if __name__ == "__main__":
     unittest.main()
