@@ -196,6 +196,41 @@ class TestUnifiedRadixCacheMambaScenarios(unittest.TestCase):
                     self.assertEqual((m.device_prefix_len, m.full_kv_hit_length), (1, hit))
                     self.assertEqual(m.mamba_branching_seqlen, want, f"KV hit {hit}")
 
+    def test_evict_for_alloc_internal_mamba_chain(self):
+        """The kit's real-components chain (``UnifiedRadixAllocationEvictionRealComponentsFixtures``:
+        states at 2, 4 and 6 tokens on one path), drained one SSM state at a time through
+        ``evict_for_alloc``: the inner states go first, least recent first, KV kept. The
+        last state is a leaf's: SGLang removes that leaf and keeps its stateless ancestors'
+        KV in the tree; ours removes the stateless ancestors with it (a leaf always holds
+        a state; docs/design.md, "SGLang conformance" and "Eviction")."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        chain = [(1, 2), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6)]
+        for side in both():
+            with self.subTest(side=side.name), side.active():
+                for p in chain:
+                    side.insert(list(p), side.new_req())
+                self.assertEqual(side.mamba_lru(), chain[::-1])
+
+                def drain():
+                    r = side.cache.evict_for_alloc(EvictParams(mamba_num=1))
+                    return r.num_tokens_evicted, r.mamba_num_evicted
+
+                self.assertEqual(drain(), (0, 1))
+                self.assertEqual(side.nodes(), {chain[0]: False, chain[1]: True, chain[2]: True})
+                self.assertEqual(drain(), (0, 1))
+                self.assertEqual(side.nodes(), {chain[0]: False, chain[1]: False, chain[2]: True})
+                if side.name == "sglang":
+                    self.assertEqual(drain(), (2, 1))
+                    self.assertEqual(side.nodes(), {chain[0]: False, chain[1]: False})
+                    self.assertEqual(side.sizes()["full_evictable"], 4)
+                else:
+                    self.assertEqual(drain(), (6, 1))
+                    self.assertEqual(side.nodes(), {})
+                    self.assertEqual(side.sizes()["full_evictable"], 0)
+                self.assertEqual(side.sizes()["mamba_available"], 20)
+                side.cache.sanity_check()
+
     def test_mamba_finished_overshoot_checkpoint(self):
         """A finished request of 12 committed tokens whose newest checkpoint is at 12 but
         whose kept length (``up_to``, a stop before the last committed token) is 10: the
