@@ -265,6 +265,32 @@ class TestUnifiedRadixCacheMambaScenarios(unittest.TestCase):
         finish_req(side.cache, req, up_to)  # SGLang's test helper: checkpoint, free, unlock
 
 
+class TestSchedulerProtocol(unittest.TestCase):
+    """Not an upstream scenario: the lock protocol the scheduler uses
+    (``BasePrefixCache.lock`` / ``unlock``), on both caches."""
+
+    def test_lock_protects_the_path_from_eviction(self):
+        for side in both():
+            with self.subTest(side=side.name), side.active():
+                for t in (TOKENS_A, TOKENS_B, TOKENS_D, TOKENS_C):
+                    side.insert(t, side.new_req())
+                lock = side.cache.lock(side.match(TOKENS_B).last_device_node)
+                self.assertEqual(
+                    side.sizes(),
+                    {"kv_available": 116, "mamba_available": 16, "full_evictable": 5, "full_protected": 7,
+                     "mamba_evictable": 3, "mamba_protected": 1},
+                )
+                # Everything unlocked goes; the locked path keeps its KV and its state.
+                self.assertEqual(side.evict(num_tokens=100, mamba_num=10), (5, 3))
+                self.assertEqual(side.nodes(), {(1, 2, 3): False, (1, 2, 3, 4, 5): False, tuple(TOKENS_B): True})
+                side.cache.unlock(lock)
+                self.assertEqual((side.sizes()["full_evictable"], side.sizes()["mamba_evictable"]), (7, 1))
+                self.assertEqual(side.evict(num_tokens=100, mamba_num=10), (7, 1))
+                self.assertEqual(side.nodes(), {})
+                self.assertEqual(side.sizes()["kv_available"], 128)
+                side.cache.sanity_check()
+
+
 class TestDiagnostics(unittest.TestCase):
     """Issue 11 item 5: the pool summary SGLang prints when an allocation fails
     (``common.available_and_evictable_str``) reads as SGLang's own hybrid mamba cache's
