@@ -207,10 +207,13 @@ class MambaRadixCache(PrefixCheckpoints):
         up to its newest ping-pong checkpoint is inserted with that checkpoint's slot, and
         the donated entry gets a fresh slot (``-1`` if the pool has none even after
         evicting one state); without ping-pong tracking (``track_slots_per_req == 0``) the
-        working state is copied into a fresh slot for the page-floored length instead. For
+        working state is copied into a fresh slot instead, when ``up_to`` is a page end. For
         a ``finished`` request its sequence goes in with its final state (see
         ``finish_state``; the key is cut at the state's length, at most ``up_to`` and
-        ``len(req.token_ids)``), and every SSM slot the tree did not take is freed.
+        ``len(req.token_ids)``), and every SSM slot the tree did not take is freed. A state
+        goes in only at a whole number of pages (SGLang's ``cache_finished_req`` floors to
+        the page); nothing is inserted for one that is not, and the KV past the inserted
+        length stays the caller's, freed with the row.
 
         Each insert frees the request's KV slots that duplicate the tree's, writes the
         tree's indices back into ``req_to_token``, moves the request's lock to the new

@@ -242,13 +242,21 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         return DecLockRefResult()
 
     def available_and_evictable_str(self) -> str:
+        """The pool summary SGLang prints when an allocation fails
+        (``allocation.alloc_token_slots`` and the decode path, through
+        ``common.available_and_evictable_str``), worded as SGLang 0.5.23's own hybrid
+        mamba cache words it (``UnifiedRadixCache.available_and_evictable_str`` with the
+        FULL and MAMBA components), so logs and tools read the same two lines: KV in
+        tokens, SSM states in slots, each ``free + evictable``."""
         kv_free = self.token_to_kv_pool_allocator.available_size()
         ssm_free = self.req_to_token_pool.mamba_allocator.available_size()
         kv_evictable = self.core.full_evictable_size()
         ssm_evictable = self.core.mamba_evictable_size()
         return (
-            f"Available KV tokens: {kv_free + kv_evictable} ({kv_free} free + {kv_evictable} evictable); "
-            f"SSM slots: {ssm_free + ssm_evictable} ({ssm_free} free + {ssm_evictable} evictable)\n"
+            f"Available full tokens: {kv_free + kv_evictable} "
+            f"(full_available_size={kv_free} + full_evictable_size_={kv_evictable})\n"
+            f"Available mamba: {ssm_free + ssm_evictable} "
+            f"(available_size={ssm_free} + component_evictable_size_={ssm_evictable})\n"
         )
 
 
