@@ -355,6 +355,24 @@ class TestHybridRule(_EventsCase):
         self.assertEqual(self.core.root_node.children, {})
         self.assertEqual(published(self.cache), [])
 
+    def test_state_dropped_above_a_withdrawn_leaf_withdraws_its_node(self):
+        """[0, 4) holds a state, [4, 9) is the locked stateless leaf (withdrawn). Evicting
+        the state at 4 leaves [0, 4) with neither a state nor a published child: withdrawn
+        as well. The unlock then removes both nodes without further events."""
+        n4 = self.insert(self.A[:4])  # splits [0, 9) at 4; the state sits at 4
+        self.assertIs(self.upper.parent, n4)
+        self.cache.inc_lock_ref(self.upper)
+        self.evict(num_tokens=KV_SIZE)
+        self.assertEqual(
+            published(self.cache), self.removed(self.hashes[9:] + self.b_hashes[9:] + self.hashes[4:9])
+        )
+        self.assertEqual(self.evict(mamba_num=1).mamba_num_evicted, 1)
+        self.assertIsNone(n4.mamba_value)
+        self.assertEqual(published(self.cache), self.removed(self.hashes[:4]))
+        self.cache.dec_lock_ref(self.upper)
+        self.assertEqual(self.core.root_node.children, {})
+        self.assertEqual(published(self.cache), [])
+
     def test_new_path_below_a_withdrawn_node_republishes_it_first(self):
         """A path stored below the withdrawn locked node announces the node's pages, then
         its own, as one parent-linked chain."""
@@ -374,6 +392,106 @@ class TestHybridRule(_EventsCase):
         self.assertEqual(published(self.cache), decoded([AllBlocksCleared()]))
         self.insert(self.B)
         self.assertEqual(published(self.cache), self.stored(self.B, 0, None))
+
+
+class TestRandomizedAgainstTheRule(_EventsCase):
+    """Seeded random inserts, matches (splits), SSM and KV evictions, locks and unlocks
+    (including locks on stateless nodes) and resets. A router's view is rebuilt from the
+    published events alone (each ``BlockStored`` must link to an announced block, store no
+    announced block again, each ``BlockRemoved`` remove announced blocks only); after every
+    step it must equal the hybrid rule applied to the tree: the pages of every node that
+    holds a state or has one below it, with the hashes SGLang's ``RadixCache`` gives those
+    pages."""
+
+    SEED = 11
+    STEPS = 400
+    PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [6] * 12, [])
+
+    def test_router_view_follows_the_rule(self):
+        import random
+
+        from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        rng = random.Random(self.SEED + self.PAGE_SIZE)
+        ps = self.PAGE_SIZE
+        ref = Reference(ps)
+        hashes_of = {}
+        announced = set()
+        locked = []
+
+        def path_hashes(tokens):
+            key = tuple(tokens)
+            if key not in hashes_of:
+                hashes_of[key] = ref.block_hashes(list(tokens))
+            return hashes_of[key]
+
+        def apply_events():
+            for ev in published(self.cache):
+                if isinstance(ev, AllBlocksCleared):
+                    announced.clear()
+                elif isinstance(ev, BlockStored):
+                    self.assertTrue(ev.parent_block_hash is None or ev.parent_block_hash in announced)
+                    self.assertFalse(announced & set(ev.block_hashes), "a block stored twice")
+                    self.assertEqual(len(ev.token_ids), len(ev.block_hashes) * ps)
+                    announced.update(ev.block_hashes)
+                else:
+                    self.assertIsInstance(ev, BlockRemoved)
+                    self.assertTrue(set(ev.block_hashes) <= announced, "an unannounced block removed")
+                    announced.difference_update(ev.block_hashes)
+
+        def rule():
+            want = set()
+
+            def visit(node, path):
+                covered = node.mamba_value is not None
+                for child in node.children.values():
+                    covered |= visit(child, path + child.key)
+                if covered and node.parent is not None:
+                    want.update(path_hashes(path)[(len(path) - len(node.key)) // ps :])
+                return covered
+
+            visit(self.core.root_node, [])
+            return want
+
+        for step in range(self.STEPS):
+            op = rng.random()
+            if op < 0.4:
+                tokens = rng.choice(self.PREFIXES) + [rng.randrange(20, 24) for _ in range(rng.randrange(0, 3) * ps + ps)]
+                tokens = tokens[: len(tokens) - len(tokens) % ps]
+                if self.allocator.available_size() < len(tokens):
+                    self.evict(num_tokens=len(tokens))
+                if self.pool.mamba_allocator.available_size() == 0:
+                    self.evict(mamba_num=1)
+                if self.allocator.available_size() >= len(tokens) and self.pool.mamba_allocator.available_size():
+                    self.insert(tokens)
+            elif op < 0.55:
+                self.match(rng.choice(self.PREFIXES)[: rng.randrange(1, 13)] + [rng.randrange(20, 24)])
+            elif op < 0.7:
+                self.evict(mamba_num=rng.randrange(1, 3))
+            elif op < 0.78:
+                self.evict(num_tokens=rng.randrange(1, 20))
+            elif op < 0.9:
+                nodes = self.core.nodes()
+                if nodes:
+                    node = rng.choice(nodes)
+                    self.cache.inc_lock_ref(node)
+                    locked.append(node)
+            elif op < 0.995:
+                if locked:
+                    self.cache.dec_lock_ref(locked.pop(rng.randrange(len(locked))))
+            elif not locked:
+                self.cache.reset()
+            apply_events()
+            self.core.sanity_check()
+            self.assertEqual(announced, rule(), f"step {step}")
+        while locked:
+            self.cache.dec_lock_ref(locked.pop())
+        apply_events()
+        self.assertEqual(announced, rule())
+
+
+class TestRandomizedAgainstTheRulePages(TestRandomizedAgainstTheRule):
+    PAGE_SIZE = 4
 
 
 class TestLifecycleThroughSGLang(_EventsCase):

@@ -3,10 +3,10 @@
 (:attr:`~sglang_mamba_ext.mem_cache.MambaRadixCache.event_sink`) become SGLang 0.5.23's
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (``disaggregation/kv_events.py``),
 queued in SGLang's own ``KVCacheEventRecorder`` (``mem_cache/events.py``) — the queue the
-scheduler drains through ``BasePrefixCache.take_events`` after each prefill batch and every
-``--decode-log-interval`` decode steps. Block hashes, parent links, one block per page,
-``medium`` (``GPU``), ``cache_salt`` / LoRA namespaces, the ``dynamo`` format and the
-coalescing of consecutive events are therefore exactly SGLang's.
+scheduler drains through ``BasePrefixCache.take_events`` after each prefill batch, every
+``--decode-log-interval`` decode steps and when it goes idle. Block hashes, parent links,
+one block per page, ``medium`` (``GPU``), ``cache_salt`` / LoRA namespaces, the ``dynamo``
+format and the coalescing of consecutive events are therefore exactly SGLang's.
 
 The hybrid rule: a block is published while its KV is in the tree *and* it lies on the
 root path of a node holding an SSM state (that node or one below it), so every published
