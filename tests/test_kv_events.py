@@ -308,6 +308,11 @@ class TestHybridRule(_EventsCase):
         # The KV of [0, 9) is still covered by the states at the ends of A and B.
         self.assertEqual(published(self.cache), [])
         self.core.sanity_check()
+        self.match(self.B)  # A's leaf is the least recent
+        self.evict(num_tokens=KV_SIZE)
+        self.assertEqual(
+            published(self.cache), self.removed(self.hashes[9:] + self.b_hashes[9:] + self.hashes[:9])
+        )
 
     def test_ssm_eviction_of_a_leaf_withdraws_its_pages(self):
         self.match(self.A)  # B's leaf is the least recent state
@@ -350,7 +355,9 @@ class TestHybridRule(_EventsCase):
     def test_locked_stateless_leaf_removed_at_unlock_reports_nothing_more(self):
         self.cache.inc_lock_ref(self.upper)
         self.evict(num_tokens=KV_SIZE)
-        published(self.cache)
+        self.assertEqual(
+            published(self.cache), self.removed(self.hashes[9:] + self.b_hashes[9:] + self.hashes[:9])
+        )
         self.cache.dec_lock_ref(self.upper)  # the bare node leaves the tree
         self.assertEqual(self.core.root_node.children, {})
         self.assertEqual(published(self.cache), [])
