@@ -55,13 +55,13 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         checkpoint_grid: tokens; ``mamba_branching_seqlen`` is reported on this grid
             (SGLang's ``mamba_checkpoint_grid(page_size)``).
         enable_metrics: create SGLang's radix-cache metrics collector.
-        enable_kv_cache_events / dynamo_kv_event_format / kv_event_lora_names: SGLang's
-            ``CacheInitParams`` fields of ``--kv-events-config``; events are recorded into
-            ``self.kv_events`` (:mod:`.kv_events`, ``docs/design.md``, "KV events").
         **core_options: the core cache's keyword arguments (``page_size``,
             ``mamba_track_interval``, ``finish_state``, ``eviction_policy``,
             ``kv_bytes_per_token``, ``max_states_per_path`` — SGLang's -1 means no bound);
             prefix checkpoints are always on.
+        enable_kv_cache_events / dynamo_kv_event_format / kv_event_lora_names: SGLang's
+            ``CacheInitParams`` fields of ``--kv-events-config``; events are recorded into
+            ``self.kv_events`` (:mod:`.kv_events`, ``docs/design.md``, "KV events").
 
     Raises:
         TypeError: the pool is not the plugin's (the pool hook did not run).
@@ -115,6 +115,12 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         self.disable = False
         self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
         self.checkpoint_grid = max(1, int(checkpoint_grid))
+        self.kv_events = attach_kv_events(
+            core,
+            enabled=enable_kv_cache_events,
+            dynamo_format=dynamo_kv_event_format,
+            lora_names=kv_event_lora_names,
+        )
         self._kv_free_groups = hasattr(token_to_kv_pool_allocator, "free_group_begin") and hasattr(
             token_to_kv_pool_allocator, "free_group"
         )
@@ -123,12 +129,6 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         req_to_token_pool.tree_cache = self
         if enable_metrics:
             self.init_metrics_collector()
-        self.kv_events = attach_kv_events(
-            core,
-            enabled=enable_kv_cache_events,
-            dynamo_format=dynamo_kv_event_format,
-            lora_names=kv_event_lora_names,
-        )
 
     # -- identity ----------------------------------------------------------------------
     @property
