@@ -56,6 +56,12 @@ class MambaRadixCache(PrefixCheckpoints):
             ``eviction_policy``.
     """
 
+    #: Observer of tree changes, ``event_sink(kind, node, other=None)`` (``docs/design.md``,
+    #: "KV events"), or ``None``: no calls. Kinds: ``"stored"`` (a new node, KV and state),
+    #: ``"split"`` (``node`` is the new upper part of ``other``), ``"state_stored"``,
+    #: ``"state_dropped"``, ``"removed"`` (``node`` left the tree), ``"reset"`` (node None).
+    event_sink = None
+
     def __init__(
         self,
         kv_allocator: Any,
@@ -113,6 +119,8 @@ class MambaRadixCache(PrefixCheckpoints):
         self._full_protected = 0
         self._mamba_evictable = 0
         self._mamba_protected = 0
+        if self.event_sink is not None:
+            self.event_sink("reset", None)
 
     def match_prefix(self, key: KeyLike, *, cow_mamba: bool = False, req: Optional[CacheReq] = None) -> MatchResult:
         """Longest cached prefix of ``key`` that is usable by a hybrid model
@@ -427,6 +435,8 @@ class MambaRadixCache(PrefixCheckpoints):
             self._full_evictable += n - pos
             self._mamba_evictable += 1
             self._touch_state(new)
+            if self.event_sink is not None:
+                self.event_sink("stored", new)
             node = new
             mamba_exist = False
         elif mamba_value is not None and node is not self.root_node and node.mamba_value is None:
@@ -457,6 +467,8 @@ class MambaRadixCache(PrefixCheckpoints):
         child.last_access_time = self._clock
         self.full_lru_list.push_front(child.full_link)
         self.full_lru_list.insert_before(new.full_link, child.full_link)
+        if self.event_sink is not None:
+            self.event_sink("split", new, child)
         return new
 
     def _touch_path(self, node: TreeNode) -> None:
@@ -498,6 +510,8 @@ class MambaRadixCache(PrefixCheckpoints):
         else:
             self._mamba_evictable += 1
         self._touch_state(node)
+        if self.event_sink is not None:
+            self.event_sink("state_stored", node)
 
     def _drop_state(self, node: TreeNode) -> None:
         """Tombstone ``node``: free its SSM slot (caller checked it is unlocked)."""
@@ -505,6 +519,8 @@ class MambaRadixCache(PrefixCheckpoints):
         node.mamba_value = None
         self._mamba_evictable -= 1
         self.mamba_lru_list.remove(node.mamba_link)
+        if self.event_sink is not None:
+            self.event_sink("state_dropped", node)
 
     def _delete_leaf(self, node: TreeNode, res: EvictResult) -> None:
         """Remove an unlocked leaf with its KV and state, then every ancestor that became an
@@ -523,6 +539,8 @@ class MambaRadixCache(PrefixCheckpoints):
             self.full_lru_list.remove(node.full_link)
             del parent.children[self._child_key(node.key, 0, node.extra_key)]
             node.removed = True
+            if self.event_sink is not None:
+                self.event_sink("removed", node)
             if parent is root or parent.children or parent.mamba_value is not None or parent.full_lock_ref > 0:
                 return
             node = parent
