@@ -91,6 +91,14 @@ class _Side:
         """The root node handle (SGLang's ``BasePrefixCache.root_node_handle``)."""
         return self.cache.root_node_handle()
 
+    def events(self) -> list:
+        """The KV events the scheduler would publish now (``take_events``), packed into
+        SGLang's ``KVEventBatch`` and decoded as its ZMQ subscribers decode them
+        (``tests/test_kv_events.py``, ``decoded``)."""
+        from test_kv_events import decoded
+
+        return decoded(self.cache.take_events())
+
     # -- node naming ----------------------------------------------------------------------
     def path(self, node) -> tuple:
         raise NotImplementedError
@@ -202,19 +210,24 @@ class OursSide(_Side):
     """This project's adapter (module docstring): ``--enable-mamba-radix`` on the tiny
     model, ``kv_size`` KV slots, ``--max-mamba-cache-size mamba_size``, ``rows`` request
     rows; ``extra_argv`` adds flags (default: ``--mamba-radix-cache-strategy no_buffer``,
-    one SSM slot per request as in the upstream tests)."""
+    one SSM slot per request as in the upstream tests); ``kv_events``: built with
+    ``CacheInitParams.enable_kv_cache_events`` under ``--kv-events-config``."""
 
     name = "ours"
 
-    def __init__(self, kv_size=256, mamba_size=20, rows=10, extra_argv=None):
+    def __init__(self, kv_size=256, mamba_size=20, rows=10, extra_argv=None, kv_events=False):
         if extra_argv is None:
             extra_argv = ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule")
+        if kv_events:
+            # As a scheduler under --kv-events-config (null publisher: the test drains).
+            extra_argv = (*extra_argv, "--kv-events-config", '{"publisher": "null"}')
         self.ctx, _ = F.scheduler_context(
             F.base_argv("--enable-mamba-radix", "--max-mamba-cache-size", str(mamba_size), *extra_argv)
         )
         with self.active():
             self.pool = F.build_req_pool(max_num_reqs=rows, context_len=512)
-            self.cache, self.allocator = F.build_tree_cache(self.pool, kv_size)
+            events = {"enable_kv_cache_events": True} if kv_events else {}
+            self.cache, self.allocator = F.build_tree_cache(self.pool, kv_size, **events)
         self.core = self.cache.core
 
     def insert(self, tokens, req, prev_prefix_len=0, value=None):

@@ -76,10 +76,12 @@ def build_req_pool(max_num_reqs: int = 4, context_len: int = 256):
     return KVCacheConfigurator._build_hybrid_req_pool(conf, max_num_reqs=max_num_reqs, extra_max_context_len=0)
 
 
-def build_tree_cache(pool, kv_size: int, page_size: int = 1):
+def build_tree_cache(pool, kv_size: int, page_size: int = 1, **cache_init_params: Any):
     """``(cache, kv_allocator)``: SGLang's ``registry.create_tree_cache`` over ``pool`` and a
     ``TokenToKVPoolAllocator`` of ``kv_size`` tokens, with the flags of the current runtime
-    context. Call inside a scheduler context."""
+    context; ``cache_init_params`` sets further ``CacheInitParams`` fields (e.g.
+    ``enable_kv_cache_events=True``, as the scheduler sets it under ``--kv-events-config``).
+    Call inside a scheduler context."""
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
@@ -94,6 +96,7 @@ def build_tree_cache(pool, kv_size: int, page_size: int = 1):
         enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
         enable_mamba_extra_buffer_lazy=get_exec().mamba.enable_mamba_extra_buffer_lazy,
         eviction_policy=get_memory().radix_eviction_policy,
+        **cache_init_params,
     )
     build_ctx = TreeCacheBuildContext(server_args=get_server_args(), params=params, **_SINGLE_RANK_SSM_HYBRID)
     return create_tree_cache(build_ctx), allocator
