@@ -27,14 +27,25 @@ TOKENS_C = [10, 11, 12]
 TOKENS_D = [1, 2, 3, 4, 5, 60, 70]
 
 
-def both(**sglang_kit_config):
-    """A fresh pair: SGLang's cache (kit ``CacheConfig`` overrides) and ours."""
+def removed(hashes):
+    """SGLang's ``BlockRemoved`` of ``hashes`` (the device pool), as a subscriber decodes it."""
+    from sglang.srt.disaggregation.kv_events import BlockRemoved, StorageMedium
+    from test_kv_events import decoded
+
+    return decoded([BlockRemoved(block_hashes=list(hashes), medium=StorageMedium.GPU)])
+
+
+def both(kv_events=False, **sglang_kit_config):
+    """A fresh pair: SGLang's cache (kit ``CacheConfig`` overrides) and ours; ``kv_events``:
+    both built with KV events on (``CacheInitParams.enable_kv_cache_events``)."""
     ours_kw = {k: sglang_kit_config.pop(k) for k in ("ours_argv",) if k in sglang_kit_config}
     kv = sglang_kit_config.setdefault("kv_size", 128)
-    fixture_kwargs = sglang_kit_config.pop("fixture_kwargs", None)
+    fixture_kwargs = dict(sglang_kit_config.pop("fixture_kwargs", None) or {})
+    if kv_events:
+        fixture_kwargs["enable_kv_cache_events"] = True
     return [
         SGLangSide(fixture_kwargs=fixture_kwargs, **sglang_kit_config),
-        OursSide(kv_size=kv, extra_argv=ours_kw.get("ours_argv")),
+        OursSide(kv_size=kv, extra_argv=ours_kw.get("ours_argv"), kv_events=kv_events),
     ]
 
 
@@ -160,19 +171,90 @@ class TestMambaUnittest(unittest.TestCase):
                 self.assertEqual(kv.available_size(), start - 7 - 3 - 9)
                 side.cache.sanity_check()
 
-    @unittest.skip(
-        "KV events are issue 11 item 4 (a separate branch); docs/design.md, SGLang conformance"
-    )
     def test_mamba_radix_cache_kv_events(self):
-        """Placeholder named after SGLang's scenario (BlockStored per insert, no
-        BlockRemoved for a state-only eviction, BlockRemoved for every stored hash)."""
+        """KV events (both caches built with ``enable_kv_cache_events``, decoded as SGLang's
+        subscribers decode them): one ``BlockStored`` per insert, linked to the block
+        before it; nothing when an inner state is evicted (its KV stays covered by the
+        state below); a KV eviction withdraws every stored block exactly once in all.
 
-    @unittest.skip(
-        "KV events are issue 11 item 4 (a separate branch); docs/design.md, SGLang conformance"
-    )
+        The difference (docs/design.md, "SGLang conformance"): the KV eviction of the leaf
+        leaves the stateless ``[1, 2, 3]`` without a child. SGLang 0.5.23 keeps it in the
+        tree and keeps announcing its blocks, although no request can resume there (KV hit
+        3, usable 0) until its own eviction withdraws them; ours removes it with the leaf
+        and withdraws all five blocks at once, as SGLang's scenario expects."""
+        from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockStored
+
+        results = {}
+        for side in both(kv_events=True):
+            with self.subTest(side=side.name), side.active():
+                self.assertEqual(side.events(), [AllBlocksCleared()])
+                side.insert([1, 2, 3], side.new_req())
+                (first,) = side.events()
+                self.assertIsInstance(first, BlockStored)
+                self.assertEqual(
+                    (first.token_ids, first.parent_block_hash, first.block_size, len(first.block_hashes)),
+                    ([1, 2, 3], None, 1, 3),
+                )
+                side.insert([1, 2, 3, 4, 5], side.new_req())
+                (second,) = side.events()
+                self.assertIsInstance(second, BlockStored)
+                self.assertEqual(
+                    (second.token_ids, second.parent_block_hash, len(second.block_hashes)),
+                    ([4, 5], first.block_hashes[-1], 2),
+                )
+                self.assertEqual(len(set(first.block_hashes + second.block_hashes)), 5)
+                # State-only eviction of the inner state at 3: no event on either side.
+                self.assertEqual(side.evict(mamba_num=1), (0, 1))
+                self.assertEqual(side.nodes(), {(1, 2, 3): False, (1, 2, 3, 4, 5): True})
+                self.assertEqual(side.events(), [])
+                # One KV token: the leaf goes, with its state.
+                if side.name == "sglang":
+                    self.assertEqual(side.evict(num_tokens=1), (2, 1))
+                    self.assertEqual(side.nodes(), {(1, 2, 3): False})
+                    self.assertEqual(side.events(), removed(second.block_hashes))
+                    m = side.match([1, 2, 3, 4])
+                    self.assertEqual((m.device_prefix_len, m.full_kv_hit_length), (0, 3))
+                    # [1, 2, 3] stays announced until its own eviction.
+                    self.assertEqual(side.evict(num_tokens=1), (3, 0))
+                    self.assertEqual(side.events(), removed(first.block_hashes))
+                else:
+                    self.assertEqual(side.evict(num_tokens=1), (5, 1))
+                    self.assertEqual(side.events(), removed(second.block_hashes + first.block_hashes))
+                    m = side.match([1, 2, 3, 4])
+                    self.assertEqual((m.device_prefix_len, m.full_kv_hit_length), (0, 0))
+                # Every stored block withdrawn once, the leaf's first (exact lists above).
+                self.assertEqual(side.nodes(), {})
+                self.assertEqual(side.sizes()["kv_available"], 128)
+                results[side.name] = (first, second)
+                side.cache.sanity_check()
+        # Same blocks, hashes and links on both.
+        self.assertEqual(results["ours"], results["sglang"])
+
     def test_mamba_radix_cache_kv_events_split_hash(self):
-        """Placeholder named after SGLang's scenario (the parent hash of a block stored
-        after a split)."""
+        """An insert that splits a stored node publishes only its new blocks, linked to the
+        block where the split happened (the split itself publishes nothing: same pages,
+        same hashes)."""
+        from sglang.srt.disaggregation.kv_events import BlockStored
+
+        results = {}
+        for side in both(kv_events=True):
+            with self.subTest(side=side.name), side.active():
+                side.events()  # the AllBlocksCleared of construction
+                side.insert([1, 2, 3, 4], side.new_req())
+                (first,) = side.events()
+                self.assertIsInstance(first, BlockStored)
+                self.assertEqual((first.token_ids, first.parent_block_hash, len(first.block_hashes)), ([1, 2, 3, 4], None, 4))
+                side.insert([1, 2, 5, 6], side.new_req())
+                (second,) = side.events()
+                self.assertIsInstance(second, BlockStored)
+                self.assertEqual(
+                    (second.token_ids, second.parent_block_hash, len(second.block_hashes)),
+                    ([5, 6], first.block_hashes[1], 2),
+                )
+                self.assertEqual(side.nodes(), {(1, 2): False, (1, 2, 3, 4): True, (1, 2, 5, 6): True})
+                results[side.name] = (first, second)
+                side.cache.sanity_check()
+        self.assertEqual(results["ours"], results["sglang"])
 
 
 class TestUnifiedRadixCacheMambaScenarios(unittest.TestCase):
@@ -202,32 +284,43 @@ class TestUnifiedRadixCacheMambaScenarios(unittest.TestCase):
         ``evict_for_alloc``: the inner states go first, least recent first, KV kept. The
         last state is a leaf's: SGLang removes that leaf and keeps its stateless ancestors'
         KV in the tree; ours removes the stateless ancestors with it (a leaf always holds
-        a state; docs/design.md, "SGLang conformance" and "Eviction")."""
+        a state; docs/design.md, "SGLang conformance" and "Eviction"). With KV events on,
+        SGLang withdraws the leaf's blocks only and keeps announcing the ancestors'; ours
+        withdraws all of them."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         chain = [(1, 2), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6)]
-        for side in both():
+        for side in both(kv_events=True):
             with self.subTest(side=side.name), side.active():
+                side.events()  # the AllBlocksCleared of construction
                 for p in chain:
                     side.insert(list(p), side.new_req())
                 self.assertEqual(side.mamba_lru(), chain[::-1])
+                (stored,) = side.events()  # one chain of 6 blocks (consecutive stores merged)
+                self.assertEqual((stored.token_ids, stored.parent_block_hash), (list(chain[2]), None))
+                hashes = stored.block_hashes
 
                 def drain():
                     r = side.cache.evict_for_alloc(EvictParams(mamba_num=1))
                     return r.num_tokens_evicted, r.mamba_num_evicted
 
+                # Inner states: KV kept and still covered by the leaf's state, no event.
                 self.assertEqual(drain(), (0, 1))
                 self.assertEqual(side.nodes(), {chain[0]: False, chain[1]: True, chain[2]: True})
                 self.assertEqual(drain(), (0, 1))
                 self.assertEqual(side.nodes(), {chain[0]: False, chain[1]: False, chain[2]: True})
+                self.assertEqual(side.events(), [])
                 if side.name == "sglang":
                     self.assertEqual(drain(), (2, 1))
                     self.assertEqual(side.nodes(), {chain[0]: False, chain[1]: False})
                     self.assertEqual(side.sizes()["full_evictable"], 4)
+                    # The stateless [1..4] stays announced (KV events: no state can resume it).
+                    self.assertEqual(side.events(), removed(hashes[4:]))
                 else:
                     self.assertEqual(drain(), (6, 1))
                     self.assertEqual(side.nodes(), {})
                     self.assertEqual(side.sizes()["full_evictable"], 0)
+                    self.assertEqual(side.events(), removed(hashes[4:] + hashes[2:4] + hashes[:2]))
                 self.assertEqual(side.sizes()["mamba_available"], 20)
                 side.cache.sanity_check()
 
