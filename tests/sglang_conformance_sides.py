@@ -118,24 +118,7 @@ class _Side:
         """SGLang's deferred copy-on-write of ``req`` as the forward start runs it
         (``ScheduleBatch._collect_deferred_mamba_cow_and_clear``,
         ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear``)."""
-        from types import SimpleNamespace
-
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-        from sglang.srt.model_executor.model_runner import ModelRunner
-
-        cow = SimpleNamespace()
-        ScheduleBatch._collect_deferred_mamba_cow_and_clear(cow, [req])
-        fb = SimpleNamespace(
-            forward_mode=SimpleNamespace(
-                is_extend=lambda: True, is_target_verify=lambda: False, is_draft_extend_v2=lambda: False
-            ),
-            mamba_clear_indices=cow.mamba_clear_indices,
-            mamba_cow_src_indices=cow.mamba_cow_src_indices,
-            mamba_cow_dst_indices=cow.mamba_cow_dst_indices,
-        )
-        ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(
-            SimpleNamespace(req_to_token_pool=self.pool, is_draft_worker=False), fb
-        )
+        F.run_deferred_cow(self.pool, [req])
 
     def state(self, slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
         cache = self.pool.mamba_pool.mamba_cache

@@ -59,3 +59,29 @@ def in_context(ctx):
 
     with use_context(ctx):
         yield ctx
+
+
+def run_deferred_cow(pool, reqs):
+    """SGLang's deferred copy-on-write / clear for ``reqs`` as a prefill runs it
+    (``ScheduleBatch._collect_deferred_mamba_cow_and_clear``, then
+    ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` on ``pool``). Returns the
+    stand-in forward batch (an extend), for the backend plan API."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    cow = SimpleNamespace()
+    ScheduleBatch._collect_deferred_mamba_cow_and_clear(cow, list(reqs))
+    fb = SimpleNamespace(
+        forward_mode=SimpleNamespace(
+            is_extend=lambda: True, is_target_verify=lambda: False, is_draft_extend_v2=lambda: False
+        ),
+        mamba_clear_indices=cow.mamba_clear_indices,
+        mamba_cow_src_indices=cow.mamba_cow_src_indices,
+        mamba_cow_dst_indices=cow.mamba_cow_dst_indices,
+    )
+    ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(
+        SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False), fb
+    )
+    return fb

@@ -40,24 +40,7 @@ MAMBA_SIZE = 16
 def build_cache(pool, page_size: int = 1, **event_params):
     """``(adapter, kv_allocator)`` through SGLang's ``create_tree_cache`` with the event
     fields of ``CacheInitParams`` (``enable_kv_cache_events`` ...) set as given."""
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
-    from sglang.srt.runtime_context import get_exec, get_server_args
-
-    from sglang_mamba_ext.benchmarks.ours import _SINGLE_RANK_SSM_HYBRID
-
-    allocator = TokenToKVPoolAllocator(KV_SIZE, torch.float32, "cpu", None, False)
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=pool,
-        token_to_kv_pool_allocator=allocator,
-        page_size=page_size,
-        enable_mamba_extra_buffer=get_exec().mamba.enable_mamba_extra_buffer,
-        **event_params,
-    )
-    ctx = TreeCacheBuildContext(server_args=get_server_args(), params=params, **_SINGLE_RANK_SSM_HYBRID)
-    return create_tree_cache(ctx), allocator
+    return F.build_tree_cache(pool, KV_SIZE, page_size, **event_params)
 
 
 def decoded(events):

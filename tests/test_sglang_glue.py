@@ -44,7 +44,6 @@ class _Harness:
     def __init__(self, test, pool, cache, allocator):
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.mem_cache.allocation import alloc_token_slots
-        from sglang.srt.model_executor.model_runner import ModelRunner
 
         self.alloc_token_slots = alloc_token_slots
 
@@ -53,7 +52,6 @@ class _Harness:
         self.cache = cache
         self.allocator = allocator
         self.ScheduleBatch = ScheduleBatch
-        self.ModelRunner = ModelRunner
         self.conv = pool.mamba_pool.mamba_cache.conv[0]
         self.temporal = pool.mamba_pool.mamba_cache.temporal
         from transformers import AutoConfig
@@ -98,18 +96,7 @@ class _Harness:
         entry = None
         if self.pool.enable_mamba_extra_buffer:
             entry = self.ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend(self.batch, req)
-        cow = SimpleNamespace()
-        self.ScheduleBatch._collect_deferred_mamba_cow_and_clear(cow, [req])
-        fb = SimpleNamespace(
-            forward_mode=SimpleNamespace(
-                is_extend=lambda: True, is_target_verify=lambda: False, is_draft_extend_v2=lambda: False
-            ),
-            mamba_clear_indices=cow.mamba_clear_indices,
-            mamba_cow_src_indices=cow.mamba_cow_src_indices,
-            mamba_cow_dst_indices=cow.mamba_cow_dst_indices,
-        )
-        runner = SimpleNamespace(req_to_token_pool=self.pool, is_draft_worker=False)
-        self.ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(runner, fb)
+        fb = F.run_deferred_cow(self.pool, [req])
         tokens = list(req.full_untruncated_fill_ids)
         work = int(req.kv.mamba_pool_idx)
         want = state_value(tokens[:start]) if start > 0 else 0.0
