@@ -340,19 +340,27 @@ class MambaRadixCache(PrefixCheckpoints):
         """Nodes holding KV but no SSM state (O(1): nodes minus states)."""
         return self.full_lru_list.size - self.mamba_lru_list.size
 
-    def count_hit(self, prompt_len: int, result: MatchResult) -> None:
-        """Count one admitted prefill whose (copy-on-write) match gave ``result`` for a
-        prompt of ``prompt_len`` tokens (:class:`.stats.CacheStats`). The caller decides
-        which matches are admissions: SGLang's scheduler may match a request, fail to admit
-        it and match it again later."""
+    @staticmethod
+    def hit_of(prompt_len: int, result: MatchResult) -> Tuple[int, int, int, Optional[str]]:
+        """The arguments of :meth:`count_hit` for a match ``result`` of a prompt of
+        ``prompt_len`` tokens (taken at match time: the origin is the matched state's)."""
+        prefix = result.prefix_len
+        origin = (result.last_node.mamba_origin or "insert") if prefix else None
+        return prompt_len, result.kv_match_len, prefix, origin
+
+    def count_hit(self, prompt_len: int, kv_match_len: int, prefix_len: int, origin: Optional[str]) -> None:
+        """Count one admitted prefill (:class:`.stats.CacheStats`): its prompt length, the
+        tokens its match found as KV and as a usable prefix, and the origin of the state the
+        usable prefix ends on (``None`` without a hit); see :meth:`hit_of`. The caller
+        decides which matches are admissions: SGLang's scheduler may match a request, fail
+        to admit it and match it again later."""
         s = self.stats
         s.matches += 1
         s.prompt_tokens += prompt_len
-        s.kv_match_tokens += result.kv_match_len
-        prefix = result.prefix_len
-        s.prefix_tokens += prefix
-        if prefix:
-            s.state_hits[result.last_node.mamba_origin or "insert"] += 1
+        s.kv_match_tokens += kv_match_len
+        s.prefix_tokens += prefix_len
+        if origin is not None:
+            s.state_hits[origin] += 1
 
     def stats_snapshot(self) -> dict:
         """Counters and sizes as a flat dict of ints (metrics, ``/server_info``): the
