@@ -14,7 +14,9 @@ exactly what the request did (expected values computed from the token ids):
 - a request diverging inside that prompt at a point with no state matches KV only (no
   usable token) and plants a branch checkpoint; the next one diverging there hits it;
 - ``/server_info``'s ``internal_states[0]["mamba_radix"]`` reports the cache's settings and
-  the same counters, and the gauges agree with it at idle.
+  the same counters, and the gauges agree with it at idle;
+- with ``--enable-cache-report`` a resent chat reports its hit in the OpenAI ``usage``
+  (``prompt_tokens_details.cached_tokens``), the same tokens the counters moved by.
 """
 
 import json
@@ -80,7 +82,7 @@ class TestMetricsServing(unittest.TestCase):
         cls.server = Server(
             cls.model_dir,
             [
-                "--device", "cpu", "--enable-mamba-radix", "--enable-metrics",
+                "--device", "cpu", "--enable-mamba-radix", "--enable-metrics", "--enable-cache-report",
                 "--warmups", "kda_cache", "--warmup-prompts-file", prompts,
             ],
             os.path.join(cls.tmp.name, "server.log"),
@@ -207,7 +209,32 @@ class TestMetricsServing(unittest.TestCase):
         self.assertEqual(entry["ssm_slots_free"] + entry["ssm_states"], entry["ssm_slots_total"])
         self.assertEqual(entry["kv_protected_tokens"], 0)
 
-    def test_e_survives_sglangs_idle_checks(self):
+    def test_e_cache_report_in_chat_usage(self):
+        import requests
+
+        body = {
+            "model": "tiny",
+            "messages": [
+                {"role": "system", "content": "Quokkas only. Reply in five words."},
+                {"role": "user", "content": "Which animal smiles most?"},
+            ],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        url = self.server.base_url + "/v1/chat/completions"
+        first = requests.post(url, json=body, timeout=300).json()["usage"]
+        settle(self.server)
+        m0 = scrape(self.server)
+        second = requests.post(url, json=body, timeout=300).json()["usage"]
+        settle(self.server)
+        d = moved(m0, scrape(self.server))
+        self.assertEqual(second["prompt_tokens"], first["prompt_tokens"])
+        cached = second["prompt_tokens_details"]["cached_tokens"]
+        self.assertEqual(cached, second["prompt_tokens"] - 1)  # the prompt-end checkpoint
+        self.assertEqual(d.get("prefix_tokens_total"), cached)
+        self.assertEqual(d.get("prompt_tokens_total"), second["prompt_tokens"])
+
+    def test_f_survives_sglangs_idle_checks(self):
         idle_and_checked(self.server)
 
 
