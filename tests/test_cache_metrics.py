@@ -276,6 +276,18 @@ class TestAdapterCounting(unittest.TestCase):
         self.assertEqual(self.sample("evicted_ssm_states_total", policy="lru"), held["ssm_states"])
         self.assertEqual((self.sample("kv_tokens"), self.sample("ssm_states")), (0, 0))
 
+    def test_flush_empties_the_gauges_and_keeps_the_counters(self):
+        self.serve("a", list(range(10, 50)), [1, 2])
+        stored = self.sample("checkpoints_total", kind="finish")
+        self.assertEqual(stored, 1)
+        self.assertGreater(self.sample("ssm_states"), 0)
+        self.cache.reset()  # Scheduler.flush_cache; the pools are cleared right after
+        self.pool.clear()
+        self.allocator.clear()
+        self.assertEqual((self.sample("kv_tokens"), self.sample("ssm_states"), self.sample("tombstones")), (0, 0, 0))
+        self.assertEqual(self.sample("checkpoints_total", kind="finish"), stored)
+        self.assertEqual(self.sample("matches_total"), 1)
+
     def test_server_info_entry(self):
         from sglang_mamba_ext.plugin.metrics import server_info_after
 

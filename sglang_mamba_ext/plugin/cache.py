@@ -148,6 +148,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
     def reset(self) -> None:
         """Drop the tree (``Scheduler.flush_cache`` clears the pools right after)."""
         self.core.reset()
+        if self.hybrid_metrics is not None:
+            self.sync_metrics()
 
     # -- match -------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
