@@ -670,6 +670,50 @@ class TestPrefixCheckpoints(_ContextTest):
         h.check_tree_states()
         h.check_idle()
 
+    def test_admission_evicts_cold_states_before_planned_checkpoints(self):
+        """Issue 11: a new request admitted while another is between prefill chunks (the two
+        share the next forward) must take its SSM slots from the tree's cold states, not from
+        the other request's planned checkpoints. SGLang's ``ensure_mamba_capacity`` evicts
+        only for the shortfall of ``schedulable_available_size()``; counting planned slots as
+        free there made it skip the eviction and the pool reclaim the checkpoints, so the
+        branch point and prompt length - 1 were lost under SSM pressure."""
+        h = self.h
+        per_req = self.pool.core.mamba_slots_per_req()
+        # Cold states in the tree: two finished requests.
+        self.run_req("cold1", list(range(800, 830)))
+        self.run_req("cold2", list(range(850, 880)))
+        cold_states = self.cache.mamba_evictable_size()
+        self.assertGreaterEqual(cold_states, per_req)
+        prompt = list(range(400, 460))
+        a = F.make_req("a", prompt)
+        h.admit(a)
+        h.forward_extend(a, 32)
+        a_row = a.kv.req_pool_idx
+        planned = list(self.pool.prefix_checkpoints[a_row])
+        self.assertEqual([c for c, _ in planned], [59])
+        # Every other slot taken: the next admission needs per_req slots from the tree.
+        filler = self.pool.core_mamba_pool.alloc_list(self.pool.core_mamba_pool.available_size())
+        self.assertEqual(self.pool.core_mamba_pool.available_size(), 0)
+        b = F.make_req("b", list(range(500, 520)))
+        h.admit(b)
+        self.assertEqual(self.pool.prefix_checkpoints[a_row], planned)
+        # b's own slots and its prompt-end checkpoint (at 19) came from the cold states.
+        self.assertEqual([c for c, _ in self.pool.prefix_checkpoints[b.kv.req_pool_idx]], [19])
+        self.assertEqual(self.cache.mamba_evictable_size(), cold_states - per_req - 1)
+        self.pool.core_mamba_pool.free(filler)
+        h.prefill(a)
+        h.prefill(b)
+        h.finish(a)
+        h.finish(b)
+        h.check_tree_states()
+        h.check_idle()
+        again = F.make_req("again", prompt)
+        h.admit(again)
+        self.assertEqual(again.prefix_len, len(prompt) - 1)
+        h.prefill(again)
+        h.finish(again)
+        h.check_idle()
+
 
 class TestLifecycleNoBuffer(_ContextTest):
     """``--mamba-radix-cache-strategy no_buffer`` (explicit user choice): no ping-pong

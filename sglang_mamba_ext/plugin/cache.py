@@ -250,10 +250,15 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         finally:
             if group:
                 self.token_to_kv_pool_allocator.free_group_end()
+        mamba_evicted = res.mamba_num_evicted
+        if params.mamba_num > mamba_evicted:
+            # The tree had no more states to give: planned prefix checkpoints of running
+            # requests are optional, so they go next (never a request's own slots).
+            mamba_evicted += self.req_to_token_pool.reclaim_prefix_checkpoints(params.mamba_num - mamba_evicted)
         self.update_eviction_metrics(res.num_tokens_evicted, start)
         if self.hybrid_metrics is not None:
             self.sync_metrics()
-        return EvictResult(num_tokens_evicted=res.num_tokens_evicted, mamba_num_evicted=res.mamba_num_evicted)
+        return EvictResult(num_tokens_evicted=res.num_tokens_evicted, mamba_num_evicted=mamba_evicted)
 
     def inc_lock_ref(self, node) -> IncLockRefResult:
         self.core.inc_lock_ref(node)

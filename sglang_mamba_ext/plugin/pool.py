@@ -100,7 +100,12 @@ class MambaSlotAllocatorFacade:
         return self._pool.available_size() + self._reclaimable()
 
     def schedulable_available_size(self) -> int:
-        return self.available_size()
+        """Slots free right now. SGLang's ``ensure_mamba_capacity``
+        (``mem_cache/allocation.py``) evicts the tree for the shortfall below this, so the
+        slots of planned prefix checkpoints are not counted: cold tree states go first,
+        and the adapter's ``evict`` gives planned checkpoints back only when the tree has
+        no state left to evict (issue 11)."""
+        return self._pool.available_size()
 
     def alloc_group_begin(self, num_reqs: int) -> None:
         return None
@@ -111,7 +116,7 @@ class MambaSlotAllocatorFacade:
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         short = need_size - self._pool.available_size()
         if short > 0 and self._owner is not None:
-            self._owner.reclaim_prefix_checkpoints(short)
+            self._owner.make_mamba_room(short)
         return self._pool.alloc(need_size)
 
     def free(self, free_index: torch.Tensor) -> None:
@@ -259,6 +264,19 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             self.core_mamba_pool.free(freed)
         return len(freed)
 
+    def make_mamba_room(self, num: int) -> None:
+        """Free up to ``num`` SSM slots for an allocation: cold tree states first (the tree
+        cache's ``evict``, which gives planned prefix checkpoints back only for what the
+        tree could not free), planned checkpoints alone without a tree cache."""
+        if num <= 0:
+            return
+        if self.tree_cache is not None:
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+            self.tree_cache.evict(EvictParams(num_tokens=0, mamba_num=num))
+        else:
+            self.reclaim_prefix_checkpoints(num)
+
     def _drop_prefix_checkpoints(self, rows) -> None:
         """Free the slots of prefix checkpoints still planned for ``rows``."""
         slots = [slot for row in rows for _, slot in self.prefix_checkpoints.pop(row, ())]
@@ -272,11 +290,11 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         if fresh:
             creqs = [req_bridge.pull(r) for r in fresh]
             rows = self.core.alloc(creqs)
-            if rows is None and self.prefix_checkpoints:
-                # Planned prefix checkpoints are optional: give them up before failing
-                # the batch (SGLang's admission counted them as available).
-                need = self.core.mamba_slots_needed(creqs)
-                self.reclaim_prefix_checkpoints(need - self.core_mamba_pool.available_size())
+            short = self.core.mamba_slots_needed(creqs) - self.core_mamba_pool.available_size()
+            if rows is None and short > 0:
+                # SGLang's ensure_mamba_capacity normally made the room; a caller that did
+                # not gets it here (cold tree states, then planned checkpoints).
+                self.make_mamba_room(short)
                 rows = self.core.alloc(creqs)
             if rows is None:
                 return None
