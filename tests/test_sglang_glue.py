@@ -295,6 +295,26 @@ class TestFlags(unittest.TestCase):
             f.write('{"input_ids": [1, %d]}\n' % (vocab - 1))
         F.parse_args(F.base_argv("--warmups", "kda_cache", "--warmup-prompts-file", path))
 
+    def test_page_size_off_the_state_chunk_is_refused_at_start_up(self):
+        """SGLang asserts these in the scheduler process (a traceback); under the plugin's
+        flag the resolution refuses them naming the flags (issue 11). The tiny model's
+        linear-attention state chunk is 8 tokens."""
+        cases = [
+            (["--page-size", "12", "--mamba-track-interval", "48", "--chunked-prefill-size", "96"],
+             "--page-size 12 must divide or be a multiple of the model's linear-attention state chunk (8 tokens"),
+            (["--page-size", "16", "--chunked-prefill-size", "72"],
+             "--chunked-prefill-size 72 must be a multiple of --page-size 16; use --chunked-prefill-size 64"),
+        ]
+        for extra, needle in cases:
+            with self.subTest(extra=extra):
+                with self.assertRaises(ValueError) as cm:
+                    F.scheduler_context(F.base_argv("--enable-mamba-radix", *extra))
+                self.assertIn(needle, str(cm.exception))
+                self.assertIn("--enable-mamba-radix", str(cm.exception))
+        # Served: a page size dividing the chunk, and one that is a multiple of it.
+        for page in ("4", "16"):
+            F.scheduler_context(F.base_argv("--enable-mamba-radix", "--page-size", page, "--mamba-track-interval", "32"))
+
     def test_non_hybrid_model_is_refused(self):
         d = tempfile.TemporaryDirectory()
         self.addCleanup(d.cleanup)

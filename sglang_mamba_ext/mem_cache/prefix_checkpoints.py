@@ -85,12 +85,16 @@ class PrefixCheckpoints:
         if tracked:
             n = req.mamba_last_track_seqlen
             slot = req.last_track_slot()
-            if n is None or slot is None or n <= p or n > limit:
+            # A state names a node only at a whole number of pages (issue 11).
+            if n is None or slot is None or n <= p or n > limit or n % self.page_size:
                 return
             entry = 1 - req.mamba_next_track_idx
         else:
-            n = limit - limit % self.page_size
-            if n <= p:
+            # The working state is the state after ``limit`` tokens: it can only go into
+            # a node ending there, so only when that is a page end (flooring the key
+            # would pair a shorter key with a longer sequence's state).
+            n = limit
+            if n <= p or n % self.page_size:
                 return
             slot = self._alloc_mamba_slot()
             if slot is None:
@@ -160,8 +164,10 @@ class PrefixCheckpoints:
         """``(tokens, slot)`` of the state a finished request donates, at most ``limit``
         tokens: the working slot if it holds exactly ``limit`` tokens (a whole number of
         pages, no copy-on-write or clear pending) under ``finish_state="working"``, else
-        the newest ping-pong checkpoint not past ``limit``; ``(0, None)`` if neither
-        (``docs/design.md``, "Ping-pong checkpoints")."""
+        the newest ping-pong checkpoint not past ``limit`` if it ends on a page boundary,
+        else (without overlap scheduling) the older one still held in the other entry;
+        ``(0, None)`` if neither (``docs/design.md``, "Ping-pong checkpoints"). The KV
+        past the returned length stays the caller's, which frees it with the row."""
         done = req.kv_committed_len
         if (
             self.finish_state == "working"
@@ -173,10 +179,21 @@ class PrefixCheckpoints:
             and not req.mamba_needs_clear
         ):
             return done, req.mamba_pool_idx
+        ps = self.page_size
         c = req.mamba_last_track_seqlen
         slot = req.last_track_slot()
-        if c is not None and slot is not None and 0 < c <= min(done, limit):
+        if c is not None and slot is not None and 0 < c <= min(done, limit) and c % ps == 0:
             return c, slot
+        # A stop before the newest checkpoint (``limit`` below it): the older checkpoint
+        # still sits in the other entry, as SGLang's finish falls back to it. Only
+        # without overlap scheduling, where no forward of this request is in flight to
+        # overwrite that entry.
+        c = req.mamba_prev_track_seqlen
+        buf = req.mamba_ping_pong_track_buffer
+        if self.finish_state == "working" and c is not None and buf and 0 < c <= min(done, limit) and c % ps == 0:
+            slot = buf[req.mamba_next_track_idx]
+            if slot >= 0:
+                return c, slot
         return 0, None
 
     def _adopt_prefix(self, req: CacheReq, n: int, slot: int, origin: str = "insert") -> InsertResult:
@@ -184,7 +201,13 @@ class PrefixCheckpoints:
         them; ``origin`` as in ``stats.STATE_ORIGINS``). When ``n`` passes ``cache_protected_len``, the request's lock moves to the
         node ending at ``n``, ``req_to_token[row, p:n]`` is pointed at the tree's KV slots
         and ``cache_protected_len`` becomes ``n``. The caller still owns ``slot`` when the
-        result says ``mamba_exist``."""
+        result says ``mamba_exist``.
+
+        Raises:
+            ValueError: ``n`` is not a whole number of pages (the caller must floor a
+                length only together with a state taken at the floored length)."""
+        if n % self.page_size:
+            raise ValueError(f"request {req.rid!r}: a state at {n} tokens is not on a page boundary (page_size {self.page_size})")
         pool = self.req_to_token_pool
         row = req.req_pool_idx
         p = req.cache_protected_len

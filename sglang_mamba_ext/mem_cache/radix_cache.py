@@ -57,6 +57,12 @@ class MambaRadixCache(PrefixCheckpoints):
             ``eviction_policy``.
     """
 
+    #: Observer of tree changes, ``event_sink(kind, node, other=None)`` (``docs/design.md``,
+    #: "KV events"), or ``None``: no calls. Kinds: ``"stored"`` (a new node, KV and state),
+    #: ``"split"`` (``node`` is the new upper part of ``other``), ``"state_stored"``,
+    #: ``"state_dropped"``, ``"removed"`` (``node`` left the tree), ``"reset"`` (node None).
+    event_sink = None
+
     def __init__(
         self,
         kv_allocator: Any,
@@ -119,6 +125,8 @@ class MambaRadixCache(PrefixCheckpoints):
         self._full_protected = 0
         self._mamba_evictable = 0
         self._mamba_protected = 0
+        if self.event_sink is not None:
+            self.event_sink("reset", None)
 
     def match_prefix(self, key: KeyLike, *, cow_mamba: bool = False, req: Optional[CacheReq] = None) -> MatchResult:
         """Longest cached prefix of ``key`` that is usable by a hybrid model
@@ -215,10 +223,13 @@ class MambaRadixCache(PrefixCheckpoints):
         up to its newest ping-pong checkpoint is inserted with that checkpoint's slot, and
         the donated entry gets a fresh slot (``-1`` if the pool has none even after
         evicting one state); without ping-pong tracking (``track_slots_per_req == 0``) the
-        working state is copied into a fresh slot for the page-floored length instead. For
+        working state is copied into a fresh slot instead, when ``up_to`` is a page end. For
         a ``finished`` request its sequence goes in with its final state (see
         ``finish_state``; the key is cut at the state's length, at most ``up_to`` and
-        ``len(req.token_ids)``), and every SSM slot the tree did not take is freed.
+        ``len(req.token_ids)``), and every SSM slot the tree did not take is freed. A state
+        goes in only at a whole number of pages (SGLang's ``cache_finished_req`` floors to
+        the page); nothing is inserted for one that is not, and the KV past the inserted
+        length stays the caller's, freed with the row.
 
         Each insert frees the request's KV slots that duplicate the tree's, writes the
         tree's indices back into ``req_to_token``, moves the request's lock to the new
@@ -486,6 +497,8 @@ class MambaRadixCache(PrefixCheckpoints):
             self._full_evictable += n - pos
             self._mamba_evictable += 1
             self._touch_state(new)
+            if self.event_sink is not None:
+                self.event_sink("stored", new)
             node = new
             mamba_exist = False
         elif mamba_value is not None and node is not self.root_node and node.mamba_value is None:
@@ -519,6 +532,8 @@ class MambaRadixCache(PrefixCheckpoints):
         child.last_access_time = self._clock
         self.full_lru_list.push_front(child.full_link)
         self.full_lru_list.insert_before(new.full_link, child.full_link)
+        if self.event_sink is not None:
+            self.event_sink("split", new, child)
         return new
 
     def _touch_path(self, node: TreeNode) -> None:
@@ -560,6 +575,8 @@ class MambaRadixCache(PrefixCheckpoints):
         else:
             self._mamba_evictable += 1
         self._touch_state(node)
+        if self.event_sink is not None:
+            self.event_sink("state_stored", node)
 
     def _drop_state(self, node: TreeNode) -> None:
         """Tombstone ``node``: free its SSM slot (caller checked it is unlocked)."""
@@ -567,6 +584,8 @@ class MambaRadixCache(PrefixCheckpoints):
         node.mamba_value = None
         self._mamba_evictable -= 1
         self.mamba_lru_list.remove(node.mamba_link)
+        if self.event_sink is not None:
+            self.event_sink("state_dropped", node)
 
     def _delete_leaf(self, node: TreeNode, res: EvictResult) -> None:
         """Remove an unlocked leaf with its KV and state, then every ancestor that became an
@@ -585,6 +604,8 @@ class MambaRadixCache(PrefixCheckpoints):
             self.full_lru_list.remove(node.full_link)
             del parent.children[self._child_key(node.key, 0, node.extra_key)]
             node.removed = True
+            if self.event_sink is not None:
+                self.event_sink("removed", node)
             if parent is root or parent.children or parent.mamba_value is not None or parent.full_lock_ref > 0:
                 return
             node = parent

@@ -42,6 +42,9 @@ class CacheReq:
         mamba_next_track_idx: which ping-pong entry the next checkpoint goes to (0/1).
         mamba_last_track_seqlen: sequence length (tokens) of the state in the other entry,
             ``None`` if no checkpoint is held.
+        mamba_prev_track_seqlen: sequence length (tokens) of the older checkpoint, still
+            held in entry ``mamba_next_track_idx`` until the next checkpoint overwrites it
+            (SGLang's ``ReqKvInfo.mamba_prev_track_seqlen``), or ``None``.
         mamba_prefix_checkpoints: extra checkpoints planned for this prefill as sorted
             ``(seqlen, slot)`` pairs (branch point, prompt end - 1), not yet in the tree.
         user: free slot for the adapter (e.g. SGLang's ``Req``).
@@ -62,6 +65,7 @@ class CacheReq:
     mamba_ping_pong_track_buffer: List[int] = dataclasses.field(default_factory=list)
     mamba_next_track_idx: int = 0
     mamba_last_track_seqlen: Optional[int] = None
+    mamba_prev_track_seqlen: Optional[int] = None
     mamba_prefix_checkpoints: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
     user: Any = None
 

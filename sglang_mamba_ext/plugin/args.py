@@ -270,6 +270,7 @@ def validate_mamba_extra_buffer_around(original, view, hf_config, *args, **kwarg
         page = getattr(view, "page_size", None)
         if page is not None and interval % page:
             raise FlagError(f"--mamba-track-interval ({interval}) must be a multiple of --page-size ({page})")
+        _check_page_grid(view, hf_config)
         return None
     try:
         return original(view, hf_config, *args, **kwargs)
@@ -279,6 +280,31 @@ def validate_mamba_extra_buffer_around(original, view, hf_config, *args, **kwarg
             f"(--mamba-radix-cache-strategy extra_buffer), which SGLang refuses here: {exc}. "
             "Pass --mamba-radix-cache-strategy no_buffer to cache without ping-pong checkpoints."
         ) from exc
+
+
+def _check_page_grid(view, hf_config) -> None:
+    """``--page-size`` against the model's linear-attention state chunk (``mamba_chunk_size``
+    in its config, else FLA's 64 tokens) and ``--chunked-prefill-size``: SGLang asserts both
+    divisibilities inside the scheduler process (``mamba_cache_chunk_size`` in
+    ``arg_groups/overrides.py``, the chunked-prefill check), which dies with a traceback;
+    under the plugin's flag they fail at start-up instead.
+
+    Raises:
+        FlagError: naming the flags and page sizes that work."""
+    page = getattr(view, "page_size", None) or 1
+    chunk = int(getattr(hf_config, "mamba_chunk_size", 64) or 64)
+    if max(chunk, page) % min(chunk, page):
+        raise FlagError(
+            f"{ENABLE_FLAG}: --page-size {page} must divide or be a multiple of the model's "
+            f"linear-attention state chunk ({chunk} tokens, mamba_chunk_size in its config); "
+            f"use e.g. --page-size {chunk} or {page - page % chunk or chunk * 2}"
+        )
+    prefill = getattr(view, "chunked_prefill_size", None)
+    if prefill is not None and prefill > 0 and prefill % page:
+        raise FlagError(
+            f"{ENABLE_FLAG}: --chunked-prefill-size {prefill} must be a multiple of --page-size {page}; "
+            f"use --chunked-prefill-size {prefill - prefill % page or page}"
+        )
 
 
 def handle_mamba_radix_cache_around(original, server_args, hf_config, *args, **kwargs):

@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang_mamba_ext.mem_cache import MambaRadixCache
 from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
+from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME
 
@@ -60,6 +61,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             ``mamba_track_interval``, ``finish_state``, ``eviction_policy``,
             ``kv_bytes_per_token``, ``max_states_per_path`` — SGLang's -1 means no bound);
             prefix checkpoints are always on.
+        enable_kv_cache_events / dynamo_kv_event_format / kv_event_lora_names: SGLang's
+            ``CacheInitParams`` fields of ``--kv-events-config``; events are recorded into
+            ``self.kv_events`` (:mod:`.kv_events`, ``docs/design.md``, "KV events").
 
     Raises:
         TypeError: the pool is not the plugin's (the pool hook did not run).
@@ -91,6 +95,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         enable_mamba_extra_buffer: bool = True,
         checkpoint_grid: int = 1,
         enable_metrics: bool = False,
+        enable_kv_cache_events: bool = False,
+        dynamo_kv_event_format: bool = False,
+        kv_event_lora_names: Any = None,
         **core_options: Any,
     ):
         if not isinstance(req_to_token_pool, MambaRadixReqToTokenPool):
@@ -110,6 +117,12 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         self.disable = False
         self.enable_mamba_extra_buffer = enable_mamba_extra_buffer
         self.checkpoint_grid = max(1, int(checkpoint_grid))
+        self.kv_events = attach_kv_events(
+            core,
+            enabled=enable_kv_cache_events,
+            dynamo_format=dynamo_kv_event_format,
+            lora_names=kv_event_lora_names,
+        )
         self._kv_free_groups = hasattr(token_to_kv_pool_allocator, "free_group_begin") and hasattr(
             token_to_kv_pool_allocator, "free_group"
         )
@@ -318,13 +331,21 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         }
 
     def available_and_evictable_str(self) -> str:
+        """The pool summary SGLang prints when an allocation fails
+        (``allocation.alloc_token_slots`` and the decode path, through
+        ``common.available_and_evictable_str``), worded as SGLang 0.5.23's own hybrid
+        mamba cache words it (``UnifiedRadixCache.available_and_evictable_str`` with the
+        FULL and MAMBA components), so logs and tools read the same two lines: KV in
+        tokens, SSM states in slots, each ``free + evictable``."""
         kv_free = self.token_to_kv_pool_allocator.available_size()
         ssm_free = self.req_to_token_pool.mamba_allocator.available_size()
         kv_evictable = self.core.full_evictable_size()
         ssm_evictable = self.core.mamba_evictable_size()
         return (
-            f"Available KV tokens: {kv_free + kv_evictable} ({kv_free} free + {kv_evictable} evictable); "
-            f"SSM slots: {ssm_free + ssm_evictable} ({ssm_free} free + {ssm_evictable} evictable)\n"
+            f"Available full tokens: {kv_free + kv_evictable} "
+            f"(full_available_size={kv_free} + full_evictable_size_={kv_evictable})\n"
+            f"Available mamba: {ssm_free + ssm_evictable} "
+            f"(available_size={ssm_free} + component_evictable_size_={ssm_evictable})\n"
         )
 
 
@@ -425,6 +446,9 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         enable_mamba_extra_buffer=extra_buffer,
         checkpoint_grid=grid,
         enable_metrics=params.enable_metrics,
+        enable_kv_cache_events=params.enable_kv_cache_events,
+        dynamo_kv_event_format=params.dynamo_kv_event_format,
+        kv_event_lora_names=params.kv_event_lora_names,
         eviction_policy=_eviction_policy(params),
         kv_bytes_per_token=_kv_bytes_per_token(params.token_to_kv_pool_allocator),
         max_states_per_path=get_exec().mamba.mamba_max_states_per_path,

@@ -79,6 +79,7 @@ def pull(req, token_ids: Sequence[int] = (), pool=None) -> CacheReq:
         mamba_ping_pong_track_buffer=buf.tolist() if buf is not None else [],
         mamba_next_track_idx=next_idx,
         mamba_last_track_seqlen=kv.mamba_last_track_seqlen,
+        mamba_prev_track_seqlen=getattr(kv, "mamba_prev_track_seqlen", None),
         mamba_prefix_checkpoints=list(planned) if planned else [],
         user=req,
     )

@@ -20,6 +20,7 @@ grid (the admission of a later request reclaimed the planned checkpoints of a re
 between its chunks instead of evicting cold states).
 """
 
+import math
 import os
 import random
 import tempfile
@@ -40,6 +41,8 @@ class _BatchedCheckpoints(unittest.TestCase):
 
     __test__ = False
     PAGE = 1
+    TRACK = 32
+    CHUNK = 64
     MAMBA_SLOTS = 48
     SEED = 11
 
@@ -49,7 +52,7 @@ class _BatchedCheckpoints(unittest.TestCase):
         cls.addClassCleanup(cls.tmp.cleanup)
         args = [
             "--device", "cpu", "--enable-mamba-radix",
-            "--chunked-prefill-size", "64", "--mamba-track-interval", "32",
+            "--chunked-prefill-size", str(cls.CHUNK), "--mamba-track-interval", str(cls.TRACK),
             "--max-mamba-cache-size", str(cls.MAMBA_SLOTS), "--page-size", str(cls.PAGE),
         ]
         cls.server = Server(tiny_model_dir(), args, os.path.join(cls.tmp.name, "server.log"), env=dict(CHECKED_ENV))
@@ -61,6 +64,12 @@ class _BatchedCheckpoints(unittest.TestCase):
     # -- helpers ---------------------------------------------------------------------
     def tokens(self, n):
         return [self.rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+    @property
+    def grid(self):
+        """SGLang's checkpoint grid for the tiny model at this page size (tokens):
+        ``mamba_checkpoint_grid(page) = lcm(mamba_cache_chunk_size() = 8, page)``."""
+        return math.lcm(8, self.PAGE)
 
     def floor(self, n):
         return n - n % self.PAGE
@@ -128,20 +137,29 @@ class _BatchedCheckpoints(unittest.TestCase):
                 self.check_batch(list(lens), new)
 
     def test_b_branch_point_in_a_later_chunk(self):
-        """``shared`` is cached without a state inside it; a batched request extending it
+        """``shared`` is cached without a state near its end; a batched request extending it
         plants the branch-point checkpoint in its second chunk (the chunk it shares with
         a filler's first one), and a sibling sent alone hits it."""
-        for shared_len, filler_len in ((100, 127), (77, 112), (90, 60)):
+        for shared_len, filler_len in ((100, 127), (90, 112), (115, 60)):
             with self.subTest(shared=shared_len, filler=filler_len):
                 shared = self.tokens(shared_len)
-                first = self.server.generate(input_ids=shared + self.tokens(5), max_new_tokens=2)
+                # The first request runs past the chunk holding the end of ``shared``
+                # (132 > 2 chunks of 64), so SGLang's chunk tracking saves no state
+                # between 64 and the branch point.
+                first_ids = shared + self.tokens(132 - shared_len)
+                first = self.server.generate(input_ids=first_ids, max_new_tokens=2)
                 self.assertEqual(first["meta_info"]["cached_tokens"], 0)
                 child = shared + self.tokens(9)
                 filler = self.tokens(filler_len)
                 outs = self.batch([filler, child], [2, 2])
-                # The child hits the deepest state inside ``shared``: the 64-token chunk
-                # end of the first request (the track grid), not yet the branch point.
-                self.assertEqual(outs[1]["meta_info"]["cached_tokens"], self.floor(64))
+                # The child hits the deepest state of the first request inside ``shared``,
+                # not yet the branch point: SGLang's chunk tracking saves one state per
+                # chunk, at the chunk's last multiple of the checkpoint grid.
+                starts = range(0, len(first_ids), self.CHUNK)
+                tracked = [a + (min(a + self.CHUNK, len(first_ids)) - a) // self.grid * self.grid for a in starts]
+                inside = max([t for t in tracked if t <= shared_len], default=0)
+                self.assertLess(inside, self.floor(shared_len))
+                self.assertEqual(outs[1]["meta_info"]["cached_tokens"], inside)
                 seen = [(child, 2, outs[1]["output_ids"]), (filler, 2, outs[0]["output_ids"])]
                 self.probe(shared + self.tokens(7), self.floor(shared_len), seen)
                 self.probe(child, self.floor(len(child) - 1), seen)
@@ -164,3 +182,13 @@ class TestBatchedCheckpointsPaged(_BatchedCheckpoints):
 
     __test__ = True
     PAGE = 16
+
+
+class TestBatchedCheckpointsPage4(_BatchedCheckpoints):
+    """``--page-size 4``: not a multiple of SGLang's 8-token checkpoint grid (the tiny
+    model's state chunk); prefix checkpoints land on 4-token pages, SGLang's own on the
+    8-token grid. (A page size that neither divides nor is a multiple of the state chunk,
+    e.g. 12, is refused at start-up: ``test_sglang_glue``.)"""
+
+    __test__ = True
+    PAGE = 4
