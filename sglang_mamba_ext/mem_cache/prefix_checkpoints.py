@@ -55,8 +55,10 @@ class PrefixCheckpoints:
         ps = self.page_size
         p = req.cache_protected_len
         wanted = set()
+        branch = None
         if branching_seqlen is not None:
-            wanted.add(branching_seqlen - branching_seqlen % ps)
+            branch = branching_seqlen - branching_seqlen % ps
+            wanted.add(branch)
         last = prompt_len - 1
         wanted.add(last - last % ps)
         planned: List[Tuple[int, int]] = []
@@ -65,6 +67,7 @@ class PrefixCheckpoints:
             if slot is None:
                 break
             planned.append((c, slot))
+            self._prefix_origin[slot] = "branch" if c == branch else "prompt_end"
         req.mamba_prefix_checkpoints = sorted(planned + req.mamba_prefix_checkpoints)
         return planned
 
@@ -97,7 +100,7 @@ class PrefixCheckpoints:
             if slot is None:
                 return
             self.mamba_pool.copy_from([req.mamba_pool_idx], [slot])
-        res = self._adopt_prefix(req, n, slot)
+        res = self._adopt_prefix(req, n, slot, "ping_pong" if tracked else "chunk")
         if tracked:
             if not res.mamba_exist:
                 fresh = self._alloc_mamba_slot()
@@ -117,7 +120,7 @@ class PrefixCheckpoints:
         self._commit_prefix_checkpoints(req, done if up_to is None else min(up_to, done))
         n, slot = self._finish_state(req, done if up_to is None else min(up_to, len(req.token_ids)))
         donated = None
-        if n > 0 and not self._adopt_prefix(req, n, slot).mamba_exist:
+        if n > 0 and not self._adopt_prefix(req, n, slot, "finish").mamba_exist:
             donated = slot
         pool.free_mamba_slots(req, keep_slot=donated)
 
@@ -132,7 +135,7 @@ class PrefixCheckpoints:
             if c > limit:
                 keep.append((c, slot))
                 continue
-            res = self._adopt_prefix(req, c, slot)
+            res = self._adopt_prefix(req, c, slot, self._prefix_origin.pop(slot, "branch"))
             if res.mamba_exist:
                 self.mamba_pool.free([slot])
         req.mamba_prefix_checkpoints = keep
@@ -193,9 +196,9 @@ class PrefixCheckpoints:
                 return c, slot
         return 0, None
 
-    def _adopt_prefix(self, req: CacheReq, n: int, slot: int) -> InsertResult:
+    def _adopt_prefix(self, req: CacheReq, n: int, slot: int, origin: str = "insert") -> InsertResult:
         """Insert the request's first ``n`` tokens with SSM slot ``slot`` (the state after
-        them). When ``n`` passes ``cache_protected_len``, the request's lock moves to the
+        them; ``origin`` as in ``stats.STATE_ORIGINS``). When ``n`` passes ``cache_protected_len``, the request's lock moves to the
         node ending at ``n``, ``req_to_token[row, p:n]`` is pointed at the tree's KV slots
         and ``cache_protected_len`` becomes ``n``. The caller still owns ``slot`` when the
         result says ``mamba_exist``.
@@ -209,7 +212,7 @@ class PrefixCheckpoints:
         row = req.req_pool_idx
         p = req.cache_protected_len
         kv = pool.req_to_token[row, :n].to(torch.int64)
-        res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n))
+        res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n), origin)
         if n > p:
             node = res.last_node
             # Lock the new node before anything can evict (a replacement slot may).

@@ -22,6 +22,7 @@ from .lru import LRUList
 from .prefix_checkpoints import FINISH_STATES, PrefixCheckpoints
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
+from .stats import CacheStats
 from .tree_node import EMPTY_INDICES, EvictResult, InsertResult, KeyLike, MatchResult, TreeNode, match_len, split_key
 
 
@@ -103,6 +104,11 @@ class MambaRadixCache(PrefixCheckpoints):
         #: tokens, SSM states.
         self.evicted_tokens_total = 0
         self.evicted_states_total = 0
+        #: Match and state counters since construction (:mod:`.stats`).
+        self.stats = CacheStats()
+        #: Origin (``"branch"`` / ``"prompt_end"``) of each planned prefix checkpoint, by
+        #: its SSM slot, until it is inserted (stale entries are overwritten, never read).
+        self._prefix_origin = {}
         self.reset()
 
     # ================================================================ public protocol
@@ -175,6 +181,7 @@ class MambaRadixCache(PrefixCheckpoints):
         value: torch.Tensor,
         mamba_value: Optional[Union[int, torch.Tensor]] = None,
         prev_prefix_len: int = 0,
+        origin: str = "insert",
     ) -> InsertResult:
         """Insert ``key`` with its KV slots ``value`` and the state after its last token.
 
@@ -190,6 +197,7 @@ class MambaRadixCache(PrefixCheckpoints):
             value: int64 ``[len(key)]`` KV slots.
             mamba_value: SSM slot (int or 1-element tensor) holding the state after the key.
             prev_prefix_len: tokens at the start of ``value`` that are tree-owned already.
+            origin: where the state comes from (``stats.STATE_ORIGINS``), for the metrics.
 
         Raises:
             ValueError: on a key not page aligned, a length mismatch, or new tokens without
@@ -203,7 +211,7 @@ class MambaRadixCache(PrefixCheckpoints):
             raise ValueError(f"insert: {value.numel()} KV slots for a key of {n} tokens")
         if isinstance(mamba_value, torch.Tensor):
             mamba_value = int(mamba_value.reshape(-1)[0])
-        return self._insert(tokens, extra_key, value, mamba_value, prev_prefix_len, self.root_node)
+        return self._insert(tokens, extra_key, value, mamba_value, prev_prefix_len, self.root_node, origin)
 
     def checkpoint(self, req: CacheReq, up_to: Optional[int] = None, finished: bool = False) -> int:
         """Hand the tree what the request has computed of its first ``up_to`` tokens
@@ -339,6 +347,58 @@ class MambaRadixCache(PrefixCheckpoints):
         """SSM states in the tree."""
         return self._mamba_evictable + self._mamba_protected
 
+    def tombstone_count(self) -> int:
+        """Nodes holding KV but no SSM state (O(1): nodes minus states)."""
+        return self.full_lru_list.size - self.mamba_lru_list.size
+
+    @staticmethod
+    def hit_of(prompt_len: int, result: MatchResult) -> Tuple[int, int, int, Optional[str]]:
+        """The arguments of :meth:`count_hit` for a match ``result`` of a prompt of
+        ``prompt_len`` tokens (taken at match time: the origin is the matched state's)."""
+        prefix = result.prefix_len
+        origin = (result.last_node.mamba_origin or "insert") if prefix else None
+        return prompt_len, result.kv_match_len, prefix, origin
+
+    def count_hit(self, prompt_len: int, kv_match_len: int, prefix_len: int, origin: Optional[str]) -> None:
+        """Count one admitted prefill (:class:`.stats.CacheStats`): its prompt length, the
+        tokens its match found as KV and as a usable prefix, and the origin of the state the
+        usable prefix ends on (``None`` without a hit); see :meth:`hit_of`. The caller
+        decides which matches are admissions: SGLang's scheduler may match a request, fail
+        to admit it and match it again later."""
+        s = self.stats
+        s.matches += 1
+        s.prompt_tokens += prompt_len
+        s.kv_match_tokens += kv_match_len
+        s.prefix_tokens += prefix_len
+        if origin is not None:
+            s.state_hits[origin] += 1
+
+    def stats_snapshot(self) -> dict:
+        """Counters and sizes as a flat dict of ints (metrics, ``/server_info``): the
+        :class:`.stats.CacheStats` fields (``states_stored_<origin>``,
+        ``state_hits_<origin>``), ``evicted_kv_tokens``, ``evicted_ssm_states``,
+        ``cow_copies`` (the request pool's), and the gauges ``kv_tokens``, ``ssm_states``,
+        ``tombstones``, ``nodes``."""
+        s = self.stats
+        out = {
+            "matches": s.matches,
+            "prompt_tokens": s.prompt_tokens,
+            "kv_match_tokens": s.kv_match_tokens,
+            "prefix_tokens": s.prefix_tokens,
+            "cow_copies": getattr(self.req_to_token_pool, "cow_copies_total", 0),
+            "evicted_kv_tokens": self.evicted_tokens_total,
+            "evicted_ssm_states": self.evicted_states_total,
+            "kv_tokens": self._full_evictable + self._full_protected,
+            "ssm_states": self._mamba_evictable + self._mamba_protected,
+            "tombstones": self.tombstone_count(),
+            "nodes": self.full_lru_list.size,
+        }
+        for origin, n in s.states_stored.items():
+            out["states_stored_" + origin] = n
+        for origin, n in s.state_hits.items():
+            out["state_hits_" + origin] = n
+        return out
+
     def path_device_indices(self, node: TreeNode) -> torch.Tensor:
         """int64 KV slots of the tokens from the root to the end of ``node``."""
         return self._path_values(node)
@@ -412,6 +472,7 @@ class MambaRadixCache(PrefixCheckpoints):
         mamba_value: Optional[int],
         prev_prefix_len: int,
         node: TreeNode,
+        origin: str = "insert",
     ) -> InsertResult:
         """:meth:`insert` starting the walk at ``node`` (a node on the key's path, e.g. the
         request's locked ``last_node``), which skips re-comparing the locked prefix."""
@@ -432,6 +493,7 @@ class MambaRadixCache(PrefixCheckpoints):
             new = TreeNode(tokens[pos:], value[pos:], node, extra_key)
             node.children[self._child_key(new.key, 0, extra_key)] = new
             new.mamba_value = mamba_value
+            new.mamba_origin = origin
             self._full_evictable += n - pos
             self._mamba_evictable += 1
             self._touch_state(new)
@@ -441,9 +503,12 @@ class MambaRadixCache(PrefixCheckpoints):
             mamba_exist = False
         elif mamba_value is not None and node is not self.root_node and node.mamba_value is None:
             self._set_state(node, mamba_value)
+            node.mamba_origin = origin
             mamba_exist = False
         else:
             mamba_exist = True
+        if not mamba_exist:
+            self.stats.states_stored[origin] += 1
         if not mamba_exist and self.max_states_per_path > 0:
             self._enforce_path_cap(node)
         self._touch_path(node)

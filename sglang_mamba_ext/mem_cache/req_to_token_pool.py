@@ -99,6 +99,9 @@ class HybridReqToTokenPool:
         self.req_to_token = req_to_token
         self.req_index_to_mamba_index_mapping = req_index_to_mamba_index_mapping
         self.req_index_to_mamba_ping_pong_track_buffer_mapping = pp
+        #: Copy-on-write copies scheduled since construction: requests admitted by
+        #: :meth:`alloc` with a copy source (each gets exactly one copy at forward start).
+        self.cow_copies_total = 0
         self.clear()
 
     # -- sizes ------------------------------------------------------------------------
@@ -150,6 +153,8 @@ class HybridReqToTokenPool:
             if r.mamba_pool_idx is None:
                 r.mamba_pool_idx = next(it)
                 r.mamba_needs_clear = r.mamba_cow_src_index is None
+            if r.mamba_cow_src_index is not None:
+                self.cow_copies_total += 1
             r.req_pool_idx = row
             r.mamba_ping_pong_track_buffer = [next(it) for _ in range(track)]
             r.mamba_next_track_idx = 0

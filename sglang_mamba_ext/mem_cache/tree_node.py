@@ -43,6 +43,8 @@ class TreeNode:
         value: int64 ``[len(key)]`` KV slots of those tokens.
         mamba_value: the SSM slot holding the state after the last token of ``key`` (the
             state of the whole root-to-node sequence), or ``None`` (a tombstone).
+        mamba_origin: where that state came from (``stats.STATE_ORIGINS``), for the
+            metrics; meaningless on a tombstone.
         children: child dict keyed by the child's first page (and namespace).
         parent: parent node (``None`` for the root).
         seq_len: tokens from the root to the end of this node (its state's position).
@@ -54,6 +56,7 @@ class TreeNode:
         "key",
         "value",
         "mamba_value",
+        "mamba_origin",
         "children",
         "parent",
         "full_lock_ref",
@@ -75,6 +78,7 @@ class TreeNode:
         self.key = key
         self.value = value
         self.mamba_value: Optional[int] = None
+        self.mamba_origin: Optional[str] = None
         self.children: dict = {}
         self.parent = parent
         self.full_lock_ref = 0

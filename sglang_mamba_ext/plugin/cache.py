@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from typing import Any, List, Optional
 
 import torch
@@ -54,7 +55,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             slots).
         checkpoint_grid: tokens; ``mamba_branching_seqlen`` is reported on this grid
             (SGLang's ``mamba_checkpoint_grid(page_size)``).
-        enable_metrics: create SGLang's radix-cache metrics collector.
+        enable_metrics: create SGLang's radix-cache metrics collector and the hybrid
+            cache's series (:mod:`.metrics`).
         **core_options: the core cache's keyword arguments (``page_size``,
             ``mamba_track_interval``, ``finish_state``, ``eviction_policy``,
             ``kv_bytes_per_token``, ``max_states_per_path`` — SGLang's -1 means no bound);
@@ -127,8 +129,20 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         for name, core_name in self._CORE_QUERIES.items():
             setattr(self, name, getattr(core, core_name))
         req_to_token_pool.tree_cache = self
+        #: SGLang ``Req`` -> its last copy-on-write match (``MambaRadixCache.hit_of``),
+        #: counted when the request gets its row (:meth:`count_admitted`); weak, so a
+        #: request dropped while waiting leaves nothing behind.
+        self._matched = weakref.WeakKeyDictionary()
+        #: The hybrid cache's Prometheus series (``--enable-metrics``), or ``None``.
+        self.hybrid_metrics = None
         if enable_metrics:
+            from sglang_mamba_ext.plugin.metrics import MambaRadixMetricsCollector, cache_metric_labels
+
             self.init_metrics_collector()
+            self.hybrid_metrics = MambaRadixMetricsCollector(
+                cache_metric_labels(type(self).__name__), core.eviction_policy
+            )
+            self.sync_metrics()
 
     # -- identity ----------------------------------------------------------------------
     @property
@@ -147,6 +161,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
     def reset(self) -> None:
         """Drop the tree (``Scheduler.flush_cache`` clears the pools right after)."""
         self.core.reset()
+        if self.hybrid_metrics is not None:
+            self.sync_metrics()
 
     # -- match -------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -167,6 +183,13 @@ class MambaRadixCacheAdapter(BasePrefixCache):
                 self.token_to_kv_pool_allocator.free_group_end()
         if cow:
             req_bridge.push_mamba(req, creq, self.device)
+            fill = getattr(req, "full_untruncated_fill_ids", None)
+            try:
+                self._matched[req] = self.core.hit_of(len(fill) if fill is not None else len(tokens), res)
+            except TypeError:  # a request object without weak references: not counted
+                pass
+            if self.hybrid_metrics is not None:
+                self.sync_metrics()
         branching = None
         if res.kv_match_len > res.prefix_len:
             if self.req_to_token_pool.prefix_checkpoint_writer:
@@ -217,6 +240,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
                 self.token_to_kv_pool_allocator.free_group_end()
         req_bridge.push_prefix_checkpoints(pool, row, creq)
         req_bridge.push_checkpoint(req, creq, self.device, finished=finished)
+        if self.hybrid_metrics is not None:
+            self.sync_metrics()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         kv = req.kv
@@ -244,6 +269,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             # requests are optional, so they go next (never a request's own slots).
             mamba_evicted += self.req_to_token_pool.reclaim_prefix_checkpoints(params.mamba_num - mamba_evicted)
         self.update_eviction_metrics(res.num_tokens_evicted, start)
+        if self.hybrid_metrics is not None:
+            self.sync_metrics()
         return EvictResult(num_tokens_evicted=res.num_tokens_evicted, mamba_num_evicted=mamba_evicted)
 
     def inc_lock_ref(self, node) -> IncLockRefResult:
@@ -252,7 +279,56 @@ class MambaRadixCacheAdapter(BasePrefixCache):
 
     def dec_lock_ref(self, node, params: Optional[DecLockRefParams] = None) -> DecLockRefResult:
         self.core.dec_lock_ref(node)
+        if self.hybrid_metrics is not None:
+            self.sync_metrics()
         return DecLockRefResult()
+
+    # -- metrics and server info (docs/design.md, "Metrics") ---------------------------
+    def count_admitted(self, reqs) -> None:
+        """The requests got their rows (``MambaRadixReqToTokenPool.alloc``): count each
+        one's last copy-on-write match in the core's statistics, once."""
+        matched = self._matched
+        for req in reqs:
+            try:
+                hit = matched.pop(req, None)
+            except TypeError:
+                hit = None
+            if hit is not None:
+                self.core.count_hit(*hit)
+        if self.hybrid_metrics is not None:
+            self.sync_metrics()
+
+    def sync_metrics(self) -> None:
+        """Bring the Prometheus series (``--enable-metrics``) up to the core's counters."""
+        if self.hybrid_metrics is not None:
+            self.hybrid_metrics.sync(self.core.stats_snapshot())
+
+    def server_info(self) -> dict:
+        """The ``mamba_radix`` entry of ``/server_info`` (:func:`.metrics.server_info_after`):
+        the cache's settings, its current sizes (KV in tokens, SSM in slots) and the
+        counters of ``MambaRadixCache.stats_snapshot``; plain ints, strings and bools."""
+        core = self.core
+        pool = self.req_to_token_pool
+        return {
+            "backend": BACKEND_NAME,
+            "page_size": core.page_size,
+            "mamba_track_interval": core.mamba_track_interval,
+            "checkpoint_grid": self.checkpoint_grid,
+            "ping_pong_tracking": bool(self.enable_mamba_extra_buffer),
+            "exact_prefix_checkpoints": bool(pool.prefix_checkpoint_writer and core.branch_checkpoints),
+            "finish_state": core.finish_state,
+            "eviction_policy": core.eviction_policy,
+            "max_states_per_path": core.max_states_per_path,
+            "kv_slots_total": int(getattr(self.token_to_kv_pool_allocator, "size", 0) or 0),
+            "kv_slots_free": int(self.token_to_kv_pool_allocator.available_size()),
+            "kv_evictable_tokens": core.full_evictable_size(),
+            "kv_protected_tokens": core.full_protected_size(),
+            "ssm_slots_total": pool.core_mamba_pool.size,
+            "ssm_slots_free": pool.core_mamba_pool.available_size(),
+            "ssm_evictable_states": core.mamba_evictable_size(),
+            "ssm_protected_states": core.mamba_protected_size(),
+            **core.stats_snapshot(),
+        }
 
     def available_and_evictable_str(self) -> str:
         """The pool summary SGLang prints when an allocation fails

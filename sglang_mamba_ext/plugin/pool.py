@@ -303,6 +303,8 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
                 req_bridge.push_mamba(r, c, self.device)
                 req_bridge.push_track_buffer(r, c, self.device, fresh=True)
             self._rows_taken(rows)
+            if self.tree_cache is not None:
+                self.tree_cache.count_admitted(fresh)
             # After every request of the batch has its own slots: the extra checkpoints
             # only take what is left (evicting a state at most, never failing the batch).
             for r, c in zip(fresh, creqs):

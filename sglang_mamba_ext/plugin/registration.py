@@ -10,8 +10,9 @@ comes with the CPU defaults of :mod:`.cpu_defaults`):
 - hooks on SGLang functions through ``HookRegistry`` (each listed in ``docs/sglang-hooks.md``):
   argument parsing (:mod:`.args`, :mod:`.cpu_defaults`, :mod:`.speculative`), model lookup
   (:mod:`.tiny_hybrid`), request-pool construction (:mod:`.pool`), decode preparation
-  (:mod:`.cpu_pin_memory`), request validation (:mod:`.request_validation`), the speculative
-  verify path (:mod:`.speculative.hooks`);
+  (:mod:`.cpu_pin_memory`), request validation (:mod:`.request_validation`), the scheduler's
+  internal state for ``/server_info`` (:mod:`.metrics`), the speculative verify path
+  (:mod:`.speculative.hooks`);
 - registry entries: the ``--radix-cache-backend mamba_radix_ext`` factory, the
   ``--radix-eviction-policy recompute`` choice, the ``kda_cache`` warmup, the ``tiny_hybrid``
   config and linear-attention model spec;
@@ -40,6 +41,9 @@ HANDLE_MAMBA_RADIX = "sglang.srt.arg_groups.model_hook.handle_mamba_radix_cache"
 BUILD_HYBRID_REQ_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
 PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 VALIDATE_ONE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+GET_INTERNAL_STATE = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+)
 
 
 def install_mamba_radix() -> None:
@@ -54,6 +58,7 @@ def install_mamba_radix() -> None:
     from sglang_mamba_ext.plugin import args
     from sglang_mamba_ext.plugin.cache import build_tree_cache
     from sglang_mamba_ext.plugin.cpu_pin_memory import prepare_for_decode_around
+    from sglang_mamba_ext.plugin.metrics import server_info_after
     from sglang_mamba_ext.plugin.request_validation import validate_one_request_before
     from sglang_mamba_ext.plugin.pool import build_hybrid_req_pool_around
     from sglang_mamba_ext.plugin.settings import BACKEND_NAME
@@ -66,6 +71,7 @@ def install_mamba_radix() -> None:
     HookRegistry.register(BUILD_HYBRID_REQ_POOL, build_hybrid_req_pool_around, HookType.AROUND)
     HookRegistry.register(PREPARE_FOR_DECODE, prepare_for_decode_around, HookType.AROUND)
     HookRegistry.register(VALIDATE_ONE_REQUEST, validate_one_request_before, HookType.BEFORE)
+    HookRegistry.register(GET_INTERNAL_STATE, server_info_after, HookType.AFTER)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
     # --radix-eviction-policy recompute (the core's recompute-aware SSM eviction), added to

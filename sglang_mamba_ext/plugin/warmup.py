@@ -13,7 +13,9 @@ reports ready; without ``--warmups kda_cache`` it never runs. For each prompt of
    ``len - 1`` tokens).
 
 It logs how many prompts and tokens were prefilled and how many tokens the second pass hit
-(with a warning when that is less than the prompts: the pools are too small to keep them).
+(with a warning when that is less than the prompts: the pools are too small to keep them);
+with ``--enable-metrics`` the same numbers go to the ``sglang:mamba_radix_warmup_*`` counters
+(:func:`sglang_mamba_ext.plugin.metrics.record_warmup`).
 
 File formats (:func:`load_prompts`): a JSON list of strings, or JSON lines each one object
 with exactly one of ``"text"`` (a string), ``"input_ids"`` (a list of token ids) or
@@ -256,7 +258,18 @@ async def kda_cache_warmup(disaggregation_mode: str, tokenizer_manager) -> dict:
             "prompts (raise --max-total-tokens / --max-mamba-cache-size, or warm fewer prompts)",
             S.WARMUP_NAME, hit, expected,
         )
-    return {"prompts": len(todo), "tokens": tokens, "skipped": skipped, "second_pass_cached_tokens": hit}
+    result = {"prompts": len(todo), "tokens": tokens, "skipped": skipped, "second_pass_cached_tokens": hit}
+    server_args = getattr(tokenizer_manager, "server_args", None)
+    if getattr(server_args, "enable_metrics", False):
+        # This runs in the HTTP server's process; SGLang's multiprocess registry collects it.
+        from sglang_mamba_ext.plugin.metrics import record_warmup
+
+        record_warmup(
+            result,
+            getattr(tokenizer_manager, "served_model_name", None) or getattr(server_args, "served_model_name", ""),
+            getattr(server_args, "extra_metric_labels", None),
+        )
+    return result
 
 
 def register_warmup() -> None:
