@@ -6,9 +6,12 @@ The user passes only SGLang's speculative flags, ``--enable-mamba-radix`` and po
 plugin's CPU defaults add the rest (``--disable-overlap-schedule``, Triton interpreter, the CPU
 routing hooks). Greedy output must equal ``TinyHybridReference.generate_greedy``, token for
 token. Accept counts come from ``meta_info`` and are checked for consistency, not trusted from
-a verify kernel: every verify round yields one target token plus its accepted drafts, so
-``completion_tokens == 1 + spec_verify_ct + spec_num_correct_drafts`` (the 1: the token of the
-prefill), and ``spec_correct_drafts_histogram`` counts rounds by accepted drafts. One server per
+a verify kernel: every verify round yields one target token plus its accepted drafts, so the
+rounds produce ``1 + spec_verify_ct + spec_num_correct_drafts`` tokens (the 1: the token of the
+prefill), of which the last round's may be cut at ``max_new_tokens``: that total is
+``completion_tokens`` plus at most the last round's accepted drafts (so at most the deepest
+non-empty bucket of ``spec_correct_drafts_histogram``, which counts rounds by accepted drafts);
+``spec_accept_length == completion_tokens / spec_verify_ct``. One server per
 class, killed in the class cleanup; SGLang's strict idle checks (leaks) are on.
 """
 
@@ -37,7 +40,9 @@ def _model_pair(root: str):
     return target, draft
 
 
-class _SpecCase(unittest.TestCase):
+class _SpecCase:
+    """The tests of one speculative configuration (mixed into a ``unittest.TestCase``)."""
+
     TOPK = 1
     STEPS = 3
     DRAFT_TOKENS = 4
@@ -66,11 +71,14 @@ class _SpecCase(unittest.TestCase):
         self.assertEqual(r["output_ids"], self.ref.generate_greedy(ids, n), f"prompt {ids}")
         mi = r["meta_info"]
         self.assertEqual(mi["completion_tokens"], n)
-        self.assertEqual(mi["completion_tokens"], 1 + mi["spec_verify_ct"] + mi["spec_num_correct_drafts"], mi)
         hist = mi["spec_correct_drafts_histogram"]
         self.assertEqual(sum(hist), mi["spec_verify_ct"], mi)
         self.assertEqual(sum(i * h for i, h in enumerate(hist)), mi["spec_num_correct_drafts"], mi)
         self.assertLessEqual(len(hist), self.STEPS + 1, mi)
+        deepest = max(i for i, h in enumerate(hist) if h > 0)
+        overshoot = 1 + mi["spec_verify_ct"] + mi["spec_num_correct_drafts"] - n
+        self.assertTrue(0 <= overshoot <= deepest, mi)
+        self.assertAlmostEqual(mi["spec_accept_length"], n / mi["spec_verify_ct"], places=9)
         return r
 
     def test_greedy_equals_reference_and_accept_counts(self):
@@ -98,10 +106,17 @@ class _SpecCase(unittest.TestCase):
         # the state cached at the end of a speculated request must hold accepted tokens only:
         # the next turn continues from it and must still equal the reference
         p = list(range(400, 437))
-        out = self._gen(p)["output_ids"]
+        first = self._gen(p)
+        out, mi = first["output_ids"], first["meta_info"]
+        overshoot = 1 + mi["spec_verify_ct"] + mi["spec_num_correct_drafts"] - len(out)
         nxt = p + out + [9, 10, 11]
         r = self._gen(nxt)
-        self.assertEqual(r["meta_info"]["cached_tokens"], len(p) + len(out) - 1)
+        # The finished request's state covers prompt + output[:-1] unless its last round
+        # accepted drafts past max_new_tokens: that state cannot be cut back, and the next
+        # turn resumes from the prompt's own len - 1 checkpoint (no track-interval checkpoint
+        # in between at these lengths).
+        want = len(p) + len(out) - 1 if overshoot == 0 else len(p) - 1
+        self.assertEqual(r["meta_info"]["cached_tokens"], want, (overshoot, mi))
 
     def test_zz_idle_leak_check(self):
         # runs last in the class (alphabetical): every slot back after the requests above
@@ -109,9 +124,9 @@ class _SpecCase(unittest.TestCase):
         self.assertEqual(load["num_used_tokens"], 0)
 
 
-class TestSpecTopk1(_SpecCase):
+class TestSpecTopk1(_SpecCase, unittest.TestCase):
     TOPK, STEPS, DRAFT_TOKENS = 1, 3, 4
 
 
-class TestSpecTopk2(_SpecCase):
+class TestSpecTopk2(_SpecCase, unittest.TestCase):
     TOPK, STEPS, DRAFT_TOKENS = 2, 3, 6
