@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """Write the tiny hybrid test model (config, seeded weights, local tokenizer) to a directory.
 
-Usage: python scripts/make_tiny_model.py --out DIR [--seed N]
+Usage: python scripts/make_tiny_model.py --out DIR [--seed N] [--draft-out DRAFT_DIR]
+
+``--draft-out`` also writes the matching frozen-KV draft (``model_type`` ``tiny_hybrid_draft``,
+same tokenizer, initialised from the target's weights) for SGLang's
+``--speculative-algorithm FROZEN_KV_MTP --speculative-draft-model-path DRAFT_DIR``.
 
 No downloads; deterministic for a seed. Serve it on CPU with
 ``python -m sglang.launch_server --model-path DIR --device cpu ...`` once this package is
@@ -11,16 +15,21 @@ installed (its SGLang plugin registers the model).
 import argparse
 import sys
 
-from sglang_mamba_ext.models.tiny_builder import build_tiny_model
+from sglang_mamba_ext.models.tiny_builder import build_tiny_draft, build_tiny_model
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output model directory (created)")
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    parser.add_argument("--draft-out", default=None,
+                        help="also write the matching frozen-KV draft model here (created)")
     args = parser.parse_args(argv)
     out = build_tiny_model(args.out, seed=args.seed)
     print(f"wrote tiny hybrid model to {out}")
+    if args.draft_out:
+        draft = build_tiny_draft(args.draft_out, out)
+        print(f"wrote tiny frozen-KV draft to {draft}")
     return 0
 
 

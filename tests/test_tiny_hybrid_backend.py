@@ -131,8 +131,10 @@ class TestTinyHybridBackend(unittest.TestCase):
         self.assertEqual(self.pool.conv.dtype, torch.bfloat16)
         torch.testing.assert_close(self.pool.conv[1].float(), c0, atol=1e-2, rtol=1e-2)
 
-    def test_target_verify_is_refused(self):
-        fb = SimpleNamespace(forward_mode=_mode(verify=True))
+    def test_draft_extend_is_refused(self):
+        # target verify is implemented (tests/test_spec_cpu.py::TestTargetVerify)
+        fb = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: False,
+                                                          is_draft_extend_v2=lambda: True))
         with self.assertRaises(NotImplementedError):
             self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=torch.zeros(1, 1), a=None, b=None)
 

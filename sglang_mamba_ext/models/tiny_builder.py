@@ -210,3 +210,45 @@ def _write_json(path: str, obj) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=True, ensure_ascii=False)
         f.write("\n")
+
+
+def build_tiny_draft(out_dir: str, target_dir: str) -> str:
+    """Write the frozen-KV draft matching the tiny model in ``target_dir`` to ``out_dir``
+    (``config.json`` with ``model_type: "tiny_hybrid_draft"``, ``architectures:
+    ["TinyHybridDraftForCausalLM"]``, ``model.safetensors`` float32, and the target's
+    tokenizer files copied): one full-attention layer per target full-attention layer,
+    initialised from the target's weights (:func:`sglang_mamba_ext.models.tiny_draft.
+    draft_init_from_target`). Deterministic for a given target; returns ``out_dir``.
+
+    Raises:
+        FileNotFoundError: ``target_dir`` lacks ``config.json`` / ``model.safetensors``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from sglang_mamba_ext.models.tiny_draft import (
+        DRAFT_ARCHITECTURE,
+        DRAFT_MODEL_TYPE,
+        TinyHybridDraftConfig,
+        TinyHybridDraftCore,
+        draft_config_for,
+        draft_init_from_target,
+    )
+
+    for name in ("config.json", "model.safetensors"):
+        if not os.path.isfile(os.path.join(target_dir, name)):
+            raise FileNotFoundError(f"{os.path.join(target_dir, name)} not found (build the target first)")
+    target_cfg = TinyHybridConfig.from_pretrained(target_dir)
+    cfg = draft_config_for(target_cfg)
+    draft = TinyHybridDraftCore(TinyHybridDraftConfig(architectures=[DRAFT_ARCHITECTURE], **cfg))
+    draft_init_from_target(draft, load_file(os.path.join(target_dir, "model.safetensors")))
+    os.makedirs(out_dir, exist_ok=True)
+    state = {k: v.detach().contiguous().float() for k, v in draft.state_dict().items()}
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(out_dir, "config.json"),
+                dict(cfg, architectures=[DRAFT_ARCHITECTURE], model_type=DRAFT_MODEL_TYPE, torch_dtype="float32"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        src = os.path.join(target_dir, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(out_dir, name))
+    return out_dir

@@ -17,6 +17,9 @@ default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serv
   the Mamba pool from ~72% of free host memory (14 GB of KV for the tiny model).
 - ``SGLANG_MAMBA_CONV_DTYPE=float32``: SGLang keeps the conv window in bf16 by default
   (``sglang/srt/configs/mamba_utils.py::mamba2_state_dtype``), about 2e-3 log-prob drift.
+- with ``--speculative-algorithm`` on a host without CUDA: ``--disable-overlap-schedule`` and
+  the environment of :func:`cpu_spec_env` (Triton interpreter, no ``torch.compile``, the
+  plugin's CPU routing of the speculative path, ``plugin/speculative/cpu_routing.py``).
 
 Mechanism: a BEFORE hook on ``sglang.srt.server_args.prepare_server_args(argv)`` through
 SGLang's plugin ``HookRegistry`` (``sglang/srt/plugins/hook_registry.py``); the launchers call
@@ -127,7 +130,33 @@ def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         add("--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS))
     if absent("--max-mamba-cache-size", "--mem-fraction-static", "--mamba-full-memory-ratio"):
         add("--max-mamba-cache-size", str(DEFAULT_MAX_MAMBA_CACHE_SIZE))
+    if speculating_without_cuda(argv) and absent("--disable-overlap-schedule"):
+        # FROZEN_KV_MTP on CPU is run (and tested) by SGLang's non-overlap scheduler only.
+        add("--disable-overlap-schedule")
     return argv, added
+
+
+def speculating_without_cuda(argv: Sequence[str]) -> bool:
+    """Whether argv asks for speculative decoding (``--speculative-algorithm``) on
+    ``--device cpu`` on a host without CUDA, under the plugin's model or flag."""
+    import torch
+
+    return (
+        _active(argv)
+        and _flag_value(argv, "--speculative-algorithm") not in (None, "")
+        and not torch.cuda.is_available()
+    )
+
+
+def cpu_spec_env() -> List[Tuple[str, str]]:
+    """Environment of the CPU speculative path (set only when not already set): SGLang's
+    Triton tree build / greedy verify and its start-up KV-copy warm-up run under Triton's
+    interpreter (``TRITON_INTERPRET=1``; no Triton driver on CPU), ``torch.compile`` of
+    ``speculative/spec_utils.py`` is off (``TORCHDYNAMO_DISABLE=1``), and the plugin's
+    routing hooks are on (:data:`sglang_mamba_ext.plugin.speculative.cpu_routing.CPU_SPEC_ENV`)."""
+    from sglang_mamba_ext.plugin.speculative.cpu_routing import CPU_SPEC_ENV
+
+    return [("TRITON_INTERPRET", "1"), ("TORCHDYNAMO_DISABLE", "1"), (CPU_SPEC_ENV, "1")]
 
 
 def _before_prepare_server_args(argv, *args, **kwargs):
@@ -135,6 +164,11 @@ def _before_prepare_server_args(argv, *args, **kwargs):
     if _active(new_argv) and CONV_DTYPE_ENV not in os.environ:
         os.environ[CONV_DTYPE_ENV] = "float32"  # inherited by the scheduler processes
         added.append(f"{CONV_DTYPE_ENV}=float32")
+    if speculating_without_cuda(new_argv):
+        for name, value in cpu_spec_env():
+            if name not in os.environ:
+                os.environ[name] = value
+                added.append(f"{name}={value}")
     if added:
         # warning: SGLang configures logging only inside prepare_server_args
         logger.warning("sglang-mamba-ext: CPU defaults added: %s", ", ".join(added))

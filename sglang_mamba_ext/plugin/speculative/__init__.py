@@ -102,6 +102,12 @@ def register_spec_hooks() -> None:
 
     from sglang_mamba_ext.plugin.speculative import hooks
 
+    from sglang_mamba_ext.plugin.speculative import cpu_routing
+
     for target, kind, name in HOOK_TARGETS:
         HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
+    # The pp_proxy_tensors workaround (every device) and the CPU routing of the speculative
+    # path (inert unless cpu_routing.CPU_SPEC_ENV is 1 on a host without CUDA).
+    for target, kind, name in cpu_routing.CPU_HOOK_TARGETS:
+        HookRegistry.register(target, getattr(cpu_routing, name), getattr(HookType, kind))
     _registered = True

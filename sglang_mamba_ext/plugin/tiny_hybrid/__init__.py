@@ -17,6 +17,9 @@ import sys
 
 MODEL_TYPE = "tiny_hybrid"
 ARCHITECTURE = "TinyHybridForCausalLM"
+#: The tiny frozen-KV draft (``sglang_mamba_ext.models.tiny_draft``; FROZEN_KV_MTP).
+DRAFT_MODEL_TYPE = "tiny_hybrid_draft"
+DRAFT_ARCHITECTURE = "TinyHybridDraftForCausalLM"
 BACKEND_CLASS = "sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend"
 _EXTERNAL_PKG_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 _REGISTRY_MODULE = "sglang.srt.models.registry"
@@ -31,7 +34,7 @@ def register_tiny_hybrid() -> None:
 
     1. ``transformers.AutoConfig.register("tiny_hybrid", TinyHybridSGLangConfig)`` so
        SGLang's config parser loads ``config.json`` into the class exposing
-       ``mamba2_cache_params``.
+       ``mamba2_cache_params`` (and ``"tiny_hybrid_draft"`` for the frozen-KV draft).
     2. ``register_linear_attn_model(LinearAttnModelSpec(...))``
        (``sglang/srt/configs/linear_attn_model_registry.py``): SGLang then builds a
        ``HybridLinearAttnBackend`` with :class:`TinyHybridLinearAttnBackend` for the linear
@@ -55,7 +58,10 @@ def register_tiny_hybrid() -> None:
 
     from sglang_mamba_ext.plugin.tiny_hybrid.config import TinyHybridSGLangConfig
 
+    from sglang_mamba_ext.models.tiny_draft import TinyHybridDraftConfig
+
     AutoConfig.register(MODEL_TYPE, TinyHybridSGLangConfig, exist_ok=True)
+    AutoConfig.register(DRAFT_MODEL_TYPE, TinyHybridDraftConfig, exist_ok=True)
     if get_linear_attn_spec_by_arch(ARCHITECTURE) is None:
         register_linear_attn_model(
             LinearAttnModelSpec(
@@ -72,7 +78,8 @@ def register_tiny_hybrid() -> None:
 
 def get_model_architecture_before(model_config, *args, **kwargs) -> None:
     """BEFORE hook on ``get_model_architecture(model_config)``: when the config names
-    ``TinyHybridForCausalLM``, put the class into ``ModelRegistry.models``.
+    ``TinyHybridForCausalLM`` (or the draft's ``TinyHybridDraftForCausalLM``), put that
+    class into ``ModelRegistry.models``.
 
     If SGLang's model registry is not imported yet, it is imported here with
     ``SGLANG_EXTERNAL_MODEL_PACKAGE`` naming this package for the duration of the import
@@ -80,7 +87,7 @@ def get_model_architecture_before(model_config, *args, **kwargs) -> None:
     the first architecture it does not know), and the variable is restored right after.
     """
     archs = getattr(getattr(model_config, "hf_config", None), "architectures", None) or []
-    if ARCHITECTURE not in archs:
+    if ARCHITECTURE not in archs and DRAFT_ARCHITECTURE not in archs:
         return None
     if _REGISTRY_MODULE not in sys.modules and not os.environ.get(_EXTERNAL_PKG_ENV):
         os.environ[_EXTERNAL_PKG_ENV] = __name__
@@ -90,8 +97,12 @@ def get_model_architecture_before(model_config, *args, **kwargs) -> None:
             os.environ.pop(_EXTERNAL_PKG_ENV, None)
     from sglang.srt.models.registry import ModelRegistry
 
-    if ARCHITECTURE not in ModelRegistry.models:
+    if ARCHITECTURE in archs and ARCHITECTURE not in ModelRegistry.models:
         from sglang_mamba_ext.plugin.tiny_hybrid.model import TinyHybridForCausalLM
 
         ModelRegistry.models[ARCHITECTURE] = TinyHybridForCausalLM
+    if DRAFT_ARCHITECTURE in archs and DRAFT_ARCHITECTURE not in ModelRegistry.models:
+        from sglang_mamba_ext.plugin.tiny_hybrid.draft_model import TinyHybridDraftForCausalLM
+
+        ModelRegistry.models[DRAFT_ARCHITECTURE] = TinyHybridDraftForCausalLM
     return None

@@ -13,8 +13,10 @@ from the inherited ``MambaAttnBackendBase._forward_metadata``. The segments are 
 :meth:`~TinyHybridLinearAttnBackend.checkpoint_plan` asks for a copy of the row's state into
 another slot: by default SGLang's extra_buffer ping-pong track metadata (``schedule_batch.py``,
 the checkpoints SGLang's GPU backends write in ``_track_mamba_state_extend`` / ``_decode``) plus,
-under ``--enable-mamba-radix``, the prefix checkpoints the plugin's pool planned. Not supported:
-target-verify / draft modes, tensor parallelism, CUDA graphs (CPU serving never captures).
+under ``--enable-mamba-radix``, the prefix checkpoints the plugin's pool planned. Target verify
+(speculative decoding, :meth:`~TinyHybridLinearAttnBackend._forward_target_verify`) follows
+SGLang's snapshot contract. Not supported: draft-extend (a frozen-KV draft has no linear layers),
+tensor parallelism, CUDA graphs (CPU serving never captures).
 """
 
 from __future__ import annotations
@@ -182,12 +184,14 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         ``[1, T, HV, V]`` in ``mixed_qkv.dtype``.
 
         Raises:
-            NotImplementedError: a target-verify / draft-extend batch."""
+            NotImplementedError: a draft-extend batch."""
         mode = forward_batch.forward_mode
-        if mode.is_target_verify() or mode.is_draft_extend_v2():
+        if mode.is_target_verify():
+            return self._forward_target_verify(layer, forward_batch, mixed_qkv, a, b)
+        if mode.is_draft_extend_v2():
             raise NotImplementedError(
-                "TinyHybridLinearAttnBackend: speculative target-verify / draft-extend is not "
-                "supported by the tiny hybrid model's SGLang backend"
+                "TinyHybridLinearAttnBackend: speculative draft-extend is not supported by the tiny "
+                "hybrid model's SGLang backend (a frozen-KV draft has no linear layers)"
             )
         mixer = layer.mixer
         s = mixer.shape
@@ -259,3 +263,85 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
             ssm_pool[dst].zero_()
         else:
             self.write_state(conv_pool, ssm_pool, dst, conv_state, ssm_state)
+
+    # -- speculative target verify -----------------------------------------------------
+
+    @staticmethod
+    def tree_parents(next_token, next_sibling, num_nodes: int) -> List[int]:
+        """Parent of every node of one request's draft tree (``-1`` for node 0, the root),
+        derived from SGLang's ``retrieve_next_token`` (first child) and
+        ``retrieve_next_sibling`` (next sibling) rows (local node indices, ``-1`` = none;
+        ``eagle_utils.build_tree_kernel_efficient``). ``None`` arrays mean a chain (topk 1).
+        SGLang's ``retrieve_parent_token`` is not read: it may be uninitialised.
+
+        Raises:
+            ValueError: a node unreachable from the root, or a cycle."""
+        if next_token is None:
+            return [i - 1 for i in range(num_nodes)]
+        nt = [int(x) for x in next_token]
+        ns = [int(x) for x in next_sibling]
+        parents = [-2] * num_nodes
+        parents[0] = -1
+        stack = [0]
+        while stack:
+            p = stack.pop()
+            c = nt[p]
+            while 0 <= c < num_nodes:
+                if parents[c] != -2:
+                    raise ValueError(f"draft tree: node {c} reached twice")
+                parents[c] = p
+                stack.append(c)
+                c = ns[c]
+        if any(x == -2 for x in parents):
+            raise ValueError(f"draft tree: nodes {[i for i, x in enumerate(parents) if x == -2]} unreachable")
+        return parents
+
+    def _forward_target_verify(self, layer, forward_batch, mixed_qkv, a, b) -> torch.Tensor:
+        """Target verify of a draft tree in SGLang's snapshot contract
+        (``layers/attention/linear/gdn_backend.py``, ``MambaPool.SpeculativeState``): every row
+        holds ``T = spec_info.draft_token_num`` nodes (``mixed_qkv`` ``[bs*T, conv_dim]``,
+        ``a`` ``[bs*T, HV*K]``, ``b`` ``[bs*T, HV]``); node ``j`` runs one step from its
+        parent's state (node 0 from the row's main state) and its conv window / SSM state
+        go to ``intermediate_conv_window[0][row, j]`` / ``intermediate_ssm[row, j]``. The main
+        state is never written: SGLang's commit scatter copies the accepted node's state
+        afterwards (``spec_utils.commit_mamba_states_after_verify``). Returns
+        ``[1, bs*T, HV, V]``."""
+        mixer = layer.mixer
+        s = mixer.shape
+        spec = forward_batch.spec_info
+        T = int(spec.draft_token_num)
+        N = mixed_qkv.shape[0]
+        bs = N // T
+        g = a.view(N, s.num_v_heads, s.head_k_dim)
+        cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+        conv_pool, ssm_pool = cache.conv[0], cache.temporal
+        inter_conv, inter_ssm = cache.intermediate_conv_window[0], cache.intermediate_ssm
+        slots = self.forward_metadata.mamba_cache_indices[:bs].tolist()
+        nt_all = getattr(spec, "retrieve_next_token", None)
+        ns_all = getattr(spec, "retrieve_next_sibling", None)
+        chain = nt_all is None or int(getattr(spec, "topk", 1) or 1) <= 1
+        out = mixed_qkv.new_zeros(N, s.num_v_heads, s.head_v_dim)
+        for row in range(bs):
+            slot = slots[row]
+            if slot < 0:
+                continue
+            parents = self.tree_parents(None if chain else nt_all[row].tolist(),
+                                        None if chain else ns_all[row].tolist(), T)
+            depth = [0] * T
+            for j in range(1, T):  # parents first (a node's parent may come later in the tree arrays)
+                d, q = 0, j
+                while parents[q] >= 0:
+                    d, q = d + 1, parents[q]
+                depth[j] = d
+            for j in sorted(range(T), key=lambda n: depth[n]):
+                p = parents[j]
+                conv0 = conv_pool[slot] if p < 0 else inter_conv[row, p]
+                ssm0 = ssm_pool[slot] if p < 0 else inter_ssm[row, p]
+                t = row * T + j
+                y, new_conv = mixer.conv(mixed_qkv[t][None, None, :], conv0[None])
+                qh, kh, vh = mixer.split_qkv(y[:, 0])
+                o, new_ssm = gated_delta_rule_step(qh, kh, vh, g[t][None], b[t][None], ssm0[None], scale=mixer.scale)
+                inter_conv[row, j] = new_conv[0].to(inter_conv.dtype)
+                inter_ssm[row, j] = new_ssm[0].to(inter_ssm.dtype)
+                out[t] = o[0].to(out.dtype)
+        return out.unsqueeze(0)
