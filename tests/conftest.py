@@ -82,3 +82,20 @@ def trace_path() -> str:
     if not os.path.isfile(TRACE_PATH):
         pytest.skip(f"shared trace not found at {TRACE_PATH}")
     return TRACE_PATH
+
+
+def small_mixer(seed: int = 0):
+    """``(shape, mixer)``: a small gated-delta-rule mixer (hidden 32; 2 key / 4 value heads
+    of 8 / 12; conv 4) with N(0, 0.3) weights after ``torch.manual_seed(seed)``, the one the
+    tiny-model math and backend tests share."""
+    import torch
+
+    from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
+
+    torch.manual_seed(seed)
+    shape = LinearAttnShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=12, conv_kernel=4)
+    mixer = GatedDeltaRuleMixer(32, shape, gate_low_rank_dim=8)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.3)
+    return shape, mixer

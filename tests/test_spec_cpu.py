@@ -16,9 +16,8 @@ from unittest import mock
 
 import torch
 
-from conftest import SGLANG_INSTALLED, requires_sglang
+from conftest import SGLANG_INSTALLED, requires_sglang, small_mixer
 
-from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.models.tiny_hybrid import attention
 
 if SGLANG_INSTALLED:
@@ -254,12 +253,7 @@ class TestTargetVerify(unittest.TestCase):
     intermediate scratch row of its batch row; the main state is untouched."""
 
     def setUp(self):
-        torch.manual_seed(0)
-        self.shape = LinearAttnShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=12, conv_kernel=4)
-        self.mixer = GatedDeltaRuleMixer(32, self.shape, gate_low_rank_dim=8)
-        with torch.no_grad():
-            for p in self.mixer.parameters():
-                p.normal_(0, 0.3)
+        self.shape, self.mixer = small_mixer()
         S, T, bs = 6, 6, 2
         self.T = T
         self.conv = torch.randn(S, *self.shape.conv_state_shape)

@@ -9,8 +9,8 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.plugin.tiny_hybrid.backend import TinyHybridLinearAttnBackend
+from conftest import small_mixer
 
 
 class _Pool:
@@ -24,12 +24,7 @@ class _Pool:
 
 class TestSGLangTrackPlan(unittest.TestCase):
     def setUp(self):
-        torch.manual_seed(0)
-        self.shape = LinearAttnShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=12, conv_kernel=4)
-        self.mixer = GatedDeltaRuleMixer(32, self.shape, gate_low_rank_dim=8)
-        with torch.no_grad():
-            for p in self.mixer.parameters():
-                p.normal_(0, 0.3)
+        self.shape, self.mixer = small_mixer()
         self.pool = _Pool(16, self.shape)
         self.backend = object.__new__(TinyHybridLinearAttnBackend)
         self.backend.req_to_token_pool = self.pool

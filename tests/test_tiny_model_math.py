@@ -10,9 +10,9 @@ import unittest
 
 import torch
 import torch.nn.functional as F
+from conftest import small_mixer
 
 from sglang_mamba_ext.models.linear_attn import (
-    GatedDeltaRuleMixer,
     LinearAttnShape,
     causal_conv1d_update,
     gated_delta_rule,
@@ -166,12 +166,7 @@ class TestCausalConv(unittest.TestCase):
 
 class TestMixer(unittest.TestCase):
     def setUp(self):
-        torch.manual_seed(0)
-        self.shape = LinearAttnShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=12, conv_kernel=4)
-        self.mixer = GatedDeltaRuleMixer(32, self.shape, gate_low_rank_dim=8)
-        with torch.no_grad():
-            for p in self.mixer.parameters():
-                p.normal_(0, 0.3)
+        self.shape, self.mixer = small_mixer()
         self.x = torch.randn(13, 32)
 
     def test_shape_properties(self):

@@ -21,6 +21,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.radix_attention import RadixAttention
 
 from sglang_mamba_ext.models.tiny_draft import TinyHybridDraftConfig, TinyHybridDraftCore
+from sglang_mamba_ext.plugin.tiny_hybrid.model import copy_weights
 
 
 class TinyHybridDraftForCausalLM(nn.Module):
@@ -108,25 +109,12 @@ class TinyHybridDraftForCausalLM(nn.Module):
         return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into parameters of the same name.
+        """Copy checkpoint tensors into parameters of the same name (the target's
+        :func:`~sglang_mamba_ext.plugin.tiny_hybrid.model.copy_weights`).
 
         Raises:
             ValueError: an unknown tensor, a shape mismatch or a missing parameter."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            p = params.get(name)
-            if p is None:
-                raise ValueError(f"TinyHybridDraftForCausalLM: checkpoint tensor {name!r} has no parameter")
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"TinyHybridDraftForCausalLM: {name} has shape {tuple(tensor.shape)} in the "
-                                 f"checkpoint, {tuple(p.shape)} in the model")
-            with torch.no_grad():
-                p.copy_(tensor.to(p.dtype))
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"TinyHybridDraftForCausalLM: checkpoint lacks {missing}")
+        copy_weights(self, weights)
 
 
 EntryClass = TinyHybridDraftForCausalLM

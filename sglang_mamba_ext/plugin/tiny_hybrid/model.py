@@ -106,30 +106,43 @@ class TinyHybridForCausalLM(nn.Module):
         return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into parameters of the same name.
+        """Copy checkpoint tensors into parameters of the same name (:func:`copy_weights`;
+        a tied ``lm_head.weight`` is skipped).
 
         Raises:
             ValueError: a tensor with no matching parameter, a shape mismatch, or a
                 parameter missing from the checkpoint (wrong model directory)."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            if name not in params:
-                raise ValueError(f"TinyHybridForCausalLM: checkpoint tensor {name!r} has no parameter")
-            p = params[name]
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"TinyHybridForCausalLM: {name} has shape {tuple(tensor.shape)} in the "
-                    f"checkpoint, {tuple(p.shape)} in the model (config.json mismatch)"
-                )
-            with torch.no_grad():
-                p.copy_(tensor.to(p.dtype))
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"TinyHybridForCausalLM: checkpoint lacks {missing}")
+        skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        copy_weights(self, weights, skip=skip)
+
+
+def copy_weights(module: nn.Module, weights: Iterable[Tuple[str, torch.Tensor]], skip=frozenset()) -> None:
+    """Copy each ``(name, tensor)`` of a checkpoint into ``module``'s parameter of that
+    name (cast to its dtype), except names in ``skip``.
+
+    Raises:
+        ValueError: a tensor with no matching parameter, a shape mismatch, or a parameter
+            missing from the checkpoint (wrong model directory or config.json)."""
+    owner = type(module).__name__
+    params = dict(module.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        if name in skip:
+            continue
+        p = params.get(name)
+        if p is None:
+            raise ValueError(f"{owner}: checkpoint tensor {name!r} has no parameter")
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"{owner}: {name} has shape {tuple(tensor.shape)} in the "
+                f"checkpoint, {tuple(p.shape)} in the model (config.json mismatch)"
+            )
+        with torch.no_grad():
+            p.copy_(tensor.to(p.dtype))
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"{owner}: checkpoint lacks {missing}")
 
 
 EntryClass = TinyHybridForCausalLM
