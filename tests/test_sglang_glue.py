@@ -289,6 +289,10 @@ class TestFlags(unittest.TestCase):
         cases = [
             (["--page-size", "12", "--mamba-track-interval", "48", "--chunked-prefill-size", "96"],
              "--page-size 12 must divide or be a multiple of the model's linear-attention state chunk (8 tokens"),
+            # Named before the track interval (the default 256 is no multiple of 12), with
+            # the nearest page sizes that work.
+            (["--page-size", "12"], "state chunk (8 tokens, mamba_chunk_size in its config); use --page-size 8 or 16"),
+            (["--page-size", "3", "--mamba-track-interval", "3"], "use --page-size 2 or 8"),
             (["--page-size", "16", "--chunked-prefill-size", "72"],
              "--chunked-prefill-size 72 must be a multiple of --page-size 16; use --chunked-prefill-size 64"),
         ]

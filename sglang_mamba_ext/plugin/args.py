@@ -267,10 +267,11 @@ def validate_mamba_extra_buffer_around(original, view, hf_config, *args, **kwarg
             raise FlagError(
                 f"--mamba-track-interval ({interval}) must be >= --speculative-num-draft-tokens ({drafts})"
             )
+        # The page against the model first: a track interval cannot fix a bad page size.
+        _check_page_grid(view, hf_config)
         page = getattr(view, "page_size", None)
         if page is not None and interval % page:
             raise FlagError(f"--mamba-track-interval ({interval}) must be a multiple of --page-size ({page})")
-        _check_page_grid(view, hf_config)
         return None
     try:
         return original(view, hf_config, *args, **kwargs)
@@ -294,10 +295,12 @@ def _check_page_grid(view, hf_config) -> None:
     page = getattr(view, "page_size", None) or 1
     chunk = int(getattr(hf_config, "mamba_chunk_size", 64) or 64)
     if max(chunk, page) % min(chunk, page):
+        below = page - page % chunk if page > chunk else max(d for d in range(1, page + 1) if chunk % d == 0)
+        above = page + (chunk - page % chunk) if page > chunk else chunk
         raise FlagError(
             f"{ENABLE_FLAG}: --page-size {page} must divide or be a multiple of the model's "
             f"linear-attention state chunk ({chunk} tokens, mamba_chunk_size in its config); "
-            f"use e.g. --page-size {chunk} or {page - page % chunk or chunk * 2}"
+            f"use --page-size {below} or {above}"
         )
     prefill = getattr(view, "chunked_prefill_size", None)
     if prefill is not None and prefill > 0 and prefill % page:
