@@ -7,7 +7,7 @@ node holding a state (KV beyond it is of no use to a hybrid model); a hit gets i
 slot by copy-on-write; locks pin a node's state and its root path's KV; eviction removes
 states and KV leaves independently (policies in :mod:`.eviction`). Prefix-checkpoint
 planning, the per-path cap and the finish state are in :mod:`.prefix_checkpoints`; the
-invariant checks in :mod:`.invariants`.
+invariant checks in :mod:`.invariants`; the counters in :mod:`.stats`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from .lru import LRUList
 from .prefix_checkpoints import FINISH_STATES, PrefixCheckpoints
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
-from .stats import CacheStats
+from .stats import CacheCounters, CacheStats
 from .tree_node import EMPTY_INDICES, EvictResult, InsertResult, KeyLike, MatchResult, TreeNode, match_len, split_key
 
 
-class MambaRadixCache(PrefixCheckpoints):
+class MambaRadixCache(PrefixCheckpoints, CacheCounters):
     """Hybrid prefix cache: attention KV + SSM state per node (``docs/design.md``).
 
     Args:
@@ -346,58 +346,6 @@ class MambaRadixCache(PrefixCheckpoints):
     def mamba_total_size(self) -> int:
         """SSM states in the tree."""
         return self._mamba_evictable + self._mamba_protected
-
-    def tombstone_count(self) -> int:
-        """Nodes holding KV but no SSM state (O(1): nodes minus states)."""
-        return self.full_lru_list.size - self.mamba_lru_list.size
-
-    @staticmethod
-    def hit_of(prompt_len: int, result: MatchResult) -> Tuple[int, int, int, Optional[str]]:
-        """The arguments of :meth:`count_hit` for a match ``result`` of a prompt of
-        ``prompt_len`` tokens (taken at match time: the origin is the matched state's)."""
-        prefix = result.prefix_len
-        origin = (result.last_node.mamba_origin or "insert") if prefix else None
-        return prompt_len, result.kv_match_len, prefix, origin
-
-    def count_hit(self, prompt_len: int, kv_match_len: int, prefix_len: int, origin: Optional[str]) -> None:
-        """Count one admitted prefill (:class:`.stats.CacheStats`): its prompt length, the
-        tokens its match found as KV and as a usable prefix, and the origin of the state the
-        usable prefix ends on (``None`` without a hit); see :meth:`hit_of`. The caller
-        decides which matches are admissions: SGLang's scheduler may match a request, fail
-        to admit it and match it again later."""
-        s = self.stats
-        s.matches += 1
-        s.prompt_tokens += prompt_len
-        s.kv_match_tokens += kv_match_len
-        s.prefix_tokens += prefix_len
-        if origin is not None:
-            s.state_hits[origin] += 1
-
-    def stats_snapshot(self) -> dict:
-        """Counters and sizes as a flat dict of ints (metrics, ``/server_info``): the
-        :class:`.stats.CacheStats` fields (``states_stored_<origin>``,
-        ``state_hits_<origin>``), ``evicted_kv_tokens``, ``evicted_ssm_states``,
-        ``cow_copies`` (the request pool's), and the gauges ``kv_tokens``, ``ssm_states``,
-        ``tombstones``, ``nodes``."""
-        s = self.stats
-        out = {
-            "matches": s.matches,
-            "prompt_tokens": s.prompt_tokens,
-            "kv_match_tokens": s.kv_match_tokens,
-            "prefix_tokens": s.prefix_tokens,
-            "cow_copies": getattr(self.req_to_token_pool, "cow_copies_total", 0),
-            "evicted_kv_tokens": self.evicted_tokens_total,
-            "evicted_ssm_states": self.evicted_states_total,
-            "kv_tokens": self._full_evictable + self._full_protected,
-            "ssm_states": self._mamba_evictable + self._mamba_protected,
-            "tombstones": self.tombstone_count(),
-            "nodes": self.full_lru_list.size,
-        }
-        for origin, n in s.states_stored.items():
-            out["states_stored_" + origin] = n
-        for origin, n in s.state_hits.items():
-            out["state_hits_" + origin] = n
-        return out
 
     def path_device_indices(self, node: TreeNode) -> torch.Tensor:
         """int64 KV slots of the tokens from the root to the end of ``node``."""
