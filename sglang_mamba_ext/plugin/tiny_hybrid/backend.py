@@ -232,7 +232,6 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         Inputs as :meth:`forward_extend` with ``T = bs``. Returns ``[1, bs, HV, V]`` in
         ``mixed_qkv.dtype``."""
         mixer = layer.mixer
-        s = mixer.shape
         bs = mixed_qkv.shape[0]
         conv_pool, ssm_pool = self._layer_pools(layer.layer_id)
         slots = self.forward_metadata.mamba_cache_indices[:bs].to(torch.long)
