@@ -1,9 +1,9 @@
 """Hit-rate benchmark: usable prefix hits and recomputed prefill of SGLang 0.5.23's
 hybrid cache (no_buffer and extra_buffer) and of this project's cache variants.
 
-Replays the shared multi-turn trace (../shared/bench/README.md) request by request,
-with equal pools for every variant (KV 200,000 tokens; SSM 64 slots, and 16), page
-size 1, and reports per variant:
+Replays a workload (the shared multi-turn trace, ../shared/bench/README.md, and a
+chat-shaped synthetic one) request by request, with equal pools for every variant (KV
+200,000 tokens; SSM 64 slots, and 16), page size 1, and reports per variant:
 
 * hit rate: sum of usable ``prefix_len`` (KV that has an SSM state) / prompt tokens;
 * KV ceiling: sum of the KV-only match (KV present whatever the state) / prompt tokens;
@@ -12,14 +12,34 @@ size 1, and reports per variant:
   wrote besides the running request's live state), and the leak check
   (``free + evictable + protected == size`` for KV and SSM at the end).
 
-The last two lines compare the best variant of each side (best = highest hit rate;
-recompute of that same variant; upstream's best over the strategies SGLang 0.5.23 serves
-on a CPU device -- no_buffer -- unless ``--upstream-best-of all``; the comparison with
-extra_buffer, SGLang's GPU default, is printed just before), first at 16 SSM slots, then,
-as the very last line, at 64:
+Two workloads (``--workload``): the shared trace, and a chat-shaped synthetic one generated
+from a seed (:mod:`.chat_workload`: a few system prompts, each reused by many interleaved
+multi-turn conversations), whose extra lines show the *first-sharer effect*: the first
+turn of the second conversation on a system prompt hits nothing of it (the branch-point
+checkpoint is planted only by that request), the third conversation's hits it.
 
-    mamba_size=16 hit_ratio=<ours/upstream> recompute_ratio=<ours/upstream>
-    hit_ratio=<ours best / upstream best> recompute_ratio=<ours best / upstream best>
+The closing lines compare, per SSM pool size, the best variant of each side (best =
+highest hit rate; recompute of that same variant) against SGLang's best of its no_buffer
+variants (what it serves on CPU) and of all its variants (``--upstream-best-of``, default
+``all``: extra_buffer included), the latter with ``oracle_ratio``: ours' best hit rate over
+the *offline bound*, the best of the oracle rows. The very last line is the shared trace's
+(the chat workload's with ``--workload chat``) at the last size of ``--mamba-sizes``
+(default 16 slots)::
+
+    hit_ratio=<ours best / upstream best of all> oracle_ratio=<ours best / offline bound>
+
+Offline bound (:mod:`.oracle`): the same cache, the same checkpoint placement, but eviction
+victims chosen with the trace's future through the core's victim-priority seam
+(``MambaRadixCache.set_victim_priority``): Belady (the state, or leaf with its KV, whose
+next use is farthest away or never goes first), Belady counting a state's use only by
+requests no deeper state serves, and Belady weighted by the tokens a miss would recompute.
+Belady is optimal for a cache of independent, equal-size, equal-cost items; here states
+depend on each other (a miss falls back to the nearest ancestor state, a deeper state
+shadows a shallower one), a leaf also holds KV, every new state must be admitted and an
+eviction moves later branch-point checkpoints. So the bound is the best of these offline
+rules, not a proof of optimality: it is an upper bound only for victim rules that see no
+further than these (an online policy could beat it on some trace; ``oracle_ratio`` would
+then exceed 1).
 
 Op sequence per request (one at a time, rid order): match, lock, alloc_mamba,
 alloc_kv(extend), after_prefill, alloc_kv(decode, one call), after_decode, finish,
@@ -55,11 +75,17 @@ Variants (``--only`` names; see VARIANTS below):
 * ``ours-branch-recompute``: branch-point + prompt-end checkpoints, recompute-aware
   eviction (``--radix-eviction-policy recompute``: GreedyDual-Size-Frequency over tokens
   of recompute saved per byte).
+* ``oracle-belady``, ``oracle-belady-cost``, ``oracle-belady-naive``: ``ours-branch-*``
+  with offline victims (:class:`.oracle.OracleDriver`): Belady with deeper states
+  shadowing shallower ones; the same weighted by the tokens a miss recomputes per request
+  of distance; Belady counting every request that extends a state as a use. Not a
+  server's policy: they read the workload's future.
 
 Usage (``scripts/bench_hit_rate.py`` takes the same arguments):
     python -m sglang_mamba_ext.benchmarks.hit_rate
     python -m sglang_mamba_ext.benchmarks.hit_rate --mamba-sizes 64 --only upstream-xbuf --only ours-lru
     python -m sglang_mamba_ext.benchmarks.hit_rate --limit 300
+    python -m sglang_mamba_ext.benchmarks.hit_rate --workload chat   # no trace file needed
 
 Exit status: 0 on success, 1 when a leak check fails, 2 on bad arguments or input.
 """
@@ -274,6 +300,11 @@ VARIANTS: dict[str, Variant] = {
         "oracle",
         _oracle("oracle-belady"),
         "MambaRadixCache, branch-point checkpoints, offline Belady victims (deeper states shadow)",
+    ),
+    "oracle-belady-cost": Variant(
+        "oracle",
+        _oracle("oracle-belady-cost", weighted=True),
+        "MambaRadixCache, branch-point checkpoints, offline victims by recompute saved per request-distance",
     ),
     "oracle-belady-naive": Variant(
         "oracle",

@@ -1,12 +1,15 @@
-"""Offline eviction oracle for the hit-rate benchmark: Belady's rule with the trace's future.
+"""Offline eviction oracles for the hit-rate benchmark: Belady's rule with the workload's
+future, for a fixed checkpoint placement.
 
-The benchmark (:mod:`.hit_rate`) replays a trace whose every request is known in advance.
-:class:`OracleDriver` runs this project's cache exactly as ``ours-branch-*`` does (same
-plugin adapter, same SGLang scheduler functions, same branch-point and prompt-end
+The benchmark (:mod:`.hit_rate`) replays a workload whose every request is known in
+advance. :class:`OracleDriver` runs this project's cache exactly as ``ours-branch-*`` does
+(same plugin adapter, same SGLang scheduler functions, same branch-point and prompt-end
 checkpoints) but replaces the victim choice through the core's seam
-(``MambaRadixCache.set_victim_priority``, :class:`~sglang_mamba_ext.mem_cache.eviction.PriorityEviction`)
-with :class:`BeladyPriority`: on every eviction the unlocked state (or, for KV, leaf) whose
-next use lies farthest in the future, or never comes, goes first.
+(``MambaRadixCache.set_victim_priority``,
+:class:`~sglang_mamba_ext.mem_cache.eviction.PriorityEviction`) with a rule that reads the
+future: :class:`BeladyPriority` drops the unlocked state (or, for KV, leaf) whose next use
+lies farthest ahead, or never comes; :class:`RecomputeWeightedBelady` weighs that distance
+by the tokens a miss there would recompute.
 
 Next use (:class:`PromptTrie`): a request can only use a state whose token sequence is a
 prefix of its prompt less its last token (the match is capped at ``len - 1``). The trie of
@@ -16,25 +19,26 @@ it; the next use after request ``now`` is the first of them above ``now``.
 * SSM state of an inner node: the next request that extends the node's whole sequence and
   would resume there, i.e. does not extend a deeper state now in the tree under it, nor
   the sequence the running request will leave (its finish state): a deeper state serves
-  that request instead (``shadowed`` uses; ``shadowing=False`` counts every extension).
+  that request instead (``shadowing=False`` counts every extension: the naive rule).
 * a leaf (removed whole under SSM pressure, its KV with it) and KV eviction: the next
   request entering the leaf's edge at all -- one that passes its parent and shares at least
   one token of the edge. Such a request hits the state or, diverging inside the edge, finds
   the KV that plants its branch-point checkpoint.
 
-Why this bounds the policies, and how loosely (``docs/design.md``, "Eviction", offline
-bound). Belady's MIN is optimal when every item costs one slot, every miss costs the same,
-items are independent and the cache must admit what is requested. Here none of that holds
-exactly: a miss costs the tokens back to the nearest surviving ancestor state (not one
-unit), a state's value depends on which deeper states survive, a leaf holds KV too, a new
-state must be admitted (no bypass), and an eviction changes where later branch-point
-checkpoints are planted (the placement rule reads the tree). So the oracle is the
-classical offline rule applied to this cache with its checkpoint placement fixed, not a
-proven optimum: another victim sequence can beat it, and an online policy can, on a given
-trace, come out ahead of it (the benchmark then reports ``oracle_ratio > 1``). It does bound
-what recency- and frequency-based rules see, since it knows every future match.
+How close to an upper bound this is (``docs/design.md``, "Eviction", offline bound).
+Belady's MIN is optimal when every item takes one slot, every miss costs the same, items
+are independent and the cache may only choose what to evict. Here: a miss costs the tokens
+back to the nearest surviving ancestor state, not one unit; a state's value depends on
+which deeper states survive; a leaf holds KV too; each new state must be admitted (no
+bypass); and an eviction changes where later branch-point checkpoints are planted (the
+placement rule reads the tree). Optimal offline eviction with such dependencies and costs
+is not known to be tractable, so the benchmark takes the best of these offline rules as
+its *offline bound* for the fixed placement: no proof of optimality, a reference that
+knows every future match. An online policy can come out ahead of one rule on a given
+workload (the naive rule loses to ``ours-branch-recompute`` on the shared trace at 16
+slots), and could in principle beat all of them (``oracle_ratio > 1``).
 
-Torch-free apart from the driver (which builds the plugin cache, as :mod:`.ours` does).
+The trie and the rules are plain Python; the driver builds the plugin cache as :mod:`.ours` does.
 """
 
 from __future__ import annotations
@@ -246,16 +250,17 @@ class BeladyPriority:
         """First request after :attr:`now` that enters ``node``'s edge."""
         return next_after(self.trie.rids(self.entry_pos(node)), self.now)
 
+    def next_use(self, node, shadows: Sequence[frozenset] = ()) -> float:
+        """The rid of ``node``'s next use (module docstring): :meth:`kv_next_use` for a
+        leaf, :meth:`state_next_use` for an inner node."""
+        if not node.children:
+            return self.kv_next_use(node)
+        return self.state_next_use(node, shadows)
+
     def __call__(self, candidates: Sequence, for_kv: bool) -> List[float]:
         self.calls += 1
         shadows_of = self._shadows(candidates) if self.shadowing and not for_kv else {}
-        out = []
-        for node in candidates:
-            if not node.children:
-                out.append(-self.kv_next_use(node))
-            else:
-                out.append(-self.state_next_use(node, shadows_of.get(node.id, ())))
-        return out
+        return [-self.next_use(n, shadows_of.get(n.id, ())) for n in candidates]
 
     def _shadows(self, candidates: Sequence) -> Dict[int, List[frozenset]]:
         """For each inner candidate, the rid sets of the deeper states under it (every state
@@ -285,6 +290,30 @@ class BeladyPriority:
         return out
 
 
+class RecomputeWeightedBelady(BeladyPriority):
+    """Belady weighted by what a miss costs: priority ``saved / (next_use - now)``, ``saved``
+    the tokens back to the nearest ancestor holding a state (what a request resuming here
+    would recompute without it, as in ``RecomputeEviction.recompute_per_byte`` without the
+    bytes), ``next_use`` as in :class:`BeladyPriority`; never used again: ``-inf`` (first
+    out). The hit rate counts tokens, not requests, so this offline rule beats plain
+    Belady when near uses save few tokens (module docstring)."""
+
+    def __call__(self, candidates: Sequence, for_kv: bool) -> List[float]:
+        self.calls += 1
+        shadows_of = self._shadows(candidates) if self.shadowing and not for_kv else {}
+        out = []
+        for node in candidates:
+            nu = self.next_use(node, shadows_of.get(node.id, ()))
+            if nu == NEVER:
+                out.append(-NEVER)
+                continue
+            anc = node.parent
+            while anc.parent is not None and anc.mamba_value is None:
+                anc = anc.parent
+            out.append((node.seq_len - anc.seq_len) / (nu - self.now))
+        return out
+
+
 class OracleDriver(OursDriver):
     """``ours-branch-*`` with :class:`BeladyPriority` as the victim choice (module
     docstring). ``records`` must be the trace the runner replays, in order."""
@@ -296,10 +325,12 @@ class OracleDriver(OursDriver):
         records: Sequence[TraceRecord],
         *,
         shadowing: bool = True,
+        weighted: bool = False,
         name: str = "oracle",
         **kw,
     ):
-        self.belady = BeladyPriority(records, shadowing=shadowing)
+        rule = RecomputeWeightedBelady if weighted else BeladyPriority
+        self.belady = rule(records, shadowing=shadowing)
         super().__init__(kv_size, mamba_size, prefix_checkpoints=True, name=name, **kw)
         self.belady.cache = self.cache.core
         self.cache.core.set_victim_priority(self.belady)
@@ -309,4 +340,6 @@ class OracleDriver(OursDriver):
         return super().begin(rec)
 
     def describe(self) -> str:
-        return super().describe() + f" victim_priority=belady(shadowing={self.belady.shadowing})"
+        return super().describe() + (
+            f" victim_priority={type(self.belady).__name__}(shadowing={self.belady.shadowing})"
+        )
