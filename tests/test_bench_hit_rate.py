@@ -16,7 +16,7 @@ import math
 import unittest
 from unittest import mock
 
-from conftest import SGLANG_INSTALLED, TraceDriverCase
+from conftest import SGLANG_INSTALLED, TraceDriverCase, requires_sglang
 
 from sglang_mamba_ext.benchmarks import hit_rate as bench_hit_rate
 from sglang_mamba_ext.benchmarks.common import CacheDriver, TraceRecord
@@ -344,6 +344,7 @@ class UpstreamDriversTest(TraceDriverCase):
         with contextlib.redirect_stdout(out):
             rc = bench_hit_rate.main(
                 [
+                    "--workload", "trace",
                     "--limit", "40",
                     "--mamba-sizes", "8,6",
                     "--only", "upstream-nobuf",
@@ -352,9 +353,14 @@ class UpstreamDriversTest(TraceDriverCase):
             )
         self.assertEqual(rc, 0)
         lines = out.getvalue().strip().splitlines()
-        self.assertRegex(lines[-2], r"^mamba_size=6 hit_ratio=nan recompute_ratio=nan$")
-        self.assertRegex(lines[-1], r"^hit_ratio=nan recompute_ratio=nan$")
+        self.assertEqual(
+            lines[-2],
+            "mamba_size=6 against upstream best of all (upstream-xbuf), ours -, offline bound -: "
+            "hit_ratio=nan recompute_ratio=nan oracle_ratio=nan",
+        )
+        self.assertEqual(lines[-1], "hit_ratio=nan oracle_ratio=nan")
         self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
+        self.assertFalse(any(l.startswith("chat") for l in lines))
 
 
 class OursVariantsTest(TraceDriverCase):
@@ -519,6 +525,36 @@ class ChatWorkloadTest(unittest.TestCase):
                 self.assertEqual(sharer_hits(recs, res.prefix_lens, 3), (1, shared, shared))
                 # shared = system message + the user header, up to the user's content.
                 self.assertEqual(recs[1].tokens[shared - 3 : shared], (1, 4, 6))
+
+
+@requires_sglang
+class MainChatTest(unittest.TestCase):
+    def test_last_line_is_ours_over_extra_buffer_and_over_the_bound(self):
+        """``--workload chat`` (no trace needed): the last line holds ours' best hit rate
+        over SGLang's best (extra_buffer included) and over the best oracle row, at the
+        last ``--mamba-sizes``, as :func:`run_config` measures them."""
+        from sglang_mamba_ext.benchmarks.chat_workload import chat_workload
+
+        names = ["upstream-nobuf", "upstream-xbuf", "ours-branch-recompute", "oracle-belady"]
+        argv = ["--workload", "chat", "--limit", "80", "--mamba-sizes", "12,6"]
+        for n in names:
+            argv += ["--only", n]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = bench_hit_rate.main(argv)
+        self.assertEqual(rc, 0)
+        lines = out.getvalue().strip().splitlines()
+        results, _ = run_config(names, 200_000, 6, chat_workload(0)[:80])
+        by = {r.name: r for r in results}
+        ours = by["ours-branch-recompute"].hit_rate
+        up = max(by["upstream-nobuf"].hit_rate, by["upstream-xbuf"].hit_rate)
+        self.assertEqual(
+            lines[-1], f"hit_ratio={ours / up:.4f} oracle_ratio={ours / by['oracle-belady'].hit_rate:.4f}"
+        )
+        self.assertGreaterEqual(by["oracle-belady"].matched_tokens, by["ours-branch-recompute"].matched_tokens)
+        sharer = [l for l in lines if l.startswith("[chat] mamba_size=6 first turn of the 2nd")]
+        self.assertEqual(len(sharer), 1)
+        self.assertIn("oracle-belady ", sharer[0])
 
 
 class OracleDriverTest(TraceDriverCase):

@@ -33,10 +33,11 @@ victims chosen with the trace's future through the core's victim-priority seam
 (``MambaRadixCache.set_victim_priority``): Belady (the state, or leaf with its KV, whose
 next use is farthest away or never goes first), Belady counting a state's use only by
 requests no deeper state serves, and Belady weighted by the tokens a miss would recompute.
-Belady is optimal for a cache of independent, equal-size, equal-cost items; here states
-depend on each other (a miss falls back to the nearest ancestor state, a deeper state
-shadows a shallower one), a leaf also holds KV, every new state must be admitted and an
-eviction moves later branch-point checkpoints. So the bound is the best of these offline
+Belady is optimal for demand paging of independent, equal-size, equal-cost items; here
+states depend on each other (a miss falls back to the nearest ancestor state, a deeper
+state shadows a shallower one), a leaf also holds KV, the placement rule creates states no
+request asked for (admitted all the same) and an eviction moves later branch-point
+checkpoints. So the bound is the best of these offline
 rules, not a proof of optimality: it is an upper bound only for victim rules that see no
 further than these (an online policy could beat it on some trace; ``oracle_ratio`` would
 then exceed 1).

@@ -26,19 +26,22 @@ it; the next use after request ``now`` is the first of them above ``now``.
   the KV that plants its branch-point checkpoint.
 
 How close to an upper bound this is (``docs/design.md``, "Eviction", offline bound).
-Belady's MIN is optimal when every item takes one slot, every miss costs the same, items
-are independent and the cache may only choose what to evict. Here: a miss costs the tokens
-back to the nearest surviving ancestor state, not one unit; a state's value depends on
-which deeper states survive; a leaf holds KV too; each new state must be admitted (no
-bypass); and an eviction changes where later branch-point checkpoints are planted (the
-placement rule reads the tree). Optimal offline eviction with such dependencies and costs
-is not known to be tractable, so the benchmark takes the best of these offline rules as
-its *offline bound* for the fixed placement: no proof of optimality, a reference that
-knows every future match. An online policy can come out ahead of one rule on a given
-workload (the naive rule loses to ``ours-branch-recompute`` on the shared trace at 16
-slots), and could in principle beat all of them (``oracle_ratio > 1``).
+Belady's MIN is optimal for demand paging when every item takes one slot, every miss
+costs the same and items are independent. Here: a miss costs the tokens back to the nearest
+surviving ancestor state, not one unit; a state's value depends on which deeper states
+survive; a leaf holds KV too; the placement rule creates states no request asked for, and
+they must be admitted; and an eviction changes where later branch-point checkpoints are
+planted (the placement rule reads the tree). No optimal offline algorithm for this setting
+is implemented (with item sizes alone, offline caching is already NP-hard: Chrobak et al.,
+"Caching is hard -- even in the fault model", Algorithmica 2012), so the benchmark takes
+the best of these offline rules as its *offline bound* for the fixed placement: no proof
+of optimality, a reference that knows every future match. An online policy can come out
+ahead of one rule on a given workload (the naive rule loses to ``ours-branch-recompute``
+on the shared trace at 16 slots), and could in principle beat all of them
+(``oracle_ratio > 1``).
 
-The trie and the rules are plain Python; the driver builds the plugin cache as :mod:`.ours` does.
+The trie and the rules are plain Python; the driver builds the plugin cache as
+:mod:`.ours` does.
 """
 
 from __future__ import annotations
