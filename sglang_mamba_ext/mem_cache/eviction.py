@@ -11,7 +11,7 @@ and never compare strings: :class:`LRUEviction` scans the two recency lists;
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Type
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Type, Iterator
 
 from .tree_node import EvictResult, TreeNode
 
@@ -139,8 +139,9 @@ class RecomputeEviction(LRUEviction):
         node.hits += 1
         node.priority = self.inflation + node.hits * self.recompute_per_byte(node)
 
-    def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
-        best = None
+    def _candidates(self, leaf_only: bool) -> Iterator[TreeNode]:
+        """Unlocked nodes holding a state, most recent first; only leaves when
+        ``leaf_only`` (a leaf must also be free of KV locks)."""
         for link in self.cache.mamba_lru_list:
             node = link.owner
             if node.mamba_lock_ref:
@@ -148,6 +149,11 @@ class RecomputeEviction(LRUEviction):
             leaf = not node.children
             if (leaf_only and not leaf) or (leaf and node.full_lock_ref):
                 continue
+            yield node
+
+    def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
+        best = None
+        for node in self._candidates(leaf_only):
             if best is None or node.priority <= best.priority:
                 best = node
         if best is not None:
@@ -180,15 +186,7 @@ class PriorityEviction(RecomputeEviction):
         """Nothing kept."""
 
     def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
-        cands = []
-        for link in self.cache.mamba_lru_list:  # most recent first
-            node = link.owner
-            if node.mamba_lock_ref:
-                continue
-            leaf = not node.children
-            if (leaf_only and not leaf) or (leaf and node.full_lock_ref):
-                continue
-            cands.append(node)
+        cands = list(self._candidates(leaf_only))  # most recent first
         if not cands:
             return None
         prios = self.priority(cands, leaf_only)
