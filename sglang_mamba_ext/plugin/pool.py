@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 from sglang_mamba_ext.mem_cache import HybridReqToTokenPool as CoreReqToTokenPool
 from sglang_mamba_ext.mem_cache import MambaPool as CoreMambaPool
-from sglang_mamba_ext.plugin import req_bridge
+from sglang_mamba_ext.plugin import chat_boundaries, req_bridge
 
 logger = logging.getLogger(__name__)
 
@@ -315,15 +315,17 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         return [r.kv.req_pool_idx for r in reqs]
 
     def _plan_prefix_checkpoints(self, req, creq) -> None:
-        """Plan the request's prefix checkpoints (branch point, prompt length - 1; issue 6)
-        when the backend can write them and the tree cache plans them."""
+        """Plan the request's prefix checkpoints (branch point, prompt length - 1; issue 6;
+        message boundaries from ``Req.kv_hints``, :mod:`.chat_boundaries`) when the backend can write them and the tree cache plans them."""
         cache = self.tree_cache
         if not self.prefix_checkpoint_writer or cache is None or not cache.core.branch_checkpoints:
             return
         fill = getattr(req, "full_untruncated_fill_ids", None)
         prompt_len = len(fill) if fill else len(req.origin_input_ids) + len(req.output_ids)
         branching = getattr(req, "mamba_branching_seqlen", None)
-        cache.core.plan_prefix_checkpoints(creq, prompt_len, branching)
+        # message boundaries the request names (chat template, or /generate kv_hints)
+        boundaries = chat_boundaries.request_offsets(req)
+        cache.core.plan_prefix_checkpoints(creq, prompt_len, branching, boundaries)
         req_bridge.push_prefix_checkpoints(self, creq.req_pool_idx, creq)
 
     def prefix_checkpoint_plan(self, forward_batch) -> Dict[int, List[Tuple[int, int]]]:
