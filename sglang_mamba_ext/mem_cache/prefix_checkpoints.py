@@ -93,6 +93,11 @@ class PrefixCheckpoints:
         req.mamba_prefix_checkpoints = sorted(planned + req.mamba_prefix_checkpoints)
         return planned
 
+    def planned_origin(self, slot: int) -> Optional[str]:
+        """Kind (``"branch"``, ``"prompt_end"``, ``"boundary"``) of the planned prefix
+        checkpoint holding SSM slot ``slot``; ``None`` for another slot."""
+        return self._prefix_origin.get(slot)
+
     def _boundary_budget(self, req: CacheReq, planned: int) -> int:
         """How many boundary checkpoints a request may plan under ``max_states_per_path``
         (unbounded when 0): the cap less the states already on its matched path

@@ -251,16 +251,23 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         return sum(len(v) for v in self.prefix_checkpoints.values())
 
     def reclaim_prefix_checkpoints(self, num: int) -> int:
-        """Give up to ``num`` planned prefix checkpoints back to the SSM pool (deepest
-        first: a prompt-end checkpoint before a branch point) so that a request's own slots
-        never wait for an optional checkpoint. Safe without overlap scheduling (the only
-        mode the planning backend runs in): no forward is in flight, and the next forward's
-        plan is read from :attr:`prefix_checkpoints` after this. Returns slots freed."""
+        """Give up to ``num`` planned prefix checkpoints back to the SSM pool (message
+        boundaries first, deepest first, then the others deepest first: a prompt-end
+        checkpoint before a branch point) so that a request's own slots never wait for an
+        optional checkpoint. Safe without overlap scheduling (the only mode the planning
+        backend runs in): no forward is in flight, and the next forward's plan is read from
+        :attr:`prefix_checkpoints` after this. Returns slots freed."""
         freed: List[int] = []
+        core = self.tree_cache.core if self.tree_cache is not None else None
         while len(freed) < num and self.prefix_checkpoints:
-            row = max(self.prefix_checkpoints, key=lambda r: self.prefix_checkpoints[r][-1][0])
+            # (is a boundary, seqlen, row, index): the largest goes first
+            _, _, row, i = max(
+                (core is not None and core.planned_origin(slot) == "boundary", c, r, j)
+                for r, planned in self.prefix_checkpoints.items()
+                for j, (c, slot) in enumerate(planned)
+            )
             planned = self.prefix_checkpoints[row]
-            freed.append(planned.pop()[1])
+            freed.append(planned.pop(i)[1])
             if not planned:
                 del self.prefix_checkpoints[row]
         if freed:
