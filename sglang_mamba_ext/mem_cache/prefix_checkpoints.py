@@ -1,10 +1,11 @@
 """Which SSM states a request leaves in the tree besides its ping-pong checkpoints, and
 which of them the tree keeps (``docs/design.md``, "Prefix checkpoints" and "Ping-pong
 checkpoints"): planning extra checkpoints for a prefill (at the branch point a match
-reports, at prompt length - 1 and at message boundaries the request names), committing them once the forward has written them, the
-per-path cap ``max_states_per_path``, and the choice of the state a finished request
-donates (``finish_state``); also how an insert of a request's prefix is adopted by the
-request (lock moved, ``req_to_token`` pointed at the tree's KV). :class:`PrefixCheckpoints`
+reports, at prompt length - 1 and at message boundaries the request names), committing
+them once the forward has written them, the per-path cap ``max_states_per_path``, and the
+choice of the state a finished request donates (``finish_state``); also how an insert of a
+request's prefix is adopted by the request (lock moved, ``req_to_token`` pointed at the
+tree's KV). :class:`PrefixCheckpoints`
 is mixed into :class:`~.radix_cache.MambaRadixCache` and uses its tree operations.
 """
 

@@ -323,7 +323,8 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
 
     def _plan_prefix_checkpoints(self, req, creq) -> None:
         """Plan the request's prefix checkpoints (branch point, prompt length - 1; issue 6;
-        message boundaries from ``Req.kv_hints``, :mod:`.chat_boundaries`) when the backend can write them and the tree cache plans them."""
+        message boundaries from ``Req.kv_hints``, :mod:`.chat_boundaries`; issue 16) when
+        the backend can write them and the tree cache plans them."""
         cache = self.tree_cache
         if not self.prefix_checkpoint_writer or cache is None or not cache.core.branch_checkpoints:
             return
