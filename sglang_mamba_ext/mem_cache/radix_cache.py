@@ -103,7 +103,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         self.evicted_states_total = 0
         #: Match and state counters since construction (:mod:`.stats`).
         self.stats = CacheStats()
-        #: Origin (``"branch"`` / ``"prompt_end"``) of each planned prefix checkpoint, by
+        #: Origin (``"branch"`` / ``"prompt_end"`` / ``"boundary"``) of each planned prefix checkpoint, by
         #: its SSM slot, until it is inserted (stale entries are overwritten, never read).
         self._prefix_origin = {}
         self.reset()
