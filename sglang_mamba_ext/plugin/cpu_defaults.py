@@ -188,7 +188,8 @@ def multi_rank_env(argv: Sequence[str]) -> List[Tuple[str, str]]:
     asserts one NUMA node per rank, ``utils/numa_utils.py``; ranks beyond the cores share
     them), and ``SGLANG_NCCL_SO_PATH`` names a library that does not exist so that PyNccl
     disables itself (the CUDA build of torch ships a loadable NCCL, which SGLang then tries to
-    use and fails with "Expected a cuda device"). Empty for one rank."""
+    use and fails with "Expected a cuda device"), and turns on the CPU multi-rank hook
+    (:mod:`sglang_mamba_ext.plugin.multi_rank`). Empty for one rank."""
     n = num_ranks(argv)
     if n <= 1:
         return []
@@ -199,7 +200,10 @@ def multi_rank_env(argv: Sequence[str]) -> List[Tuple[str, str]]:
     else:
         groups = [[cores[i % len(cores)]] for i in range(n)]
     bind = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
-    return [("SGLANG_CPU_OMP_THREADS_BIND", bind), ("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl-disabled.so")]
+    from sglang_mamba_ext.plugin.multi_rank import ACTIVE_ENV
+
+    return [("SGLANG_CPU_OMP_THREADS_BIND", bind), ("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl-disabled.so"),
+            (ACTIVE_ENV, "1")]
 
 
 def _before_prepare_server_args(argv, *args, **kwargs):
