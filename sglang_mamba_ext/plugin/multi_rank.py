@@ -9,18 +9,50 @@ One hook, active only when the plugin's CPU defaults saw a launch with more than
   length a padding row gets; ``torch_native`` (the only attention backend that runs on CPU
   without ``sgl_kernel``'s CPU ops) raises ``NotImplementedError``. A padding row is a
   one-token sequence, the value every GPU backend returns (``flashinfer_backend.py``).
+- AROUND ``ForwardBatch.prepare_mlp_sync_batch``: the same padding step builds a tensor with
+  ``pin_memory=True`` unless SGLang's CPU engine is on (``SGLANG_USE_CPU_ENGINE``, which needs
+  ``sgl_kernel`` CPU ops); pinning needs a CUDA driver. On a host without CUDA the call runs
+  with ``torch.tensor``'s ``pin_memory`` dropped (a transfer optimisation only; as
+  ``plugin/cpu_pin_memory.py`` does for ``prepare_for_decode``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+
+import torch
 
 ACTIVE_ENV = "SGLANG_MAMBA_EXT_MULTI_RANK_CPU"
 
 HOOK_TARGETS = [
     ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.get_cuda_graph_seq_len_fill_value",
      "AROUND", "fill_value_around"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch.prepare_mlp_sync_batch", "AROUND",
+     "prepare_mlp_sync_batch_around"),
 ]
+
+
+@contextlib.contextmanager
+def _no_pinned_factories():
+    original = torch.tensor
+
+    def tensor(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return original(*args, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
+
+
+def prepare_mlp_sync_batch_around(original, batch, *args, **kwargs):
+    if os.environ.get(ACTIVE_ENV) != "1" or torch.cuda.is_available():
+        return original(batch, *args, **kwargs)
+    with _no_pinned_factories():
+        return original(batch, *args, **kwargs)
 
 
 def fill_value_around(original, backend, *args, **kwargs):

@@ -126,7 +126,9 @@ class TinyHybridForCausalLM(nn.Module):
             else:
                 attn = layer.self_attn
                 q, k, v = attn.project_qkv(x, positions)
-                o = core(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
+                # explicit widths: an idle DP-attention rank runs an empty batch (T = 0)
+                o = core(q.reshape(T, attn.num_heads * attn.head_dim), k.reshape(T, attn.num_kv_heads * attn.head_dim),
+                         v.reshape(T, attn.num_kv_heads * attn.head_dim), forward_batch)
                 y = attn.finish(o.reshape(T, attn.num_heads, attn.head_dim))
                 if self.tp_size > 1:  # o_proj is row parallel
                     y = attention_tensor_model_parallel_all_reduce(y)
