@@ -6,7 +6,6 @@ import os
 import socket
 import unittest
 
-import torch
 import torch.multiprocessing as mp
 
 from conftest import requires_sglang
