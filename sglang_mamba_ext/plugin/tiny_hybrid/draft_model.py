@@ -31,6 +31,13 @@ class TinyHybridDraftForCausalLM(nn.Module):
         super().__init__()
         if quant_config is not None:
             raise ValueError("TinyHybridDraftForCausalLM: quantization is not supported (drop --quantization)")
+        from sglang_mamba_ext.plugin.tiny_hybrid.model import attn_tp
+
+        if attn_tp()[1] > 1:
+            raise ValueError(
+                "TinyHybridDraftForCausalLM: the tiny draft is not sharded for tensor parallelism "
+                "(it would read the target's per-rank K/V with all heads); serve the tiny pair with --tp 1"
+            )
         self.config = config
         core = TinyHybridDraftCore(config)
         self.model = core.model
