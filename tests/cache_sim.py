@@ -325,3 +325,15 @@ class SimModel:
         assert self.decode(req, output), f"request {rid} ran out of KV in decode"
         self.release(req)
         return req
+
+
+def state_lengths(cache) -> List[int]:
+    """Sorted ``seq_len`` of every tree node holding an SSM state."""
+    out, stack = [], [cache.root_node]
+    while stack:
+        n = stack.pop()
+        for c in n.children.values():
+            if c.mamba_value is not None:
+                out.append(c.seq_len)
+            stack.append(c)
+    return sorted(out)

@@ -6,7 +6,7 @@ branch point and prompt length - 1, and within ``max_states_per_path``."""
 
 import unittest
 
-from cache_sim import SimModel, make_cache
+from cache_sim import SimModel, make_cache, state_lengths
 from sglang_mamba_ext.mem_cache import CacheReq
 
 SYS = list(range(1000, 1041))  # a 41-token "system prompt" (off a 4-token page)
@@ -16,15 +16,7 @@ def user(i, n=6):
     return [2000 + 100 * i + k for k in range(n)]
 
 
-def states(cache):
-    out, stack = [], [cache.root_node]
-    while stack:
-        n = stack.pop()
-        for c in n.children.values():
-            if c.mamba_value is not None:
-                out.append(c.seq_len)
-            stack.append(c)
-    return sorted(out)
+states = state_lengths
 
 
 class TestBoundaryCheckpoints(unittest.TestCase):

@@ -5,7 +5,7 @@ import unittest
 
 import torch
 
-from cache_sim import SimModel, make_cache
+from cache_sim import SimModel, make_cache, state_lengths
 from sglang_mamba_ext.mem_cache import CacheReq, RadixKey
 
 SYS = list(range(1000, 1040))  # a 40-token "system prompt"
@@ -104,14 +104,7 @@ class TestBranchCheckpoints(unittest.TestCase):
             return cache.insert(RadixKey(tokens), value, pool.alloc_list(1)[0], prev_prefix_len=m.kv_match_len)
 
         def states():
-            out, stack = [], [cache.root_node]
-            while stack:
-                n = stack.pop()
-                for c in n.children.values():
-                    if c.mamba_value is not None:
-                        out.append(c.seq_len)
-                    stack.append(c)
-            return sorted(out)
+            return state_lengths(cache)
 
         put(4), put(8)
         self.assertEqual(states(), [4, 8])

@@ -69,3 +69,32 @@ def wait_for(predicate, timeout_s: float = 120, poll_s: float = 0.5):
             return value
         time.sleep(poll_s)
     return predicate()
+
+
+def common_prefix(a, b) -> int:
+    """Tokens two id lists share from the start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def start_tiny_server(cls, flags: List[str], env: Optional[Dict[str, str]] = None) -> None:
+    """For a test class: the tiny model (seed 0), its reference (``cls.ref``) and one server
+    with ``flags`` (``cls.server``), stopped and cleaned up with the class."""
+    import os
+    import tempfile
+
+    from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
+    from sglang_mamba_ext.testing import tiny_model_dir
+
+    tmp = tempfile.TemporaryDirectory()
+    cls.addClassCleanup(tmp.cleanup)
+    cls.tmp_dir = tmp.name
+    cls.model = tiny_model_dir()
+    cls.ref = TinyHybridReference.from_pretrained(cls.model)
+    cls.server = Server(cls.model, flags, os.path.join(tmp.name, "server.log"), env=env)
+    cls.addClassCleanup(cls.server.stop)
+    cls.server.wait_healthy()

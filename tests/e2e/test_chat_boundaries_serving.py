@@ -28,7 +28,7 @@ import unittest
 import pytest
 import requests
 from conftest import tiny_model_dir
-from server_util import CHECKED_ENV, Server, idle_and_checked
+from server_util import CHECKED_ENV, Server, idle_and_checked, common_prefix
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -45,13 +45,6 @@ USER_A = "Do you have rye bread today, and is there any gluten free cake left fo
 USER_B = "When do you close on Saturday?"
 
 
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def hints(offsets, version="1"):

@@ -56,13 +56,6 @@ def _ids(x):
     return list(x["input_ids"]) if hasattr(x, "keys") else list(x)
 
 
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def warm_hit(ids, warm, first_token) -> int:

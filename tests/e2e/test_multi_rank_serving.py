@@ -23,7 +23,7 @@ import unittest
 import pytest
 import requests
 
-from server_util import CHECKED_ENV, Server
+from server_util import CHECKED_ENV, start_tiny_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -42,23 +42,16 @@ class _Ranks(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
-        from sglang_mamba_ext.testing import tiny_model_dir
-
-        tmp = tempfile.TemporaryDirectory()
-        cls.addClassCleanup(tmp.cleanup)
-        cls.model = tiny_model_dir()
-        cls.ref = TinyHybridReference.from_pretrained(cls.model)
         flags = ["--device", "cpu", "--enable-mamba-radix", *cls.FLAGS]
         if cls.WARM:
+            tmp = tempfile.TemporaryDirectory()
+            cls.addClassCleanup(tmp.cleanup)
             path = os.path.join(tmp.name, "warm.jsonl")
             with open(path, "w") as f:
                 for ids in cls.WARM:
                     f.write(json.dumps({"input_ids": ids}) + "\n")
             flags += ["--warmups", "kda_cache", "--warmup-prompts-file", path]
-        cls.server = Server(cls.model, flags, os.path.join(tmp.name, "server.log"), env=cls.ENV)
-        cls.addClassCleanup(cls.server.stop)
-        cls.server.wait_healthy()
+        start_tiny_server(cls, flags, cls.ENV)
 
     def gen(self, ids, n=NEW, **extra):
         r = self.server.generate(input_ids=ids, max_new_tokens=n, **extra)

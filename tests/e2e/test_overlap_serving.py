@@ -10,14 +10,12 @@ the reference, concurrent finishes must leave no leak (SGLang's strict idle chec
 follow-up turn hits the donated checkpoint exactly.
 """
 
-import os
-import tempfile
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server_util import CHECKED_ENV, Server, idle_and_checked
+from server_util import CHECKED_ENV, idle_and_checked, start_tiny_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -27,19 +25,9 @@ INTERVAL = 8
 class TestOverlapOnCPU(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
-        from sglang_mamba_ext.testing import tiny_model_dir
-
-        tmp = tempfile.TemporaryDirectory()
-        cls.addClassCleanup(tmp.cleanup)
-        cls.model = tiny_model_dir()
-        cls.ref = TinyHybridReference.from_pretrained(cls.model)
         flags = ["--device", "cpu", "--enable-mamba-radix", "--mamba-track-interval", str(INTERVAL),
                  "--max-total-tokens", "2048", "--max-mamba-cache-size", "32", "--max-running-requests", "4"]
-        env = {**CHECKED_ENV, "SGLANG_MAMBA_EXT_CPU_OVERLAP": "1"}
-        cls.server = Server(cls.model, flags, os.path.join(tmp.name, "server.log"), env=env)
-        cls.addClassCleanup(cls.server.stop)
-        cls.server.wait_healthy()
+        start_tiny_server(cls, flags, {**CHECKED_ENV, "SGLANG_MAMBA_EXT_CPU_OVERLAP": "1"})
 
     def gen(self, ids, n):
         r = self.server.generate(input_ids=ids, max_new_tokens=n)
