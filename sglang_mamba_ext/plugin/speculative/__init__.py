@@ -67,11 +67,12 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-__all__ = ["register_spec_hooks", "HOOK_TARGETS"]
+__all__ = ["register_spec_hooks", "HOOK_TARGETS", "hook_function"]
 
 _KDA = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend._forward_target_verify"
 
-#: (target, hook type name, hook function name in :mod:`.hooks`)
+#: (target, hook type name, hook function name in :mod:`.hooks`, or ``module.function`` for
+#: another module of this package)
 HOOK_TARGETS: List[Tuple[str, str, str]] = [
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", "add_cli_args_after"),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "AFTER", "from_cli_args_after"),
@@ -83,7 +84,18 @@ HOOK_TARGETS: List[Tuple[str, str, str]] = [
      "worker_forward_before"),
     ("sglang.srt.mem_cache.common.release_kv_cache", "BEFORE", "release_kv_cache_before"),
     ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows", "BEFORE", "free_rows_before"),
+    # SGLang's memory budget: the deferred state's bytes replace the snapshot buffers' (budget.py)
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._handle_max_mamba_cache", "AROUND",
+     "budget.handle_max_mamba_cache_around"),
 ]
+
+
+def hook_function(name: str):
+    """The function a :data:`HOOK_TARGETS` entry names (``fn`` in :mod:`.hooks`, or ``module.fn``)."""
+    import importlib
+
+    mod, _, fn = name.rpartition(".")
+    return getattr(importlib.import_module(f"{__name__}.{mod or 'hooks'}"), fn)
 
 _registered = False
 
@@ -100,12 +112,10 @@ def register_spec_hooks() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mamba_ext.plugin.speculative import hooks
-
     from sglang_mamba_ext.plugin.speculative import cpu_routing
 
     for target, kind, name in HOOK_TARGETS:
-        HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
+        HookRegistry.register(target, hook_function(name), getattr(HookType, kind))
     # The pp_proxy_tensors workaround (every device) and the CPU routing of the speculative
     # path (inert unless cpu_routing.CPU_SPEC_ENV is 1 on a host without CUDA).
     for target, kind, name in cpu_routing.CPU_HOOK_TARGETS:
