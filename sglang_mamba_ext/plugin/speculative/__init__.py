@@ -58,9 +58,9 @@ untested). The on-chip tree-verify Triton kernel (``sglang_mamba_ext/speculative
 wired into SGLang's KDA backend: verify here uses SGLang's kernels with the one-layer buffer, and the
 pending workspace is preallocated (fixed addresses for CUDA graphs), so this glue's footprint
 is the planner's ``one_layer`` peak (``scripts/plan_spec_memory.py``, also
-``python -m sglang_mamba_ext.benchmarks.spec_memory``). SGLang's memory planner
-(``mem_cache/kv_cache_configurator.py``, ``reserves_spec_state``) still reserves the snapshot
-buffer's size when it sizes the pools, so the saved memory is not yet handed to the KV pool.
+``python -m sglang_mamba_ext.benchmarks.spec_memory``). SGLang's memory budget
+(``KVCacheConfigurator._handle_max_mamba_cache``) charges that state's bytes instead of the
+snapshot buffers' (:mod:`.budget`), so the saving becomes SSM slots and running requests.
 """
 
 from __future__ import annotations
