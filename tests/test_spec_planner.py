@@ -85,7 +85,7 @@ class TestPlanner(unittest.TestCase):
         self.assertEqual(snap.allocated, f.snapshot)
         if res["deferred"] is None:
             self.assertIn("Mamba2CacheParams", res["refused"])
-            self.assertIn("deferred  GDN pending:", out.getvalue())
+            self.assertIn("deferred: GDN pending", out.getvalue())
         else:
             d = res["deferred"]
             fd = spec_memory_formula(rank, 4, 3, 63, d.rows - 1, torch.bfloat16)

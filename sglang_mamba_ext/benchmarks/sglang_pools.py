@@ -161,14 +161,15 @@ def _spec_buffers(pool):
 
 def size_pools(name: str, mode: Optional[str], *, total_gib: float, free_gib: float, tp: int = 1, topk: int = 4,
                steps: int = 3, draft_tokens: int = 63, mem_fraction_static: float = 0.88,
-               ssm_dtype: str = "bfloat16", context_length: int = 32768,
+               ssm_dtype: str = "bfloat16", conv_dtype: str = "bfloat16", context_length: int = 32768,
                extra_argv: Sequence[str] = ()) -> PoolResult:
     """Run SGLang's ``KVCacheConfigurator.configure`` for a target worker of :data:`PUBLISHED`
     ``[name]`` under ``--speculative-algorithm FROZEN_KV_MTP --speculative-eagle-topk topk
     --speculative-num-steps steps --speculative-num-draft-tokens draft_tokens
     --disable-overlap-schedule`` (plus ``--mamba-spec-state-update mode`` unless ``None``, and
-    ``extra_argv``), with ``SGLANG_MAMBA_SSM_DTYPE=ssm_dtype`` for that call only; conv states
-    and KV in bf16. A refusal (the plugin's start-up errors, SGLang's "not enough memory")
+    ``extra_argv``), with ``SGLANG_MAMBA_SSM_DTYPE=ssm_dtype`` and ``SGLANG_MAMBA_CONV_DTYPE=conv_dtype``
+    for that call only (whatever the process environment says, e.g. the plugin's CPU defaults'
+    float32 conv windows); KV in bf16. A refusal (the plugin's start-up errors, SGLang's "not enough memory")
     comes back as :attr:`PoolResult.refused`."""
     import torch
 
@@ -195,7 +196,7 @@ def size_pools(name: str, mode: Optional[str], *, total_gib: float, free_gib: fl
     if mode is not None:
         argv += ["--mamba-spec-state-update", mode]
     res = PoolResult(mode)
-    with mock.patch.dict(os.environ, {"SGLANG_MAMBA_SSM_DTYPE": ssm_dtype}):
+    with mock.patch.dict(os.environ, {"SGLANG_MAMBA_SSM_DTYPE": ssm_dtype, "SGLANG_MAMBA_CONV_DTYPE": conv_dtype}):
         sa = pickle.loads(pickle.dumps(prepare_server_args(argv)))  # as a scheduler process receives it
         ctx = create_context(sa, role="scheduler")
         with use_context(ctx), get_parallel().override(

@@ -85,7 +85,7 @@ class ModeRow:
 
 def _print_mode(label: str, m: Optional[ModeRow], refused: Optional[str] = None) -> None:
     if m is None:
-        print(f"   {label:9s} {refused}")
+        print(f"   {label}: {refused}")
         return
     r = m.r
     print(f"   {label:9s} resident {gib(m.resident):>12s}  peak {gib(m.peak['one_layer']):>12s}  "
