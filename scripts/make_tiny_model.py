@@ -2,6 +2,10 @@
 """Write the tiny hybrid test model (config, seeded weights, local tokenizer) to a directory.
 
 Usage: python scripts/make_tiny_model.py --out DIR [--seed N] [--draft-out DRAFT_DIR]
+[--linear-gate {kda,gdn}]
+
+``--linear-gate gdn`` gives the linear layers Gated DeltaNet's per-head decay gate (Qwen3-Next)
+instead of KDA's per-channel one (Kimi-Linear, the default).
 
 ``--draft-out`` also writes the matching frozen-KV draft (``model_type`` ``tiny_hybrid_draft``,
 same tokenizer, initialised from the target's weights) for SGLang's
@@ -24,8 +28,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     parser.add_argument("--draft-out", default=None,
                         help="also write the matching frozen-KV draft model here (created)")
+    parser.add_argument("--linear-gate", choices=["kda", "gdn"], default="kda",
+                        help="decay gate of the linear layers: kda (per key channel, default) or gdn "
+                             "(per value head)")
     args = parser.parse_args(argv)
-    out = build_tiny_model(args.out, seed=args.seed)
+    out = build_tiny_model(args.out, seed=args.seed, config_overrides={"linear_gate": args.linear_gate})
     print(f"wrote tiny hybrid model to {out}")
     if args.draft_out:
         draft = build_tiny_draft(args.draft_out, out)

@@ -57,5 +57,37 @@ class TestFinishFallsBackToOlderCheckpoint(unittest.TestCase):
         cache.check_slot_accounting()
 
 
+
+class TestFinishWithWorkingLen(unittest.TestCase):
+    """``CacheReq.mamba_working_len``: the deferred speculative verify replays a finishing
+    request to exactly ``prompt + output[:-1]`` while the KV of drafts accepted past the stop
+    stays committed; the working slot then goes into the tree at that length."""
+
+    def _finished_at(self, working_len):
+        cache = make_cache(kv_size=256, mamba_size=16)
+        sim = SimModel(cache)
+        r = CacheReq(rid="r", token_ids=seq(12))
+        self.assertTrue(sim.admit(r))
+        self.assertTrue(sim.extend_kv(r, 12))
+        sim.forward(r, 12)  # KV of 12 tokens committed
+        sim._write_state(r.mamba_pool_idx, r.token_ids[:10])  # the replay stopped at 10
+        r.mamba_working_len = working_len
+        return cache, sim, r
+
+    def test_working_slot_at_its_own_length(self):
+        cache, sim, r = self._finished_at(10)
+        self.assertEqual(cache.checkpoint(r, up_to=10, finished=True), 10)
+        sim.release(r, checkpoint=False)
+        sim.check_tree()  # the state of exactly 10 tokens
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+    def test_without_it_the_working_slot_is_not_taken(self):
+        # kv_committed_len (12) != 10: the working slot is not a state of 10 tokens
+        cache, sim, r = self._finished_at(None)
+        self.assertEqual(cache.checkpoint(r, up_to=10, finished=True), 0)
+        sim.release(r, checkpoint=False)
+        cache.check_slot_accounting()
+
 if __name__ == "__main__":
     unittest.main()

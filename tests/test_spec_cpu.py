@@ -270,12 +270,14 @@ class TestTargetVerify(unittest.TestCase):
 
     def _run(self, spec):
         mixed, g, beta = self.mixer.project(self.x)
+        _, graw, braw = self.mixer.project_raw(self.x)  # what the backend receives
         fb = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True), spec_info=spec)
         return self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed,
-                                           a=g.reshape(self.x.shape[0], -1), b=beta)
+                                           a=graw, b=braw)
 
     def _check(self, out, parents_per_row, slots):
         mixed, g, beta = self.mixer.project(self.x)
+        _, graw, braw = self.mixer.project_raw(self.x)  # what the backend receives
         for row, parents in enumerate(parents_per_row):
             for j in range(self.T):
                 path = [j]

@@ -21,7 +21,13 @@ from conftest import SGLANG_INSTALLED, requires_sglang
 # Skipped only where SGLang is not installed; an installed SGLang that fails to import
 # fails this module.
 if SGLANG_INSTALLED:
-    from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape, Mamba2StateDType
+    from sglang.srt.configs.mamba_utils import (
+        KimiLinearCacheParams,
+        KimiLinearStateShape,
+        Mamba2CacheParams,
+        Mamba2StateDType,
+        Mamba2StateShape,
+    )
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
     from sglang_mamba_ext.plugin.speculative import HOOK_TARGETS, hook_function, hooks
@@ -158,15 +164,23 @@ class TestFlags(unittest.TestCase):
         self.assertIn("refused DeferredSpecConfigError", out.stdout)
 
 
-def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3)):
-    shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
-    cp = KimiLinearCacheParams(shape=shape, layers=list(layers),
-                               dtype=Mamba2StateDType(conv=torch.float32, temporal=torch.float32))
+def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3), layout="kda"):
+    """SGLang's MambaPool with 2 linear layers of H = HV = 2 heads, K = V = 8, W = 4, as
+    Kimi-Linear (KDA: conv [W-1, dim]) or Qwen3-Next (GDN: conv [dim, W-1]) sizes it."""
+    dtype = Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
+    if layout == "kda":
+        shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
+        cp = KimiLinearCacheParams(shape=shape, layers=list(layers), dtype=dtype)
+    else:
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=2, head_dim=8,
+                                        state_size=8, conv_kernel=4)
+        cp = Mamba2CacheParams(shape=shape, layers=list(layers), dtype=dtype)
     kw = dict(size=7, spec_state_size=spec_state_size, cache_params=cp, mamba_layer_ids=list(layers), device="cpu",
               speculative_num_draft_tokens=T, speculative_eagle_topk=2)
     pool = MambaPool.__new__(MambaPool)
     spec = SimpleNamespace(speculative_num_steps=2, speculative_algorithm="FROZEN_KV_MTP")
-    with _deferred("deferred" if deferred else "snapshot"), mock.patch("sglang.srt.runtime_context.get_spec", return_value=spec):
+    with _deferred("deferred" if deferred else "snapshot"), mock.patch("sglang.srt.runtime_context.get_spec", return_value=spec), \
+            mock.patch.object(hooks, "_target_layout", None if layout == "kda" else layout):
         hooks.mamba_pool_init_around(MambaPool.__init__, pool, **kw)
     return pool
 
@@ -192,17 +206,41 @@ class TestPoolConstruction(unittest.TestCase):
         snap_bytes = s_int.numel() * s_int.element_size()
         self.assertEqual(state.nbytes()["one_layer_ssm"] * 2, snap_bytes)
 
-    def test_non_kda_refused(self):
+    def test_mamba2_refused(self):
         pool = MambaPool.__new__(MambaPool)
-        with _deferred(), self.assertRaisesRegex(hooks.DeferredSpecConfigError, "KDA"):
+        with _deferred(), self.assertRaisesRegex(hooks.DeferredSpecConfigError, "own replay kernel"):
             hooks.mamba_pool_init_around(MambaPool.__init__, pool, cache_params=SimpleNamespace(is_kda=False),
                                          speculative_num_draft_tokens=4)
+
+    def test_gdn_pool(self):
+        d = _make_pool(True, layout="gdn")
+        state = d.mamba_spec_deferred
+        self.assertEqual(state.layout.name, "gdn")
+        self.assertEqual(tuple(state.stash.g_raw.shape), (2, 4, 3, 2))  # raw gate per value head
+        self.assertEqual(d.mamba_cache.intermediate_ssm.stride(0), 0)
+        self.assertEqual(tuple(state.one_layer_conv.shape[-2:]), (48, 3))  # GDN window axis last
+
+    def test_layout_chosen_from_the_model(self):
+        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig
+
+        mk = lambda **kw: SimpleNamespace(**{"mambaish_config": object(), "hybrid_kda_config": None,  # noqa: E731
+                                             "hybrid_gdn_config": None, **kw})
+        self.assertEqual(hooks.layout_name_for(mk(hybrid_kda_config=object())), "kda")
+        self.assertEqual(hooks.layout_name_for(mk(hybrid_gdn_config=object())), "gdn")
+        for gate in ("kda", "gdn"):
+            cfg = SimpleNamespace(hf_config=TinyHybridConfig(linear_gate=gate))
+            self.assertEqual(hooks.layout_name_for(mk(model_config=cfg)), f"tiny-{gate}")
+        self.assertTrue(hooks.layout_name_for(mk(model_config=SimpleNamespace(hf_config=object()))).startswith("unsupported"))
+        self.assertIsNone(hooks.layout_name_for(mk(mambaish_config=None)))  # the draft
 
 
 @requires_sglang
 @unittest.skipUnless(_CAN_TRITON, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
 class TestCommitReplayPath(unittest.TestCase):
-    """verify capture -> commit -> next-round replay -> release, through the hooks."""
+    """verify capture -> commit -> next-round replay -> release, through the hooks (SGLang's
+    KDA backend; :class:`TestCommitReplayPathGdn`: its GDN backend)."""
+
+    LAYOUT = "kda"
 
     @classmethod
     def setUpClass(cls):
@@ -213,10 +251,10 @@ class TestCommitReplayPath(unittest.TestCase):
     def setUp(self):
         torch.manual_seed(0)
         self.T = 5
-        self.pool = _make_pool(True, T=self.T)
+        self.pool = _make_pool(True, T=self.T, layout=self.LAYOUT)
         self.state = self.pool.mamba_spec_deferred
         shape = LinearAttnShape(2, 2, 8, 8, 4)
-        self.mixers = [GatedDeltaRuleMixer(12, shape) for _ in range(2)]
+        self.mixers = [GatedDeltaRuleMixer(12, shape, gate=self.LAYOUT) for _ in range(2)]
         with torch.no_grad():
             for m in self.mixers:
                 m.A_log.normal_(0, 0.5)
@@ -250,9 +288,13 @@ class TestCommitReplayPath(unittest.TestCase):
                 mq, a, b = m.project_raw(x)
             layer = SimpleNamespace(layer_id=layer_id, conv_weights=m.conv_weight, bias=None, A_log=m.A_log,
                                     dt_bias=m.dt_bias, lower_bound=None)
-            fb = SimpleNamespace(spec_info=SimpleNamespace(ragged_verify_layout=None, draft_token_num=self.T))
+            fb = SimpleNamespace(spec_info=SimpleNamespace(ragged_verify_layout=None, draft_token_num=self.T),
+                                 forward_mode=SimpleNamespace(is_target_verify=lambda: True))
             backend = SimpleNamespace(req_to_token_pool=self.rtp, forward_metadata=SimpleNamespace(mamba_cache_indices=slots))
-            hooks.kda_target_verify_around(sglang_verify, backend, layer, fb, mq, a, b.unsqueeze(0))
+            if self.LAYOUT == "kda":
+                hooks.kda_target_verify_around(sglang_verify, backend, layer, fb, mq, a, b.unsqueeze(0))
+            else:
+                hooks.gdn_forward_extend_around(sglang_verify, backend, layer, fb, mq, a, b)
             recs.append((mq, a, b))
         self.assertEqual(calls, [1, 3])  # SGLang's own verify still runs
         torch.testing.assert_close(self.pool.mamba_cache.conv[0], conv_before, rtol=0, atol=0)  # main windows restored
@@ -287,11 +329,11 @@ class TestCommitReplayPath(unittest.TestCase):
         # expected main state: torch reference replay on SGLang-layout views of a copy
         ref_conv = self.pool.mamba_cache.conv[0].clone()
         ref_temp = self.pool.mamba_cache.temporal.clone()
-        ref_stash = ActivationStash(2, 4, 3, StashDims(48, 16, 2), dtype=torch.float32)
+        ref_stash = ActivationStash(2, 4, 3, StashDims(48, 16 if self.LAYOUT == "kda" else 2, 2), dtype=torch.float32)
         for name in ("mixed_qkv", "g_raw", "b_raw", "count", "seq_len", "track_slot"):
             getattr(ref_stash, name).copy_(getattr(st, name))
         with torch.no_grad():
-            replay(ref_stash, rows, torch.tensor([4, 6, 0]), ref_conv.transpose(-1, -2), ref_temp.transpose(-1, -2),
+            replay(ref_stash, rows, torch.tensor([4, 6, 0]), *self.state.layout.replay_views(ref_conv, ref_temp),
                    ReplayWeights.from_mixers(self.mixers), 16, impl="torch")
 
         # next round: replay runs before the draft/verify, with each row's slot and count
@@ -320,7 +362,7 @@ class TestCommitReplayPath(unittest.TestCase):
         req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=1, mamba_pool_idx=torch.tensor(4)),
                               origin_input_ids=list(range(10)), output_ids=list(range(5)))  # 14 tokens cached
         seen.clear()
-        with mock.patch.object(self.state, "replay", side_effect=lambda r, s, c, t, keep=None: seen.append((r.tolist(), s.tolist(), keep.tolist()))):
+        with mock.patch.object(self.state, "replay", side_effect=lambda r, s, c, t, keep=None, impl=None: seen.append((r.tolist(), s.tolist(), keep.tolist()))):
             hooks.release_kv_cache_before(req, SimpleNamespace(req_to_token_pool=self.rtp), checkpoint=True)
         self.assertEqual(seen, [([1], [4], [0])])  # seq_len 14 already holds all 14 tokens: keep 0
         self.assertEqual(int(st.count[1]), 0)
@@ -331,6 +373,16 @@ class TestCommitReplayPath(unittest.TestCase):
         hooks.free_rows_before(self.rtp, [3])
         self.assertEqual(int(st.count[3]), 0)
 
+    def test_gdn_hook_leaves_other_batches_to_sglang(self):
+        if self.LAYOUT != "gdn":
+            self.skipTest("GDN only")
+        called = []
+        fb = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: False))
+        backend = SimpleNamespace(req_to_token_pool=self.rtp)
+        hooks.gdn_forward_extend_around(lambda *a, **k: called.append(a[1].layer_id), backend,
+                                        SimpleNamespace(layer_id=1), fb, None, None, None)
+        self.assertEqual((called, int(self.state.stash.count.sum())), ([1], 0))
+
     def test_snapshot_mode_calls_sglang(self):
         pool = _make_pool(False)
         rtp = SimpleNamespace(mamba_pool=pool)
@@ -338,6 +390,12 @@ class TestCommitReplayPath(unittest.TestCase):
         hooks.commit_around(lambda *a, **k: called.append(a), SimpleNamespace(model_runner=SimpleNamespace(req_to_token_pool=rtp)),
                             None, torch.tensor([1]), torch.tensor([[0]]), 4)
         self.assertEqual(len(called), 1)
+
+
+@requires_sglang
+@unittest.skipUnless(_CAN_TRITON, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
+class TestCommitReplayPathGdn(TestCommitReplayPath):
+    LAYOUT = "gdn"
 
 
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_CAN_TRITON_INPROC)

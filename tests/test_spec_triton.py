@@ -28,9 +28,9 @@ def setUpModule():
     torch.set_num_threads(1)
 
 
-def _mixers(L, shape, hidden=16, seed=0):
+def _mixers(L, shape, hidden=16, seed=0, gate="kda"):
     torch.manual_seed(seed)
-    ms = [GatedDeltaRuleMixer(hidden, shape, conv_bias=True) for _ in range(L)]
+    ms = [GatedDeltaRuleMixer(hidden, shape, conv_bias=True, gate=gate) for _ in range(L)]
     with torch.no_grad():
         for m in ms:
             m.A_log.normal_(0, 0.5)
@@ -47,12 +47,13 @@ class TestReplayTriton(unittest.TestCase):
 
         cls.enterClassContext(triton_interpreter_env())
 
-    def _run(self, state_dtype, act_dtype, strided, keep=None, expect_tracked=(True, False, False, False)):
+    def _run(self, state_dtype, act_dtype, strided, keep=None, expect_tracked=(True, False, False, False), gate="kda"):
         shape = LinearAttnShape(2, 4, 8, 8, 4)
         L, R, A, SL = 2, 5, 4, 9
-        mixers = _mixers(L, shape)
+        mixers = _mixers(L, shape, gate=gate)
         w = ReplayWeights.from_mixers(mixers)
-        st = ActivationStash(L, R, A, StashDims(shape.conv_dim, 32, 4), dtype=act_dtype)
+        self.assertEqual(w.per_head_gate, gate == "gdn")
+        st = ActivationStash(L, R, A, StashDims(shape.conv_dim, 32 if gate == "kda" else 4, 4), dtype=act_dtype)
         x = torch.randn(L, R, A, 16)
         with torch.no_grad():
             for l in range(L):
@@ -106,6 +107,12 @@ class TestReplayTriton(unittest.TestCase):
 
     def test_bf16_activations_state(self):
         self._run(torch.bfloat16, torch.bfloat16, strided=False)
+
+    def test_gdn_per_head_gate(self):
+        """Gated DeltaNet (Qwen3-Next): raw gate [.., HV], one decay per value head; the
+        Triton replay equals the mixer's own math, in SGLang's GDN/KDA layouts too."""
+        self._run(torch.float32, torch.float32, strided=False, gate="gdn")
+        self._run(torch.float32, torch.float32, strided=True, gate="gdn")
 
 
 @unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")

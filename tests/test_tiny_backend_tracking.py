@@ -53,6 +53,7 @@ class TestSGLangTrackPlan(unittest.TestCase):
     def oracle(self, x, n):
         """(conv window, temporal state) of the mixer over the first ``n`` rows of ``x``."""
         m, g, beta = self.mixer.project(x[:n])
+        _, graw, braw = self.mixer.project_raw(x[:n])  # what the backend receives
         y, conv = self.mixer.conv(m, None)
         q, k, v = self.mixer.split_qkv(y)
         _, ssm = self.mixer.recurrence(q, k, v, g, beta, None)
@@ -86,9 +87,10 @@ class TestSGLangTrackPlan(unittest.TestCase):
     def test_extend_writes_checkpoint_from_metadata(self):
         x = torch.randn(12, 32)
         mixed, g, beta = self.mixer.project(x)
+        _, graw, braw = self.mixer.project_raw(x)  # what the backend receives
         self._md([9], qsl=[0, 12], slots=[2])
         fb = self.one_row_extend_tracked_at_8()
-        self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(12, -1), b=beta)
+        self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=graw, b=braw)
         conv8, ssm8 = self.oracle(x, 8)
         torch.testing.assert_close(self.pool.conv[9], conv8)
         torch.testing.assert_close(self.pool.temporal[9], ssm8, atol=1e-5, rtol=1e-5)
@@ -100,11 +102,12 @@ class TestSGLangTrackPlan(unittest.TestCase):
         own track checkpoint, each equal to the mixer over that many tokens."""
         x = torch.randn(12, 32)
         mixed, g, beta = self.mixer.project(x)
+        _, graw, braw = self.mixer.project_raw(x)  # what the backend receives
         self._md([9], qsl=[0, 12], slots=[2])
         self.pool.prefix_checkpoint_plan = lambda fb: {0: [(5, 7), (11, 6)]}
         fb = self.one_row_extend_tracked_at_8()
         self.assertEqual(self.backend._plan, {0: [(5, 7), (8, 9), (11, 6)]})
-        self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(12, -1), b=beta)
+        self.backend.forward_extend(layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=graw, b=braw)
         for n, slot in ((5, 7), (8, 9), (11, 6)):
             conv, ssm = self.oracle(x, n)
             torch.testing.assert_close(self.pool.conv[slot], conv)

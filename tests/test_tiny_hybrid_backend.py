@@ -42,6 +42,7 @@ class TestTinyHybridBackend(unittest.TestCase):
     def _oracle(self, x, conv=None, ssm=None):
         """Pre-finish mixer output o [T, HV, V] and final states."""
         mixed, g, beta = self.mixer.project(x)
+        _, graw, braw = self.mixer.project_raw(x)  # what the backend receives
         y, conv = self.mixer.conv(mixed, conv)
         q, k, v = self.mixer.split_qkv(y)
         o, ssm = self.mixer.recurrence(q, k, v, g, beta, ssm)
@@ -50,6 +51,7 @@ class TestTinyHybridBackend(unittest.TestCase):
     def _extend(self, xs, slots, prefix_lens, plan=None):
         x = torch.cat(xs)
         mixed, g, beta = self.mixer.project(x)
+        _, graw, braw = self.mixer.project_raw(x)  # what the backend receives
         qsl = [0]
         for t in xs:
             qsl.append(qsl[-1] + t.shape[0])
@@ -61,7 +63,7 @@ class TestTinyHybridBackend(unittest.TestCase):
         fb = SimpleNamespace(forward_mode=_mode(), extend_prefix_lens_cpu=prefix_lens)
         self.backend._plan = self.backend._validated_plan(fb)
         return self.backend.forward_extend(
-            layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=g.reshape(x.shape[0], -1), b=beta
+            layer=self.layer, forward_batch=fb, mixed_qkv=mixed, a=graw, b=braw
         )
 
     def test_extend_fresh_and_continued_rows(self):
@@ -105,12 +107,13 @@ class TestTinyHybridBackend(unittest.TestCase):
         self.pool.conv[0], self.pool.temporal[0] = cb, sb
         x = torch.stack([self.x0[6], self.x1[8]])
         mixed, g, beta = self.mixer.project(x)
+        _, graw, braw = self.mixer.project_raw(x)  # what the backend receives
         self.backend.forward_metadata = SimpleNamespace(
             query_start_loc=torch.arange(3, dtype=torch.int32),
             mamba_cache_indices=torch.tensor([3, 0]),
         )
         self.backend._plan = {1: [(1, 7)]}
-        out = self.backend.forward_decode(layer=self.layer, forward_batch=None, mixed_qkv=mixed, a=g.reshape(2, -1), b=beta)
+        out = self.backend.forward_decode(layer=self.layer, forward_batch=None, mixed_qkv=mixed, a=graw, b=braw)
         oa, ca2, sa2 = self._oracle(self.x0)
         ob, cb2, sb2 = self._oracle(self.x1)
         torch.testing.assert_close(out[0, 0], oa[6], atol=1e-5, rtol=1e-5)

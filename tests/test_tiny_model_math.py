@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from conftest import small_mixer
 
 from sglang_mamba_ext.models.linear_attn import (
+    GatedDeltaRuleMixer,
     LinearAttnShape,
     causal_conv1d_update,
     gated_delta_rule,
@@ -116,6 +117,43 @@ class TestGatedDeltaRule(unittest.TestCase):
             gated_delta_rule(q, k, v, g, beta, S0.transpose(-1, -2)[:, :4])
         with self.assertRaises(ValueError):
             gated_delta_rule(q, k, v, g[:, :, :3], beta, S0)
+
+
+class TestGdnGate(unittest.TestCase):
+    """``gate="gdn"`` (Gated DeltaNet, Qwen3-Next): one decay per value head from ``a_proj``."""
+
+    def test_mixer_matches_fla_gated_delta_rule(self):
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+        torch.manual_seed(11)
+        shape = LinearAttnShape(2, 4, 16, 8, 4)
+        m = GatedDeltaRuleMixer(24, shape, gate="gdn")
+        with torch.no_grad():
+            m.A_log.normal_(0, 0.5)
+            m.dt_bias.normal_()
+        self.assertEqual((tuple(m.dt_bias.shape), m.gate_dim), ((4,), 4))
+        x = torch.randn(9, 24)
+        with torch.no_grad():
+            mixed, g_raw, b_raw = m.project_raw(x)
+            self.assertEqual(tuple(g_raw.shape), (9, 4))
+            # the gate written out here, not through the mixer's activate_gates
+            g_head = -m.A_log.exp() * F.softplus(x @ m.a_proj.weight.T + m.dt_bias)
+            y, _ = m.conv(mixed, None)
+            q, k, v = m.split_qkv(y)
+            rep = shape.num_v_heads // shape.num_k_heads
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+            o_ref, S_ref = naive_recurrent_gated_delta_rule(
+                q[None], k[None], v[None], torch.sigmoid(b_raw)[None], g_head[None],
+                scale=m.scale, output_final_state=True,
+            )
+            g, beta = m.activate_gates(g_raw, b_raw)
+            o, _, S = m.run_segments(mixed, g, beta, None, None)
+        torch.testing.assert_close(o, o_ref[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(S, S_ref[0], atol=1e-5, rtol=1e-5)
+
+    def test_unknown_gate_refused(self):
+        with self.assertRaisesRegex(ValueError, "gate must be one of"):
+            GatedDeltaRuleMixer(8, LinearAttnShape(1, 1, 4, 4, 2), gate="mamba2")
 
 
 class TestCausalConv(unittest.TestCase):

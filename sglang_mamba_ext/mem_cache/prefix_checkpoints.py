@@ -162,23 +162,30 @@ class PrefixCheckpoints:
 
     def _finish_state(self, req: CacheReq, limit: int) -> Tuple[int, Optional[int]]:
         """``(tokens, slot)`` of the state a finished request donates, at most ``limit``
-        tokens: the working slot if it holds exactly ``limit`` tokens (a whole number of
+        tokens (and at most ``mamba_working_len`` when that is given): the working slot if it
+        holds exactly that many tokens (``kv_committed_len``, or ``mamba_working_len``; a whole number of
         pages, no copy-on-write or clear pending) under ``finish_state="working"``, else
         the newest ping-pong checkpoint not past ``limit`` if it ends on a page boundary,
         else (without overlap scheduling) the older one still held in the other entry;
         ``(0, None)`` if neither (``docs/design.md``, "Ping-pong checkpoints"). The KV
         past the returned length stays the caller's, which frees it with the row."""
         done = req.kv_committed_len
+        working = done
+        if req.mamba_working_len is not None:
+            # the deferred verify replayed the request to exactly this many tokens; nothing
+            # past it (a ping-pong checkpoint included) is known to be written
+            working = req.mamba_working_len
+            limit = min(limit, working)
         if (
             self.finish_state == "working"
-            and done == limit
-            and done > 0
-            and done % self.page_size == 0
+            and working == limit
+            and 0 < working <= done
+            and working % self.page_size == 0
             and req.mamba_pool_idx is not None
             and req.mamba_cow_src_index is None
             and not req.mamba_needs_clear
         ):
-            return done, req.mamba_pool_idx
+            return working, req.mamba_pool_idx
         ps = self.page_size
         c = req.mamba_last_track_seqlen
         slot = req.last_track_slot()

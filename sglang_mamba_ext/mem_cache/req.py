@@ -47,6 +47,10 @@ class CacheReq:
             (SGLang's ``ReqKvInfo.mamba_prev_track_seqlen``), or ``None``.
         mamba_prefix_checkpoints: extra checkpoints planned for this prefill as sorted
             ``(seqlen, slot)`` pairs (branch point, prompt end - 1), not yet in the tree.
+        mamba_working_len: tokens the working slot's state reflects when that is not
+            ``kv_committed_len`` (``None``: it is). The deferred speculative verify replays a
+            finishing request to exactly ``prompt + output[:-1]`` although the KV of drafts
+            accepted past the stop is committed (``docs/design.md``, "Deferred update").
         user: free slot for the adapter (e.g. SGLang's ``Req``).
     """
 
@@ -67,6 +71,7 @@ class CacheReq:
     mamba_last_track_seqlen: Optional[int] = None
     mamba_prev_track_seqlen: Optional[int] = None
     mamba_prefix_checkpoints: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
+    mamba_working_len: Optional[int] = None
     user: Any = None
 
     def last_track_slot(self) -> Optional[int]:

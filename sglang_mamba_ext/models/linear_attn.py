@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "GATES",
     "CutCallback",
     "LinearAttnShape",
     "causal_conv1d_update",
@@ -35,6 +36,11 @@ __all__ = [
 #: of a :meth:`GatedDeltaRuleMixer.run_segments` call (``None, None`` for a fresh sequence cut
 #: at offset 0). The tensors are the runner's own; copy them to keep them past the call.
 CutCallback = Callable[[int, Optional[torch.Tensor], Optional[torch.Tensor]], None]
+
+
+#: Decay-gate kinds of :class:`GatedDeltaRuleMixer`: ``"kda"`` (Kimi Delta Attention, one decay
+#: per key channel) and ``"gdn"`` (Gated DeltaNet, Qwen3-Next: one decay per value head).
+GATES = ("kda", "gdn")
 
 
 @dataclass(frozen=True)
@@ -268,7 +274,8 @@ def gated_delta_rule(
 
 
 class GatedDeltaRuleMixer(nn.Module):
-    """KDA-style token mixer: projections, short conv, gated delta rule, gated norm, out_proj.
+    """KDA- or GDN-style token mixer: projections, short conv, gated delta rule, gated norm,
+    out_proj.
 
     The forward is split into stateless steps so that callers that own the states (the
     reference model, SGLang's pools via the backend, the speculative verify/replay) compose
@@ -284,6 +291,8 @@ class GatedDeltaRuleMixer(nn.Module):
         y         = SiLU(causal_conv1d(mixed_qkv))   short depthwise causal conv, window W
         q, k, v   = split(y); q, k L2-normalised per head
         g         = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)   log-space decay, <= 0
+                    (gate="gdn", Gated DeltaNet as in Qwen3-Next: one decay per value head,
+                     g = -exp(A_log) * softplus(a_proj(x) + dt_bias), broadcast over K)
         beta      = sigmoid(b_proj(x))
         per token t, per value head h (S: [K, V], fp32):
             S <- S * exp(g_t)[:, None]                       decay, per key channel
@@ -311,7 +320,8 @@ class GatedDeltaRuleMixer(nn.Module):
         ``qkv_proj.weight`` ``[D, hidden]``; ``conv_weight`` ``[D, W]`` (+ ``conv_bias``
         ``[D]`` if ``conv_bias=True``); ``f_a.weight`` ``[gate_rank, hidden]``,
         ``f_b.weight`` ``[HV*K, gate_rank]`` (low-rank decay gate, as KDA);
-        ``A_log`` ``[HV]``; ``dt_bias`` ``[HV*K]``; ``b_proj.weight`` ``[HV, hidden]``;
+        ``A_log`` ``[HV]``; ``dt_bias`` ``[HV*K]``; with ``gate="gdn"`` instead
+        ``a_proj.weight`` ``[HV, hidden]`` and ``dt_bias`` ``[HV]``; ``b_proj.weight`` ``[HV, hidden]``;
         ``g_proj.weight`` ``[HV*V, hidden]`` (output gate); ``o_norm_weight`` ``[V]``;
         ``out_proj.weight`` ``[hidden, HV*V]``.
     """
@@ -323,25 +333,39 @@ class GatedDeltaRuleMixer(nn.Module):
         gate_low_rank_dim: Optional[int] = None,
         conv_bias: bool = False,
         norm_eps: float = 1e-6,
+        gate: str = "kda",
     ) -> None:
         super().__init__()
+        if gate not in GATES:
+            raise ValueError(f"GatedDeltaRuleMixer: gate must be one of {GATES}, got {gate!r}")
         self.hidden_size = hidden_size
         self.shape = shape
         self.norm_eps = norm_eps
+        self.gate = gate
         s = shape
         rank = gate_low_rank_dim or s.head_v_dim
         self.qkv_proj = nn.Linear(hidden_size, s.conv_dim, bias=False)
         self.conv_weight = nn.Parameter(torch.empty(s.conv_dim, s.conv_kernel))
         self.conv_bias = nn.Parameter(torch.zeros(s.conv_dim)) if conv_bias else None
-        self.f_a = nn.Linear(hidden_size, rank, bias=False)
-        self.f_b = nn.Linear(rank, s.num_v_heads * s.head_k_dim, bias=False)
+        if gate == "kda":
+            self.f_a = nn.Linear(hidden_size, rank, bias=False)
+            self.f_b = nn.Linear(rank, s.num_v_heads * s.head_k_dim, bias=False)
+        else:
+            self.a_proj = nn.Linear(hidden_size, s.num_v_heads, bias=False)
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
-        self.dt_bias = nn.Parameter(torch.zeros(s.num_v_heads * s.head_k_dim))
+        self.dt_bias = nn.Parameter(torch.zeros(self.gate_dim))
         self.b_proj = nn.Linear(hidden_size, s.num_v_heads, bias=False)
         self.g_proj = nn.Linear(hidden_size, s.value_dim, bias=False)
         self.o_norm_weight = nn.Parameter(torch.ones(s.head_v_dim))
         self.out_proj = nn.Linear(s.value_dim, hidden_size, bias=False)
         nn.init.normal_(self.conv_weight, std=1.0 / math.sqrt(s.conv_kernel))
+
+    @property
+    def gate_dim(self) -> int:
+        """Width of the raw decay gate per token: ``HV*K`` (KDA, per key channel) or ``HV``
+        (GDN, per value head)."""
+        s = self.shape
+        return s.num_v_heads * s.head_k_dim if self.gate == "kda" else s.num_v_heads
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -364,18 +388,23 @@ class GatedDeltaRuleMixer(nn.Module):
         tensors SGLang's KDA backend receives as ``mixed_qkv, a, b``).
 
         Returns:
-            ``mixed_qkv [..., conv_dim]``, ``g_raw [..., HV*K]`` (``f_b(f_a(x))``),
-            ``b_raw [..., HV]`` (``b_proj(x)``), all in ``x.dtype``.
+            ``mixed_qkv [..., conv_dim]``, ``g_raw [..., gate_dim]`` (KDA ``f_b(f_a(x))``
+            ``[..., HV*K]``; GDN ``a_proj(x)`` ``[..., HV]``), ``b_raw [..., HV]``
+            (``b_proj(x)``), all in ``x.dtype``.
         """
-        return self.qkv_proj(x), self.f_b(self.f_a(x)), self.b_proj(x)
+        g_raw = self.f_b(self.f_a(x)) if self.gate == "kda" else self.a_proj(x)
+        return self.qkv_proj(x), g_raw, self.b_proj(x)
 
     def activate_gates(self, g_raw: torch.Tensor, b_raw: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Gate activations of :meth:`project_raw`'s outputs: ``g [..., HV, K]`` float32
-        ``= -exp(A_log) * softplus(g_raw + dt_bias)`` and ``beta [..., HV]`` float32
-        ``= sigmoid(b_raw)``."""
+        ``= -exp(A_log) * softplus(g_raw + dt_bias)`` (GDN: one value per head, repeated over
+        the ``K`` channels) and ``beta [..., HV]`` float32 ``= sigmoid(b_raw)``."""
         s = self.shape
         f = g_raw.float() + self.dt_bias.float()
-        g = -self.A_log.float().exp()[:, None] * F.softplus(f.unflatten(-1, (s.num_v_heads, s.head_k_dim)))
+        if self.gate == "kda":
+            g = -self.A_log.float().exp()[:, None] * F.softplus(f.unflatten(-1, (s.num_v_heads, s.head_k_dim)))
+        else:
+            g = (-self.A_log.float().exp() * F.softplus(f))[..., None].expand(*f.shape, s.head_k_dim)
         return g, torch.sigmoid(b_raw.float())
 
     def conv(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape, rms_norm
+from sglang_mamba_ext.models.linear_attn import GATES, GatedDeltaRuleMixer, LinearAttnShape, rms_norm
 
 __all__ = [
     "FULL_ATTENTION",
@@ -57,7 +57,9 @@ class TinyHybridConfig(PretrainedConfig):
     heads of ``head_dim``, RoPE with ``rope_theta``. Linear layers:
     ``linear_num_key_heads`` (H), ``linear_num_value_heads`` (HV), ``linear_key_head_dim``
     (K), ``linear_value_head_dim`` (V), ``linear_conv_kernel_dim`` (W),
-    ``linear_gate_rank`` (rank of the low-rank decay gate).
+    ``linear_gate_rank`` (rank of the low-rank decay gate), ``linear_gate`` (``"kda"``: a
+    decay per key channel, Kimi-Linear's KDA; ``"gdn"``: one per value head, Qwen3-Next's
+    Gated DeltaNet; :data:`~sglang_mamba_ext.models.linear_attn.GATES`).
 
     Raises:
         ValueError: an unknown layer type, or head counts that do not divide.
@@ -84,6 +86,7 @@ class TinyHybridConfig(PretrainedConfig):
         linear_value_head_dim: int = 32,
         linear_conv_kernel_dim: int = 4,
         linear_gate_rank: int = 16,
+        linear_gate: str = "kda",
         tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
@@ -105,6 +108,9 @@ class TinyHybridConfig(PretrainedConfig):
         self.linear_value_head_dim = linear_value_head_dim
         self.linear_conv_kernel_dim = linear_conv_kernel_dim
         self.linear_gate_rank = linear_gate_rank
+        if linear_gate not in GATES:
+            raise ValueError(f"TinyHybridConfig: linear_gate must be one of {GATES}, got {linear_gate!r}")
+        self.linear_gate = linear_gate
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property
@@ -334,6 +340,7 @@ class TinyHybridDecoderLayer(nn.Module):
                 config.linear_attn_shape,
                 gate_low_rank_dim=config.linear_gate_rank,
                 norm_eps=config.rms_norm_eps,
+                gate=getattr(config, "linear_gate", "kda"),
             )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)

@@ -21,7 +21,6 @@ import time
 import weakref
 from typing import Any, List, Optional
 
-import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,

@@ -237,6 +237,9 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         return rows
 
     def free_rows(self, indices: List[int]) -> None:
+        from sglang_mamba_ext.plugin.speculative.hooks import free_rows_before
+
+        free_rows_before(self, indices)  # deferred speculative records of these rows
         if self._aux_cache is not None:
             for index in indices:
                 self._aux_cache.free(index)

@@ -26,6 +26,10 @@ from sglang.srt.mem_cache.base_prefix_cache import DecLockRefParams, TreeLock
 
 from sglang_mamba_ext.mem_cache import CacheReq
 
+#: Attribute of SGLang's ``Req``: tokens its working SSM slot reflects when that is not
+#: ``kv_committed_len`` (the deferred speculative verify, ``CacheReq.mamba_working_len``).
+WORKING_LEN_ATTR = "_mamba_working_len"
+
 
 def namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Any:
     """The core's namespace for SGLang's ``RadixKey.extra_key`` (LoRA) and ``cache_salt``
@@ -81,6 +85,9 @@ def pull(req, token_ids: Sequence[int] = (), pool=None) -> CacheReq:
         mamba_last_track_seqlen=kv.mamba_last_track_seqlen,
         mamba_prev_track_seqlen=getattr(kv, "mamba_prev_track_seqlen", None),
         mamba_prefix_checkpoints=list(planned) if planned else [],
+        # set by the deferred speculative glue after it replayed a finishing request
+        # (plugin/speculative/hooks.py::release_kv_cache_before)
+        mamba_working_len=getattr(req, WORKING_LEN_ATTR, None),
         user=req,
     )
 

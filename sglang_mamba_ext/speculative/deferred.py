@@ -1,5 +1,7 @@
 """Deferred-update verify state of one Mamba pool, independent of SGLang objects
-(``docs/design.md``, "Deferred update" and "Replay"). :class:`DeferredSpecState` owns what the
+(``docs/design.md``, "Deferred update" and "Replay"). :class:`StateLayout` says how a backend
+keeps its states and gates (the backend-neutral interface; :data:`LAYOUTS` holds SGLang's KDA
+and GDN backends and the tiny one). :class:`DeferredSpecState` owns what the
 deferred mode keeps next to a pool's main conv/SSM state and is driven by four calls in round
 order: :meth:`~DeferredSpecState.capture` (during verify, per linear layer, every tree node's
 raw mixer inputs into the pending workspace ``[L, rows * T, *]``), ``commit`` (after
@@ -13,6 +15,7 @@ verify kernels as ``[L, ...]`` views with layer stride 0. Pure torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -21,7 +24,56 @@ from sglang_mamba_ext.models.linear_attn import LinearAttnShape
 from sglang_mamba_ext.speculative.replay import ReplayWeights, replay
 from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
 
-__all__ = ["DeferredSpecState"]
+__all__ = ["DeferredSpecState", "StateLayout", "LAYOUTS"]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What the deferred mode needs to know about one linear-attention backend: the
+    backend-neutral interface of ``docs/design.md``, "Deferred update". Every supported
+    backend hands its verify the same raw inputs (``mixed_qkv [n, conv_dim]``, raw decay gate
+    ``a``, raw ``b``) and keeps one slot's states in its own layout; replay runs one kernel
+    on views of them.
+
+    Attributes:
+        name: the backend (``"kda"``: SGLang's ``KDAAttnBackend``; ``"gdn"``: its
+            ``GDNAttnBackend``; ``"tiny-kda"`` / ``"tiny-gdn"``: this project's torch backend).
+        per_head_gate: raw gate ``[n, HV]`` (Gated DeltaNet) instead of ``[n, HV*K]`` (KDA).
+        conv_window_first: the pool stores a conv window as ``[W-1, conv_dim]`` (SGLang KDA)
+            rather than ``[conv_dim, W-1]`` (SGLang GDN / Mamba2, tiny).
+        ssm_vk: the pool stores an SSM state as ``[HV, V, K]`` (SGLang KDA and GDN kernels)
+            rather than ``[HV, K, V]`` (tiny, fla's layout).
+        verify_rolls_conv: the backend's verify conv kernel shifts the *main* conv window by
+            all draft tokens in place (SGLang's ``causal_conv1d_update`` with intermediate
+            windows); the deferred glue saves and restores the batch's windows around it.
+    """
+
+    name: str
+    per_head_gate: bool
+    conv_window_first: bool
+    ssm_vk: bool
+    verify_rolls_conv: bool
+
+    def gate_dim(self, shape: LinearAttnShape) -> int:
+        """Raw gate width per token (elements)."""
+        return shape.num_v_heads if self.per_head_gate else shape.num_v_heads * shape.head_k_dim
+
+    def replay_views(self, conv: torch.Tensor, temporal: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The pool's ``conv [L, slots, *conv]`` and ``temporal [L, slots, *ssm]`` seen in the
+        replay layout ``[L, slots, conv_dim, W-1]`` / ``[L, slots, HV, K, V]`` (views)."""
+        return (conv.transpose(-1, -2) if self.conv_window_first else conv,
+                temporal.transpose(-1, -2) if self.ssm_vk else temporal)
+
+
+#: The backends the deferred mode serves, by name.
+LAYOUTS: Dict[str, StateLayout] = {
+    "kda": StateLayout("kda", per_head_gate=False, conv_window_first=True, ssm_vk=True, verify_rolls_conv=True),
+    "gdn": StateLayout("gdn", per_head_gate=True, conv_window_first=False, ssm_vk=True, verify_rolls_conv=True),
+    "tiny-kda": StateLayout("tiny-kda", per_head_gate=False, conv_window_first=False, ssm_vk=False,
+                            verify_rolls_conv=False),
+    "tiny-gdn": StateLayout("tiny-gdn", per_head_gate=True, conv_window_first=False, ssm_vk=False,
+                            verify_rolls_conv=False),
+}
 
 
 class DeferredSpecState:
@@ -39,14 +91,20 @@ class DeferredSpecState:
         ssm_dtype / conv_dtype / act_dtype: dtypes of the node-state buffer, the conv-window
             buffer and the stash / workspace.
         device: torch device.
+        layout: the backend's :class:`StateLayout` (default: SGLang's KDA backend).
+
+    Raises:
+        ValueError: ``dims.gate_dim`` disagrees with the layout's gate.
     """
 
     def __init__(self, num_layers: int, num_rows: int, draft_token_num: int, max_accept: int,
                  shape: LinearAttnShape, dims: StashDims, ssm_state_shape: Tuple[int, ...],
                  conv_state_shape: Tuple[int, ...], ssm_dtype: torch.dtype, conv_dtype: torch.dtype,
-                 act_dtype: torch.dtype, device) -> None:
+                 act_dtype: torch.dtype, device, layout: StateLayout = LAYOUTS["kda"]) -> None:
+        if dims.gate_dim != layout.gate_dim(shape):
+            raise ValueError(f"DeferredSpecState: gate width {dims.gate_dim} != {layout.gate_dim(shape)} of {layout.name}")
         self.num_layers, self.num_rows, self.draft_token_num = num_layers, num_rows, draft_token_num
-        self.shape, self.dims = shape, dims
+        self.shape, self.dims, self.layout = shape, dims, layout
         L, R, T = num_layers, num_rows, draft_token_num
         self.stash = ActivationStash(L, R, max_accept, dims, dtype=act_dtype, device=device)
         self.pending_mixed_qkv = torch.zeros(L, R * T, dims.conv_dim, dtype=act_dtype, device=device)
@@ -81,8 +139,9 @@ class DeferredSpecState:
 
     def register_layer(self, linear_idx: int, conv_weight: torch.Tensor, conv_bias: Optional[torch.Tensor],
                        A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
-        """Remember linear layer ``linear_idx``'s replay weights (``conv_weight [conv_dim, W]``,
-        ``A_log [HV]``, ``dt_bias [HV*K]``). Idempotent."""
+        """Remember linear layer ``linear_idx``'s replay weights (``conv_weight [conv_dim, W]``
+        or any shape with ``conv_dim * W`` elements, ``A_log [HV]``, ``dt_bias [gate_dim]``).
+        Idempotent."""
         if linear_idx not in self._layer_weights:
             self._layer_weights[linear_idx] = (conv_weight, conv_bias, A_log, dt_bias)
             self._weights = None
@@ -102,7 +161,7 @@ class DeferredSpecState:
             cb = None if ws[0][1] is None else torch.stack([w[1].detach() for w in ws]).contiguous()
             A = torch.stack([w[2].detach().reshape(-1) for w in ws]).float().contiguous()
             dtb = torch.stack([w[3].detach().reshape(-1) for w in ws]).float().contiguous()
-            self._weights = ReplayWeights(self.shape, cw, cb, A, dtb)
+            self._weights = ReplayWeights(self.shape, cw, cb, A, dtb, per_head_gate=self.layout.per_head_gate)
         return self._weights
 
     # -- round calls --------------------------------------------------------------------------
@@ -142,9 +201,19 @@ class DeferredSpecState:
     def replay(self, rows: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor, temporal_state: torch.Tensor,
                keep: Optional[torch.Tensor] = None, impl: str = "triton") -> torch.Tensor:
         """Replay pending rows into the pool (views ``[L, slots, conv_dim, W-1]`` and
-        ``[L, slots, HV, K, V]``); returns ``[bs]`` bool: checkpoint written."""
+        ``[L, slots, HV, K, V]``); returns ``[bs]`` bool: checkpoint written. Before the first
+        verify (no layer captured yet) nothing can be pending: a no-op."""
+        if not self._layer_weights:
+            return torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
         return replay(self.stash, rows, slots, conv_state, temporal_state, self.weights(),
                       self.mamba_track_interval, keep=keep, impl=impl)
+
+    def replay_pool(self, rows: torch.Tensor, slots: torch.Tensor, conv_pool: torch.Tensor, temporal_pool: torch.Tensor,
+                    keep: Optional[torch.Tensor] = None, impl: str = "triton") -> torch.Tensor:
+        """:meth:`replay` on the backend's own pool tensors (``conv [L, slots, *conv]``,
+        ``temporal [L, slots, *ssm]`` in the layout's order)."""
+        conv, temporal = self.layout.replay_views(conv_pool, temporal_pool)
+        return self.replay(rows, slots, conv, temporal, keep=keep, impl=impl)
 
     def clear(self, rows: Sequence[int] | torch.Tensor) -> None:
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.stash.count.device)

@@ -35,8 +35,10 @@ class ReplayWeights:
         conv_weight: ``[L, conv_dim, W]``.
         conv_bias: ``[L, conv_dim]`` or None.
         A_log: ``[L, HV]``.
-        dt_bias: ``[L, HV*K]``.
+        dt_bias: ``[L, HV*K]`` (KDA), ``[L, HV]`` (GDN, ``per_head_gate``).
         mixers: the source mixers (torch reference only; None when built from raw tensors).
+        per_head_gate: the decay gate is one value per value head (Gated DeltaNet) instead of
+            one per key channel (KDA); the stash's ``g_raw`` is then ``[.., HV]``.
     """
 
     shape: LinearAttnShape
@@ -45,6 +47,16 @@ class ReplayWeights:
     A_log: torch.Tensor
     dt_bias: torch.Tensor
     mixers: Optional[Sequence[GatedDeltaRuleMixer]] = None
+    per_head_gate: bool = False
+
+    def __post_init__(self) -> None:
+        s = self.shape
+        want = s.num_v_heads if self.per_head_gate else s.num_v_heads * s.head_k_dim
+        if self.dt_bias.shape[-1] != want:
+            raise ValueError(
+                f"ReplayWeights: dt_bias width {self.dt_bias.shape[-1]} != {want} "
+                f"({'HV, per-head gate' if self.per_head_gate else 'HV*K, per-channel gate'})"
+            )
 
     @classmethod
     def from_mixers(cls, mixers: Sequence[GatedDeltaRuleMixer]) -> "ReplayWeights":
@@ -52,8 +64,8 @@ class ReplayWeights:
         if not mixers:
             raise ValueError("ReplayWeights.from_mixers: no linear layers")
         shape = mixers[0].shape
-        if any(m.shape != shape for m in mixers):
-            raise ValueError("ReplayWeights.from_mixers: linear layers have different shapes")
+        if any(m.shape != shape or m.gate != mixers[0].gate for m in mixers):
+            raise ValueError("ReplayWeights.from_mixers: linear layers have different shapes or gates")
         with torch.no_grad():
             cw = torch.stack([m.conv_weight.detach().reshape(shape.conv_dim, -1) for m in mixers])
             cb = None
@@ -61,7 +73,8 @@ class ReplayWeights:
                 cb = torch.stack([m.conv_bias.detach() for m in mixers])
             A = torch.stack([m.A_log.detach() for m in mixers])
             dtb = torch.stack([m.dt_bias.detach() for m in mixers])
-        return cls(shape, cw.contiguous(), None if cb is None else cb.contiguous(), A.contiguous(), dtb.contiguous(), list(mixers))
+        return cls(shape, cw.contiguous(), None if cb is None else cb.contiguous(), A.contiguous(), dtb.contiguous(),
+                   list(mixers), per_head_gate=mixers[0].gate == "gdn")
 
     @property
     def num_layers(self) -> int:

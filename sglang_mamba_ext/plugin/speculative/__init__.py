@@ -6,24 +6,32 @@ argparse error (:mod:`sglang_mamba_ext.plugin.startup_errors`). Mechanism and in
 ``docs/design.md``, "SGLang wiring".
 
 ``--mamba-spec-state-update {snapshot,deferred}`` (default ``snapshot``, SGLang's own path).
-With ``deferred`` and ``--speculative-algorithm FROZEN_KV_MTP`` on a KDA hybrid (Kimi-Linear):
+With ``deferred`` and ``--speculative-algorithm FROZEN_KV_MTP`` on a linear-attention hybrid whose
+backend has an adapter — SGLang's ``KDAAttnBackend`` (Kimi-Linear), its ``GDNAttnBackend``
+(Qwen3-Next) and this project's tiny backend (KDA or GDN gate) — described to the shared code by a
+``StateLayout`` (``speculative/deferred.py``: gate per channel or per head, state layouts, whether
+the verify conv kernel rolls the main window):
 
 - the Mamba pool is built without SGLang's intermediate SSM / conv-window buffers
   ``[L, N+1, T, ...]``; it gets one-layer buffers ``[N+1, T, ...]`` handed to SGLang's verify
   kernels as ``[L, N+1, T, ...]`` views with layer stride 0, so every layer's tree verify writes
   and reads its node states in the same memory (``MambaPool.__init__``);
-- during verify each KDA layer's raw inputs (``mixed_qkv``, ``a``, ``b`` — exactly the
+- during verify each linear layer's raw inputs (``mixed_qkv``, ``a``, ``b`` — exactly the
   backend's arguments) are copied into a pending workspace, and the batch's main conv windows,
   which SGLang's verify conv kernel rolls in place by all draft tokens (snapshot mode undoes
   that in its commit scatter), are saved before and restored after the layer
-  (``KDAAttnBackend._forward_target_verify``);
+  (``KDAAttnBackend._forward_target_verify``, ``GDNAttnBackend.forward_extend`` for target
+  verify, the tiny backend calling ``hooks.capture_verify_inputs`` itself; the tiny verify does
+  not touch the main window);
 - after acceptance the accepted tokens' records are gathered into the stash and the main
   state is left alone (``spec_utils.commit_mamba_states_after_verify``);
 - the next decode round starts by replaying the stash into the main conv window and SSM
   state, writing the ping-pong checkpoint at a ``mamba_track_interval`` crossing
   (``FrozenKVMTPWorkerV2.forward_batch_generation``);
-- a request whose state is about to be cached replays first, cut at ``prompt + output[:-1]``,
-  and one released without caching drops its records
+- a request whose state is about to be cached replays first, cut at ``prompt + output[:-1]``
+  (also when its last round accepted drafts past the stop: the cache is told the working
+  state's length, ``CacheReq.mamba_working_len``, so the whole turn is reused), and one
+  released without caching drops its records
   (``mem_cache.common.release_kv_cache``, ``ReqToTokenPool.free_rows``).
 
 CUDA graphs: replay runs **outside** CUDA graphs, as two eager Triton launches on the forward
@@ -41,7 +49,7 @@ fold-every-commit at commit time), whereas ``deferred`` handles EAGLE trees (top
 ``retrieve_parent_token`` and replays at the start of the next round. They replace the same
 buffers, so combining them is refused at start-up, as are: ``deferred`` without speculative
 decoding or with an algorithm other than FROZEN_KV_MTP, a draft model that has Mamba/linear
-layers, a target without them, a non-KDA target (GDN/Mamba2 need their own replay kernel),
+layers, a target without them, a Mamba2 target (it needs its own replay kernel),
 ``--enable-linear-replayssm``, and the overlap scheduler (``--disable-overlap-schedule`` is
 required: the state update of round N moves to the start of round N+1, which overlap would run
 while round N's results, including cache inserts, are still being processed).
@@ -52,10 +60,10 @@ given, read by an AFTER hook on ``ServerArgs.from_cli_args`` into
 scheduler/worker processes with the pickled ServerArgs and read there through
 ``runtime_context.get_server_args()``).
 
-Not covered here: GDN / Mamba2 targets, the KDA safe gate (``lower_bound``), ragged verify
+Not covered here: Mamba2 targets, the KDA safe gate (``lower_bound``), ragged verify
 layouts, overlap scheduling, tensor parallelism of the stash (per-rank shapes work,
 untested). The on-chip tree-verify Triton kernel (``sglang_mamba_ext/speculative/``) is not
-wired into SGLang's KDA backend: verify here uses SGLang's kernels with the one-layer buffer, and the
+wired into SGLang's backends: verify here uses SGLang's kernels with the one-layer buffer, and the
 pending workspace is preallocated (fixed addresses for CUDA graphs), so this glue's footprint
 is the planner's ``one_layer`` peak (``scripts/plan_spec_memory.py``, also
 ``python -m sglang_mamba_ext.benchmarks.spec_memory``). SGLang's memory budget
@@ -70,6 +78,7 @@ from typing import List, Tuple
 __all__ = ["register_spec_hooks", "HOOK_TARGETS", "hook_function"]
 
 _KDA = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend._forward_target_verify"
+_GDN = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.forward_extend"
 
 #: (target, hook type name, hook function name in :mod:`.hooks`, or ``module.function`` for
 #: another module of this package)
@@ -77,8 +86,11 @@ HOOK_TARGETS: List[Tuple[str, str, str]] = [
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", "add_cli_args_after"),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "AFTER", "from_cli_args_after"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.__init__", "AFTER", "model_runner_init_after"),
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._init_pools", "BEFORE",
+     "configurator_init_pools_before"),
     ("sglang.srt.mem_cache.memory_pool.MambaPool.__init__", "AROUND", "mamba_pool_init_around"),
     (_KDA, "AROUND", "kda_target_verify_around"),
+    (_GDN, "AROUND", "gdn_forward_extend_around"),
     ("sglang.srt.speculative.spec_utils.commit_mamba_states_after_verify", "AROUND", "commit_around"),
     ("sglang.srt.speculative.frozen_kv_mtp_worker_v2.FrozenKVMTPWorkerV2.forward_batch_generation", "BEFORE",
      "worker_forward_before"),

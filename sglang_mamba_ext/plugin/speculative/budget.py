@@ -117,6 +117,9 @@ def deferred_draft_token_equivalent(conf: Any) -> Tuple[float, int, int, int]:
     n_stage = _stage_layers(conf, all_layers)
     stage_per_req = int(per_req * (n_stage / max(len(all_layers), 1)))
     T = max_speculative_num_draft_tokens() or get_spec().speculative_num_draft_tokens
+    # the pool hook builds the state in the target backend's layout (KDA / GDN / tiny), which
+    # SGLang's _init_pools hook records only after this budget: record it now, the same way
+    hooks.configurator_init_pools_before(conf)
     row, fixed = deferred_row_bytes(cp, n_stage, T, get_spec().speculative_eagle_topk)
     return row / stage_per_req, row, fixed, stage_per_req
 

@@ -24,6 +24,9 @@ FLAG = "--mamba-spec-state-update"
 ATTR = "_mamba_spec_state_update"
 CHOICES = ("snapshot", "deferred")
 POOL_ATTR = "mamba_spec_deferred"  # DeferredSpecState attached to a MambaPool
+#: Replay implementation in serving: the Triton kernels (compiled on CUDA; on a CPU host the
+#: plugin sets ``TRITON_INTERPRET=1`` for speculative decoding, so the same kernels run there).
+REPLAY_IMPL = "triton"
 
 
 class DeferredSpecConfigError(FlagError):
@@ -71,7 +74,7 @@ def add_cli_args_after(result, parser) -> None:
             "'snapshot' (default): SGLang's own path, per-layer per-draft-token states, scattered "
             "after acceptance. 'deferred': a one-layer verify buffer, a stash of the accepted "
             "tokens' activations and replay at the start of the next round; needs "
-            "--speculative-algorithm FROZEN_KV_MTP, a KDA hybrid target and "
+            "--speculative-algorithm FROZEN_KV_MTP, a KDA or Gated DeltaNet hybrid target and "
             "--disable-overlap-schedule."
         ),
     )
@@ -141,7 +144,8 @@ def from_cli_args_after(result, cls, args) -> None:
 
 
 def model_runner_init_after(result, runner, *args, **kwargs) -> None:
-    """AFTER ``ModelRunner.__init__``: the target must be a KDA hybrid, the draft must have no
+    """AFTER ``ModelRunner.__init__``: the target must be a linear-attention hybrid (the
+    family is checked when its pool is built, :func:`mamba_pool_init_around`), the draft must have no
     Mamba/linear-attention layers, the resolved algorithm must be FROZEN_KV_MTP.
 
     Raises:
@@ -181,23 +185,71 @@ def model_runner_init_after(result, runner, *args, **kwargs) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+#: Layout name (:data:`sglang_mamba_ext.speculative.deferred.LAYOUTS`) of the target model
+#: whose pools this process is building, set by :func:`configurator_init_pools_before`;
+#: ``"unsupported:<config class>"`` for a linear-attention family without a replay kernel.
+_target_layout: Optional[str] = None
+
+
+def layout_name_for(configurator) -> Optional[str]:
+    """The deferred layout of the model a ``KVCacheConfigurator`` sizes pools for (None: no
+    linear-attention layers, e.g. the frozen-KV draft)."""
+    if getattr(configurator, "mambaish_config", None) is None:
+        return None
+    if getattr(configurator, "hybrid_kda_config", None) is not None:
+        return "kda"
+    if getattr(configurator, "hybrid_gdn_config", None) is not None:
+        return "gdn"
+    cfg = configurator.model_config.hf_config
+    from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig
+
+    if isinstance(cfg, TinyHybridConfig):
+        return "tiny-" + getattr(cfg, "linear_gate", "kda")
+    return f"unsupported:{type(configurator.mambaish_config).__name__}"
+
+
+def configurator_init_pools_before(configurator, *args, **kwargs) -> None:
+    """BEFORE ``KVCacheConfigurator._init_pools``: remember which linear-attention backend the
+    target's Mamba pool serves (the pool constructor is not told)."""
+    global _target_layout
+    if not deferred_active():
+        return None
+    name = layout_name_for(configurator)
+    if name is not None:
+        _target_layout = name
+    return None
+
+
+def _layout_for_pool(cache_params):
+    from sglang_mamba_ext.speculative.deferred import LAYOUTS
+
+    name = _target_layout
+    if name is None:  # a pool built outside a model runner (tests): SGLang's own flag
+        name = "kda" if getattr(cache_params, "is_kda", False) else f"unsupported:{type(cache_params).__name__}"
+    if name not in LAYOUTS:
+        raise DeferredSpecConfigError(
+            f"{FLAG} deferred supports KDA (Kimi-Linear), Gated DeltaNet (Qwen3-Next) and the tiny hybrid "
+            f"model; this model's linear layers ({name.split(':', 1)[-1]}, e.g. Mamba2) need their own "
+            f"replay kernel: use {FLAG} snapshot"
+        )
+    return LAYOUTS[name]
+
+
 def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
     """AROUND ``MambaPool.__init__``: in deferred mode, build the pool without SGLang's
     ``[L, N+1, T, ...]`` intermediate buffers, then give it one-layer buffers seen as ``L``
-    layers (stride 0) and a :class:`DeferredSpecState` (``pool.mamba_spec_deferred``).
+    layers (stride 0) and a :class:`DeferredSpecState` (``pool.mamba_spec_deferred``) in the
+    target backend's :class:`~sglang_mamba_ext.speculative.deferred.StateLayout`.
 
     Raises:
-        DeferredSpecConfigError: not a KDA model, or an unsupported pool layout.
+        DeferredSpecConfigError: a linear-attention family without a replay kernel (Mamba2),
+            or an unsupported pool layout.
     """
     T = kwargs.get("speculative_num_draft_tokens")
     if not deferred_active() or T is None:
         return original(pool, *args, **kwargs)
     cache_params = kwargs["cache_params"]
-    if not getattr(cache_params, "is_kda", False):
-        raise DeferredSpecConfigError(
-            f"{FLAG} deferred supports KDA linear attention (Kimi-Linear) only in this version; "
-            f"{type(cache_params).__name__} needs its own replay kernel (use {FLAG} snapshot)"
-        )
+    layout = _layout_for_pool(cache_params)
     if kwargs.get("envelope_layout"):
         raise DeferredSpecConfigError(f"{FLAG} deferred does not support the envelope Mamba layout")
     kw = dict(kwargs)
@@ -206,16 +258,21 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
     from sglang.srt.mem_cache.memory_pool import MambaPool
     from sglang.srt.runtime_context import get_spec
 
-    shape_p = cache_params.shape
-    conv_shape = tuple(shape_p.conv[0])  # KDA: (W-1, conv_dim)
-    if len(shape_p.conv) != 1 or conv_shape[0] != shape_p.conv_kernel - 1:
-        raise DeferredSpecConfigError(f"{FLAG} deferred: unsupported conv state layout {shape_p.conv}")
-    hv, v_dim, k_dim = shape_p.temporal  # SGLang KDA keeps (HV, V, K)
-    h_k = getattr(shape_p, "num_k_heads_per_tp", hv)
-    conv_dim = conv_shape[1]
     from sglang_mamba_ext.models.linear_attn import LinearAttnShape
 
-    shape = LinearAttnShape(h_k, hv, k_dim, v_dim, shape_p.conv_kernel)
+    shape_p = cache_params.shape
+    conv_shape = tuple(shape_p.conv[0])
+    W = shape_p.conv_kernel
+    conv_dim = conv_shape[1] if layout.conv_window_first else conv_shape[0]
+    window = conv_shape[0] if layout.conv_window_first else conv_shape[1]
+    if len(shape_p.conv) != 1 or window != W - 1:
+        raise DeferredSpecConfigError(f"{FLAG} deferred: unsupported conv state layout {shape_p.conv} ({layout.name})")
+    if layout.ssm_vk:
+        hv, v_dim, k_dim = shape_p.temporal
+    else:
+        hv, k_dim, v_dim = shape_p.temporal
+    h_k = getattr(shape_p, "num_k_heads_per_tp", hv)
+    shape = LinearAttnShape(h_k, hv, k_dim, v_dim, W)
     if shape.conv_dim != conv_dim:
         raise DeferredSpecConfigError(f"{FLAG} deferred: conv_dim {conv_dim} != 2*H*K + HV*V of {shape}")
     L = len(kwargs["mamba_layer_ids"])
@@ -223,9 +280,10 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
     steps = int(get_spec().speculative_num_steps or (T - 1))
     state = DeferredSpecState(
         num_layers=L, num_rows=R, draft_token_num=T, max_accept=steps + 1, shape=shape,
-        dims=StashDims(conv_dim, hv * k_dim, hv), ssm_state_shape=tuple(shape_p.temporal),
+        dims=StashDims(conv_dim, layout.gate_dim(shape), hv), ssm_state_shape=tuple(shape_p.temporal),
         conv_state_shape=conv_shape, ssm_dtype=cache_params.dtype.temporal,
         conv_dtype=cache_params.dtype.conv, act_dtype=cache_params.dtype.conv, device=kwargs["device"],
+        layout=layout,
     )
     ssm_view, conv_view = state.layered_views()
     old = pool.mamba_cache
@@ -233,7 +291,7 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
         conv=old.conv, temporal=old.temporal, intermediate_ssm=ssm_view, intermediate_conv_window=[conv_view],
     )
     setattr(pool, POOL_ATTR, state)
-    logger.info("mamba-spec-state-update=deferred: no intermediate SSM buffer; %s",
+    logger.info("mamba-spec-state-update=deferred (%s): no intermediate SSM buffer; %s", layout.name,
                 {k: f"{v / 2**20:.1f} MiB" for k, v in state.nbytes().items()})
     return None
 
@@ -246,9 +304,9 @@ def _state_of(obj) -> Optional[DeferredSpecState]:
 
 def pool_views(pool) -> tuple:
     """Main-state views in the replay layout: ``conv [L, slots, conv_dim, W-1]`` and
-    ``temporal [L, slots, HV, K, V]`` (SGLang KDA stores ``(W-1, dim)`` and ``(HV, V, K)``)."""
+    ``temporal [L, slots, HV, K, V]`` (from the pool's own layout)."""
     mc = pool.mamba_cache
-    return mc.conv[0].transpose(-1, -2), mc.temporal.transpose(-1, -2)
+    return getattr(pool, POOL_ATTR).layout.replay_views(mc.conv[0], mc.temporal)
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,20 +314,31 @@ def pool_views(pool) -> tuple:
 # ---------------------------------------------------------------------------------------
 
 
-def kda_target_verify_around(original, backend, layer, forward_batch, mixed_qkv, a, b):
-    """AROUND ``KDAAttnBackend._forward_target_verify``: copy the layer's raw inputs of all
-    tree nodes into the pending workspace, register the layer's replay weights, then verify
-    as SGLang does (its kernels write node states into the one-layer buffer).
-
-    SGLang's verify conv kernel (``causal_conv1d_update``) also rolls the *main* conv window
-    by all ``T`` draft tokens in place, which snapshot mode undoes in its commit scatter; here
-    the batch's windows of this layer are saved before and restored after the layer's verify,
-    so the main conv state stays at the last committed token until replay."""
-    state = _state_of(getattr(backend, "req_to_token_pool", None))
+def capture_verify_inputs(req_to_token_pool, layer_id: int, conv_weight, conv_bias, A_log, dt_bias,
+                          mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The backend-neutral capture point: in deferred mode, copy one linear layer's verify
+    inputs of all tree nodes (``mixed_qkv [n, conv_dim]``, raw gate ``a [n, gate_dim]``, raw
+    ``b [n, HV]``) into the pending workspace and register the layer's replay weights
+    (``conv_weight`` ``conv_dim * W`` elements, ``conv_bias [conv_dim]`` or None, ``A_log
+    [HV]``, ``dt_bias [gate_dim]``). Returns whether deferred mode is on for this pool (False:
+    nothing done). Called by each backend adapter (SGLang's KDA / GDN backends through the
+    hooks below, the tiny backend directly)."""
+    state = _state_of(req_to_token_pool)
     if state is None:
-        return original(backend, layer, forward_batch, mixed_qkv, a, b)
+        return False
     if isinstance(mixed_qkv, (tuple, list)):
         raise DeferredSpecConfigError(f"{FLAG} deferred: split q/k/v conv inputs are not supported")
+    l = req_to_token_pool.mamba_map[layer_id]
+    state.register_layer(l, conv_weight, conv_bias, A_log, dt_bias)
+    state.capture(l, mixed_qkv, a, b)
+    return True
+
+
+def _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b, run):
+    """Capture, then ``run()`` the backend's own verify; if the layout's verify kernel rolls
+    the main conv windows in place (SGLang's ``causal_conv1d_update``, which snapshot mode
+    undoes in its commit scatter), the batch's windows of this layer are saved before and
+    restored after, so the main conv state stays at the last committed token until replay."""
     spec_info = forward_batch.spec_info
     if getattr(spec_info, "ragged_verify_layout", None) is not None:
         raise DeferredSpecConfigError(f"{FLAG} deferred: ragged verify layouts are not supported")
@@ -278,18 +347,40 @@ def kda_target_verify_around(original, backend, layer, forward_batch, mixed_qkv,
             f"{FLAG} deferred: the KDA safe gate (lower_bound) is not implemented in replay"
         )
     rtp = backend.req_to_token_pool
-    l = rtp.mamba_map[layer.layer_id]
-    state.register_layer(l, layer.conv_weights, layer.bias, layer.A_log, layer.dt_bias)
-    state.capture(l, mixed_qkv, a, b)
+    capture_verify_inputs(rtp, layer.layer_id, layer.conv_weights, layer.bias, layer.A_log, layer.dt_bias,
+                          mixed_qkv, a, b)
+    if not _state_of(rtp).layout.verify_rolls_conv:
+        return run()
     bs = mixed_qkv.shape[0] // spec_info.draft_token_num
     # padding rows (-1) read and write back slot 0's own value: in deferred mode no main window
     # may change during verify, so restoring every touched slot to its saved value is exact
     idx = backend.forward_metadata.mamba_cache_indices[:bs].to(torch.int64).clamp(min=0)
     conv = rtp.mamba2_layer_cache(layer.layer_id).conv[0]
     saved = conv.index_select(0, idx)
-    out = original(backend, layer, forward_batch, mixed_qkv, a, b)
+    out = run()
     conv.index_copy_(0, idx, saved)
     return out
+
+
+def kda_target_verify_around(original, backend, layer, forward_batch, mixed_qkv, a, b):
+    """AROUND ``KDAAttnBackend._forward_target_verify``: :func:`_verify_deferred` (capture,
+    SGLang's verify into the one-layer buffer, main conv windows restored)."""
+    if _state_of(getattr(backend, "req_to_token_pool", None)) is None:
+        return original(backend, layer, forward_batch, mixed_qkv, a, b)
+    return _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b,
+                            lambda: original(backend, layer, forward_batch, mixed_qkv, a, b))
+
+
+def gdn_forward_extend_around(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    """AROUND ``GDNAttnBackend.forward_extend`` (its target verify lives there): for a
+    target-verify batch in deferred mode, :func:`_verify_deferred` around SGLang's own
+    recurrent verify (one-layer buffer as its ``intermediate_ssm``); every other call is
+    SGLang's."""
+    if (_state_of(getattr(backend, "req_to_token_pool", None)) is None
+            or not forward_batch.forward_mode.is_target_verify()):
+        return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    return _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b,
+                            lambda: original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs))
 
 
 def commit_around(original, target_worker, batch, accept_lens, accept_index, draft_token_num, *args, **kwargs):
@@ -326,7 +417,7 @@ def replay_for_batch(req_to_token_pool, req_pool_indices: torch.Tensor, keep: Op
     pool = req_to_token_pool.mamba_pool
     slots = req_to_token_pool.get_mamba_indices(req_pool_indices)
     conv, temporal = pool_views(pool)
-    state.replay(req_pool_indices.to(torch.int64), slots.to(torch.int64), conv, temporal, keep=keep)
+    state.replay(req_pool_indices.to(torch.int64), slots.to(torch.int64), conv, temporal, keep=keep, impl=REPLAY_IMPL)
 
 
 def worker_forward_before(worker, batch, *args, **kwargs) -> None:
@@ -342,8 +433,10 @@ def worker_forward_before(worker, batch, *args, **kwargs) -> None:
 
 def release_kv_cache_before(req, tree_cache, *args, checkpoint: bool = False, **kwargs) -> None:
     """BEFORE ``mem_cache.common.release_kv_cache``: a request leaving with its state kept
-    (``checkpoint=True``) replays its pending run first, cut at ``prompt + output[:-1]``
-    (tokens after EOS / the length limit are dropped); one leaving without is cleared."""
+    (``checkpoint=True``) replays its pending run first, cut at ``prompt + output[:-1]`` or
+    at the last emitted token if the last round went past it (tokens after EOS / the length
+    limit are dropped) and records that length for the cache; one leaving without is
+    cleared."""
     req_pool = getattr(tree_cache, "req_to_token_pool", None)
     state = _state_of(req_pool)
     kv = getattr(req, "kv", None)
@@ -351,10 +444,23 @@ def release_kv_cache_before(req, tree_cache, *args, checkpoint: bool = False, **
         return None
     row = int(kv.req_pool_idx)
     if checkpoint and getattr(kv, "mamba_pool_idx", None) is not None:
-        cached = len(req.origin_input_ids) + len(req.output_ids) - 1
+        from sglang_mamba_ext.plugin.req_bridge import WORKING_LEN_ATTR
+
+        # Tokens whose state is worth caching: every token with KV (prompt + output[:-1]),
+        # but not past the last *emitted* one: a round that accepted drafts beyond the stop
+        # (max_new_tokens, EOS) keeps them in output_ids and their KV committed, yet the
+        # next turn never contains them (``Req.finished_len``).
+        n_out = len(req.output_ids)
+        emitted = getattr(req, "finished_len", None)
+        cached = len(req.origin_input_ids) + min(n_out - 1, n_out if emitted is None else emitted)
         rows = torch.tensor([row], dtype=torch.int64, device=state.stash.count.device)
-        keep = torch.tensor([cached], device=rows.device) - state.stash.seq_len[rows]
-        replay_for_batch(req_pool, rows, keep=keep)
+        pending = int(state.stash.count[row])
+        if pending > 0:  # one host read per finishing request (not per round)
+            keep = torch.tensor([cached], device=rows.device) - state.stash.seq_len[rows]
+            replay_for_batch(req_pool, rows, keep=keep)
+            # the working state now holds exactly that many tokens, fewer than the KV
+            # committed: tell the cache (CacheReq.mamba_working_len)
+            setattr(req, WORKING_LEN_ATTR, min(cached, int(state.stash.seq_len[row]) + pending))
     state.clear([row])
     return None
 

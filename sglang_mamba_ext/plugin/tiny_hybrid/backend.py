@@ -1,9 +1,9 @@
 """Pure-torch linear-attention backend for the tiny hybrid model on SGLang 0.5.23
 (``docs/design.md``, "Tiny hybrid model"). SGLang wraps it with the full-attention backend in
 ``HybridLinearAttnBackend`` (``srt/layers/attention/hybrid_linear_attn_backend.py``), which
-hands it each linear layer's ``mixed_qkv`` ``[T, conv_dim]``, ``a`` = the activated decay gate
-``[T, HV*K]`` and ``b`` = ``beta`` ``[T, HV]`` (float32, from
-``GatedDeltaRuleMixer.project``). For batch row ``i`` it reads pool slot
+hands it each linear layer's ``mixed_qkv`` ``[T, conv_dim]``, ``a`` = the raw decay gate
+``[T, gate_dim]`` and ``b`` = the raw ``beta`` logits ``[T, HV]`` (``GatedDeltaRuleMixer.project_raw``,
+as SGLang's KDA/GDN layers pass them; activated here with ``mixer.activate_gates``). For batch row ``i`` it reads pool slot
 ``forward_metadata.mamba_cache_indices[i]`` of ``req_to_token_pool.mamba2_layer_cache(layer_id)``
 (``.conv[0]`` ``[slots, conv_dim, W-1]``, ``.temporal`` ``[slots, HV, K, V]``), runs the
 layer's own segment runner ``layer.mixer.run_segments`` over the row's tokens
@@ -179,8 +179,8 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         """Extend (prefill / chunked prefill / mixed) for every row of the batch: each row
         runs ``layer.mixer.run_segments`` over its tokens, cut at its plan's offsets.
 
-        ``mixed_qkv`` ``[T, conv_dim]``, ``a`` ``[T, HV*K]`` float32, ``b`` ``[T, HV]``
-        float32 (``q, k, v, save_kv_cache`` arrive in ``kwargs``, unused). Returns
+        ``mixed_qkv`` ``[T, conv_dim]``, ``a`` ``[T, gate_dim]`` and ``b`` ``[T, HV]`` raw gates
+        (``q, k, v, save_kv_cache`` arrive in ``kwargs``, unused). Returns
         ``[1, T, HV, V]`` in ``mixed_qkv.dtype``.
 
         Raises:
@@ -196,7 +196,7 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         mixer = layer.mixer
         s = mixer.shape
         T = mixed_qkv.shape[0]
-        g = a.view(T, s.num_v_heads, s.head_k_dim)
+        g, b = mixer.activate_gates(a, b)
         out = mixed_qkv.new_zeros(T, s.num_v_heads, s.head_v_dim)
         conv_pool, ssm_pool = self._layer_pools(layer.layer_id)
         md = self.forward_metadata
@@ -232,7 +232,6 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         Inputs as :meth:`forward_extend` with ``T = bs``. Returns ``[1, bs, HV, V]`` in
         ``mixed_qkv.dtype``."""
         mixer = layer.mixer
-        s = mixer.shape
         bs = mixed_qkv.shape[0]
         conv_pool, ssm_pool = self._layer_pools(layer.layer_id)
         slots = self.forward_metadata.mamba_cache_indices[:bs].to(torch.long)
@@ -240,8 +239,8 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         safe = torch.where(valid, slots, torch.zeros_like(slots))
         y, new_conv = mixer.conv(mixed_qkv[:, None, :], conv_pool[safe])  # [bs, 1, D]
         qh, kh, vh = mixer.split_qkv(y[:, 0])
-        g = a.view(bs, s.num_v_heads, s.head_k_dim)
-        o, new_ssm = gated_delta_rule_step(qh, kh, vh, g, b, ssm_pool[safe], scale=mixer.scale)
+        g, beta = mixer.activate_gates(a, b)
+        o, new_ssm = gated_delta_rule_step(qh, kh, vh, g, beta, ssm_pool[safe], scale=mixer.scale)
         if self._plan:
             for row, cuts in self._plan.items():
                 for off, dst in cuts:
@@ -304,15 +303,22 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         parent's state (node 0 from the row's main state) and its conv window / SSM state
         go to ``intermediate_conv_window[0][row, j]`` / ``intermediate_ssm[row, j]``. The main
         state is never written: SGLang's commit scatter copies the accepted node's state
-        afterwards (``spec_utils.commit_mamba_states_after_verify``). Returns
+        afterwards (``spec_utils.commit_mamba_states_after_verify``). Under
+        ``--mamba-spec-state-update deferred`` the intermediate buffers are the one-layer
+        buffer and the raw inputs are first captured for replay
+        (``plugin/speculative/hooks.py::capture_verify_inputs``). Returns
         ``[1, bs*T, HV, V]``."""
+        from sglang_mamba_ext.plugin.speculative.hooks import capture_verify_inputs
+
         mixer = layer.mixer
+        capture_verify_inputs(self.req_to_token_pool, layer.layer_id, mixer.conv_weight, mixer.conv_bias,
+                              mixer.A_log, mixer.dt_bias, mixed_qkv, a, b)
         s = mixer.shape
         spec = forward_batch.spec_info
         T = int(spec.draft_token_num)
         N = mixed_qkv.shape[0]
         bs = N // T
-        g = a.view(N, s.num_v_heads, s.head_k_dim)
+        g, b = mixer.activate_gates(a, b)
         cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
         conv_pool, ssm_pool = cache.conv[0], cache.temporal
         inter_conv, inter_ssm = cache.intermediate_conv_window[0], cache.intermediate_ssm

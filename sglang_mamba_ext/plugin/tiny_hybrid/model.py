@@ -93,8 +93,10 @@ class TinyHybridForCausalLM(nn.Module):
             if layer.is_linear:
                 mixer = layer.linear_attn
                 s = mixer.shape
-                mixed_qkv, g, beta = mixer.project(x)
-                o = core(forward_batch, mixed_qkv, g.reshape(T, -1), beta)
+                # raw gates, as SGLang's KDA/GDN layers hand them to their backends; the
+                # backend activates them (mixer.activate_gates)
+                mixed_qkv, g_raw, b_raw = mixer.project_raw(x)
+                o = core(forward_batch, mixed_qkv, g_raw, b_raw)
                 y = mixer.finish(o.reshape(T, s.num_v_heads, s.head_v_dim), x)
             else:
                 attn = layer.self_attn

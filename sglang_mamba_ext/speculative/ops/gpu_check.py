@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     verify_ms = timed(verify_snapshot, dev, iters)
     snap_peak = (torch.cuda.max_memory_allocated() - base) if dev.type == "cuda" else \
         snap_ssm.numel() * snap_ssm.element_size() + snap_conv.numel() * snap_conv.element_size()
-    del snap_ssm, snap_conv
+    snap_ssm = snap_conv = None  # free before the deferred run
 
     # ---- deferred mode: stash (resident) + verify workspace
     if dev.type == "cuda":

@@ -4,7 +4,7 @@ and requests: ``_replay_recurrent_kernel`` (grid ``(N * L, HV, cdiv(V, BV))``) k
 ``[K, BV]`` tile of a value head's SSM state in registers and, per pending token, recomputes
 the head's post-conv ``k`` and ``v`` from the *old* conv window and the stashed ``mixed_qkv``
 (conv, bias, SiLU, the forward's rounding to the activation dtype, per-head L2 norm), activates
-the stashed raw gates and applies :func:`~..triton_utils.gated_delta_step` (tile loaded once,
+the stashed raw gates (per key channel, KDA, or per value head, GDN: ``PER_HEAD_GATE``) and applies :func:`~..triton_utils.gated_delta_step` (tile loaded once,
 stored once, plus once into the track slot after the crossing token; no output ``o``);
 ``_replay_conv_window_kernel`` (grid ``(N * L, cdiv(conv_dim, BD))``), launched after it,
 shifts each conv window by the row's count and writes the track slot's window. States are read
@@ -52,7 +52,7 @@ def _replay_recurrent_kernel(
     GD: tl.constexpr, BD_: tl.constexpr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, EPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PER_HEAD_GATE: tl.constexpr,
 ):
     i_nl = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -104,10 +104,14 @@ def _replay_recurrent_kernel(
                 yk = tl.where(mk, yk, 0.0)
                 # per-head L2 norm of k (q is not needed: replay produces no output)
                 kn = (yk * (1.0 / tl.sqrt(tl.sum(yk * yk, axis=0) + EPS))).to(act_ty).to(tl.float32)
-                # gates (KDA: per key channel)
-                graw = tl.load(graw_ptr + (row + t) * GD + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-                dtb = tl.load(dtb_ptr + i_l * HV * K + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-                decay = tl.exp(neg_a * softplus(graw + dtb))[:, None]
+                if PER_HEAD_GATE:  # GDN: one decay per value head
+                    graw = tl.load(graw_ptr + (row + t) * GD + i_hv).to(tl.float32)
+                    dtb = tl.load(dtb_ptr + i_l * HV + i_hv).to(tl.float32)
+                    decay = tl.exp(neg_a * softplus(graw + dtb))
+                else:  # KDA: per key channel
+                    graw = tl.load(graw_ptr + (row + t) * GD + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+                    dtb = tl.load(dtb_ptr + i_l * HV * K + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+                    decay = tl.exp(neg_a * softplus(graw + dtb))[:, None]
                 beta = tl.sigmoid(tl.load(braw_ptr + (row + t) * BD_ + i_hv).to(tl.float32))
                 S = gated_delta_step(S, kn, yv, decay, beta)
                 if t == tstep:
@@ -170,7 +174,7 @@ def replay_triton(
 
     Raises:
         ValueError: non-contiguous records or weights, shapes that disagree with
-            ``weights.shape``, or a per-head (GDN) gate.
+            ``weights.shape``, or a gate width that disagrees with ``weights.per_head_gate``.
     """
     mixed_qkv, g_raw, b_raw = stash.mixed_qkv, stash.g_raw, stash.b_raw
     sh = weights.shape
@@ -185,10 +189,11 @@ def replay_triton(
             f"{tuple(conv_state.shape)}, temporal_state {tuple(temporal_state.shape)}"
         )
     GD = g_raw.shape[-1]
-    if GD != HV * K:
+    want = HV if weights.per_head_gate else HV * K
+    if GD != want:
         raise ValueError(
-            f"replay_triton: g_raw width {GD} != HV*K={HV * K}; only the per-channel (KDA) gate "
-            "is implemented (a per-head GDN gate needs its own activation)"
+            f"replay_triton: g_raw width {GD} != {want} "
+            f"({'HV, per-head gate' if weights.per_head_gate else 'HV*K, per-channel gate'})"
         )
     N = plan.rows.shape[0]
     if N == 0:
@@ -206,7 +211,7 @@ def replay_triton(
             temporal_state, *temporal_state.stride(),
             weights.conv_weight, cb, weights.A_log, weights.dt_bias,
             L=L, R=R, A=A, D=D, GD=GD, BD_=b_raw.shape[-1], H=H, HV=HV, K=K, V=V, W=W,
-            BK=BK, BV=BVv, EPS=1e-6, HAS_BIAS=has_bias,
+            BK=BK, BV=BVv, EPS=1e-6, HAS_BIAS=has_bias, PER_HEAD_GATE=bool(weights.per_head_gate),
         )
         _replay_conv_window_kernel[(N * L, triton.cdiv(D, BDv))](
             mixed_qkv, *idx,
