@@ -195,8 +195,13 @@ def size_pools(name: str, mode: Optional[str], *, total_gib: float, free_gib: fl
     ]
     if mode is not None:
         argv += ["--mamba-spec-state-update", mode]
+    from sglang_mamba_ext.plugin.speculative import hooks
+
     res = PoolResult(mode)
-    with mock.patch.dict(os.environ, {"SGLANG_MAMBA_SSM_DTYPE": ssm_dtype, "SGLANG_MAMBA_CONV_DTYPE": conv_dtype}):
+    # the deferred glue remembers the target's backend layout process-wide (one target per
+    # server process); start from none and leave the caller's value as it was
+    with mock.patch.dict(os.environ, {"SGLANG_MAMBA_SSM_DTYPE": ssm_dtype, "SGLANG_MAMBA_CONV_DTYPE": conv_dtype}), \
+            mock.patch.object(hooks, "_target_layout", None):
         sa = pickle.loads(pickle.dumps(prepare_server_args(argv)))  # as a scheduler process receives it
         ctx = create_context(sa, role="scheduler")
         with use_context(ctx), get_parallel().override(

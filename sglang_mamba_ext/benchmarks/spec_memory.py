@@ -119,7 +119,7 @@ def report(name: str, args, tp: int) -> Dict[str, object]:
     _print_mode("snapshot", s)
     dfr = size_pools(name, "deferred", extra_argv=bound, **kw)
     if dfr.refused:
-        gdn = "KDA" in dfr.refused and "Mamba2CacheParams" in dfr.refused
+        gdn = PUBLISHED[name].config.get("model_type") == "qwen3_next"
         out["refused"] = dfr.refused
         _print_mode("deferred", None, ("GDN pending: " if gdn else "refused: ") + dfr.refused)
         return out
@@ -167,8 +167,8 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         results[name] = report(name, args, args.tp or DEFAULT_TP[name])
     if any(r["refused"] for r in results.values()):
-        print("note: a deferred row refused for Gated DeltaNet waits for GDN support in the deferred glue "
-              "(sglang_mamba_ext/plugin/speculative/hooks.py)")
+        print("note: a refused deferred row means the deferred glue (sglang_mamba_ext/plugin/speculative/hooks.py) "
+              "does not support that model's linear layers")
     head = results.get(HEADLINE)
     if head is None or head["deferred"] is None:
         print(f"the headline needs {HEADLINE} in deferred mode", file=sys.stderr)
