@@ -1,8 +1,8 @@
 """SGLang's memory budget under --mamba-spec-state-update deferred (issue 15, item 1;
 sglang_mamba_ext/plugin/speculative/budget.py): SGLang's own pool sizing
 (``KVCacheConfigurator._resolve_memory_pool_config`` and ``_build_req_to_token_pool``, run
-in-process by ``sglang_mamba_ext.benchmarks.sglang_pools`` for Kimi-Linear-48B-A3B's published
-config, device memory simulated, tensors on ``meta``) charges the deferred state's bytes per
+in-process by ``sglang_mamba_ext.benchmarks.sglang_pools`` for Kimi-Linear-48B-A3B's and
+Qwen3-Next-80B-A3B's published configs, device memory simulated, tensors on ``meta``) charges the deferred state's bytes per
 request row instead of the snapshot buffers', and the difference becomes Mamba slots, running
 requests and KV tokens by SGLang's own split.
 
@@ -98,6 +98,29 @@ class TestDeferredBudget(unittest.TestCase):
         self.assertEqual(d.max_mamba_cache_size, _auto_slots(d, self.row_def))
         for r, row in ((s, self.row_snap), (d, self.row_def)):
             self.assertAlmostEqual(r.kv_budget_bytes, self._kv_bytes(r, row, 8), delta=1)
+        self.assertGreater(d.max_total_num_tokens, s.max_total_num_tokens)
+
+    def test_gated_deltanet_budget(self):
+        """Qwen3-Next-80B-A3B (Gated DeltaNet) at TP 2 on the same GPU: the same rule with the
+        GDN state's bytes per row (gate per value head)."""
+        from sglang_mamba_ext.benchmarks.sglang_pools import size_pools
+
+        kw = dict(BUDGET, tp=2, free_gib=140.0 - 80e9 * 2 / 2 / 2**30)
+        s, d = size_pools("Qwen3-Next-80B-A3B", "snapshot", **kw), size_pools("Qwen3-Next-80B-A3B", "deferred", **kw)
+        self.assertIsNone(d.refused)
+        row_snap = s.slot_bytes * D
+        row_def, rem = divmod(d.spec_bytes, d.rows)
+        self.assertEqual(rem, 0)
+        self.assertEqual(s.spec_bytes, row_snap * s.rows)
+        # per rank: 36 layers, conv_dim 2*8*128 + 16*128, 16 value heads of 128 x 128, bf16
+        per_tok = 4096 + 16 + 16
+        self.assertEqual(row_def, 36 * 4 * per_tok * 2 + 20 + 36 * D * per_tok * 2 + D * 16 * 128 * 128 * 2 + D * 4096 * 3 * 2)
+        for r, row in ((s, row_snap), (d, row_def)):
+            self.assertEqual(r.max_mamba_cache_size, _auto_slots(r, row))
+            self.assertEqual(r.max_running_requests, min(48, r.max_mamba_cache_size // r.mamba_ratio))
+            capped = min(48, r.max_mamba_cache_size // r.mamba_ratio)
+            self.assertAlmostEqual(r.kv_budget_bytes, self._kv_bytes(r, row, capped), delta=1)
+        self.assertGreater(d.max_running_requests, s.max_running_requests)
         self.assertGreater(d.max_total_num_tokens, s.max_total_num_tokens)
 
     def test_deferred_row_bytes_from_published_shapes(self):
