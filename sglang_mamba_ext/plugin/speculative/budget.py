@@ -77,7 +77,7 @@ def deferred_row_bytes(cache_params: Any, num_layers: int, draft_token_num: int,
     total = []
     for spec_state_size in (0, 1):
         pool = MambaPool.__new__(MambaPool)
-        with _quiet(hooks.__name__):
+        with _quiet(hooks.__name__), _quiet(MambaPool.__module__):  # no pool-allocated log lines for a probe
             hooks.mamba_pool_init_around(
                 MambaPool.__init__, pool, size=1, spec_state_size=spec_state_size, cache_params=cache_params,
                 mamba_layer_ids=list(range(num_layers)), device="meta",
