@@ -13,6 +13,7 @@ Usage (server started by ``scripts/serve_cpu.sh``)::
 
     python examples/multiturn_client.py --port 30000
     python examples/multiturn_client.py --url http://host:port --model-path DIR --max-new-tokens 32
+    python examples/multiturn_client.py --port 30000 --chat   # through /v1/chat/completions
 
 Exit status: 0 on success, 1 if the server cannot be reached or answers with an error.
 """
@@ -42,6 +43,12 @@ def parse_args(argv=None):
     p.add_argument("--system-prompts", default=os.path.join(HERE, "system_prompts.json"))
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the messages to /v1/chat/completions (the server applies the template and, "
+        "under --enable-mamba-radix, saves states at message boundaries) instead of rendered text to /generate",
+    )
     return p.parse_args(argv)
 
 
@@ -94,18 +101,26 @@ def main(argv=None) -> int:
     total_prompt = total_cached = 0
     for n, (ci, k) in enumerate(interleave(convs)):
         history[ci].append({"role": "user", "content": convs[ci]["turns"][k]})
-        text = tok.apply_chat_template(history[ci], tokenize=False, add_generation_prompt=True)
         t0 = time.perf_counter()
-        r = requests.post(
-            f"{url}/generate",
-            json={"text": text, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}},
-            timeout=args.timeout,
-        )
+        if args.chat:
+            body = {"model": "default", "messages": history[ci], "max_tokens": args.max_new_tokens,
+                    "temperature": 0, "return_meta_info": True}
+            r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=args.timeout)
+        else:
+            text = tok.apply_chat_template(history[ci], tokenize=False, add_generation_prompt=True)
+            r = requests.post(
+                f"{url}/generate",
+                json={"text": text, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 0}},
+                timeout=args.timeout,
+            )
         ms = (time.perf_counter() - t0) * 1000
         if r.status_code != 200:
             print(f"request {n}: HTTP {r.status_code}: {r.text[:200]}")
             return 1
         out = r.json()
+        if args.chat:
+            choice = out["choices"][0]
+            out = {"text": choice["message"]["content"] or "", "meta_info": choice["meta_info"]}
         meta = out["meta_info"]
         prompt, cached = int(meta["prompt_tokens"]), int(meta.get("cached_tokens", 0))
         total_prompt += prompt

@@ -119,9 +119,10 @@ class SimModel:
                 stack.append((child, full))
 
     # ------------------------------------------------------------------ scheduler side
-    def admit(self, req: CacheReq, cap_one: bool = True, prompt_len: Optional[int] = None) -> bool:
+    def admit(self, req: CacheReq, cap_one: bool = True, prompt_len: Optional[int] = None, boundaries=()) -> bool:
         """match_prefix (capped at len - 1) with COW, lock, alloc the row and SSM slots
-        (evicting SSM states if short), then plan the branch / prompt-end checkpoints.
+        (evicting SSM states if short), then plan the branch / prompt-end checkpoints (and
+        those at ``boundaries``, message boundaries in tokens).
         Returns False (and releases everything) when the pools cannot take the request."""
         cache = self.cache
         n = len(req.token_ids) - (1 if cap_one else 0)
@@ -144,7 +145,7 @@ class SimModel:
         req.kv_committed_len = p
         self.last_match = m
         cache.plan_prefix_checkpoints(
-            req, len(req.token_ids) if prompt_len is None else prompt_len, m.mamba_branching_seqlen
+            req, len(req.token_ids) if prompt_len is None else prompt_len, m.mamba_branching_seqlen, boundaries
         )
         return True
 

@@ -16,7 +16,7 @@ import math
 import unittest
 from unittest import mock
 
-from conftest import TraceDriverCase
+from conftest import SGLANG_INSTALLED, TraceDriverCase, requires_sglang
 
 from sglang_mamba_ext.benchmarks import hit_rate as bench_hit_rate
 from sglang_mamba_ext.benchmarks.common import CacheDriver, TraceRecord
@@ -344,6 +344,7 @@ class UpstreamDriversTest(TraceDriverCase):
         with contextlib.redirect_stdout(out):
             rc = bench_hit_rate.main(
                 [
+                    "--workload", "trace",
                     "--limit", "40",
                     "--mamba-sizes", "8,6",
                     "--only", "upstream-nobuf",
@@ -352,9 +353,14 @@ class UpstreamDriversTest(TraceDriverCase):
             )
         self.assertEqual(rc, 0)
         lines = out.getvalue().strip().splitlines()
-        self.assertRegex(lines[-2], r"^mamba_size=6 hit_ratio=nan recompute_ratio=nan$")
-        self.assertRegex(lines[-1], r"^hit_ratio=nan recompute_ratio=nan$")
+        self.assertEqual(
+            lines[-2],
+            "mamba_size=6 against upstream best of all (upstream-xbuf), ours -, offline bound -: "
+            "hit_ratio=nan recompute_ratio=nan oracle_ratio=nan",
+        )
+        self.assertEqual(lines[-1], "hit_ratio=nan oracle_ratio=nan")
         self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
+        self.assertFalse(any(l.startswith("chat") for l in lines))
 
 
 class OursVariantsTest(TraceDriverCase):
@@ -394,6 +400,191 @@ class OursVariantsTest(TraceDriverCase):
                 self.assertEqual(
                     pool.mamba_allocator.available_size() + driver.cache.mamba_evictable_size(), 6
                 )
+
+
+class BeladyRuleTest(unittest.TestCase):
+    """The oracle's victim rule (``benchmarks/oracle.py``) on the core cache through the seam
+    ``set_victim_priority``, against LRU, on a hand-built trace (no SGLang).
+
+    Pool: 3 SSM slots, no checkpoints besides each request's final state (its prompt end:
+    the last output token is never forwarded), no ping-pong slots. Seeds ``sA``, ``sB``,
+    ``sC`` leave states A, B, C (3 tokens each, the pool is full); then ``xA``, ``xB``,
+    ``xC``, ``xA``, ``xB`` each send that state + one new token (a hit of 3 tokens if the
+    state is there) and leave a 4-token leaf nobody extends. By hand:
+
+    * LRU: ``xA`` hits A and its copy-on-write slot evicts B (least recent); ``xB``
+      misses, evicts C; ``xC`` misses, evicts A (touched before ``xA``'s leaf); ``xA``
+      finds A's KV but no state, misses; ``xB`` misses: hits ``[0,0,0,3,0,0,0,0]``.
+    * Belady: ``xA`` (rid 3) evicts C (next use: rid 5) rather than B (rid 4); ``xB``
+      hits B and evicts ``xA``'s leaf (never used); ``xC`` misses and evicts ``xB``'s leaf;
+      ``xA`` hits A, evicting ``xC``'s leaf; ``xB`` hits B: ``[0,0,0,3,3,0,3,3]``.
+    """
+
+    def _records(self):
+        a, b, c = [11, 12, 13], [21, 22, 23], [31, 32, 33]
+        seeds = [TraceRecord(i, tuple(s), (99,), 0, None) for i, s in enumerate((a, b, c))]
+        extend = [(a, 41), (b, 42), (c, 43), (a, 44), (b, 45)]
+        return seeds + [
+            TraceRecord(3 + i, tuple(s) + (u,), (u + 100,), 0, None) for i, (s, u) in enumerate(extend)
+        ]
+
+    def _replay(self, belady: bool, shadowing: bool = True):
+        from cache_sim import SimModel, make_cache
+
+        from sglang_mamba_ext.benchmarks.oracle import BeladyPriority
+
+        records = self._records()
+        cache = make_cache(kv_size=256, mamba_size=3, track_slots=0)
+        sim = SimModel(cache)
+        prio = BeladyPriority(records, cache, shadowing=shadowing)
+        if belady:
+            cache.set_victim_priority(prio)
+        hits = []
+        from sglang_mamba_ext.mem_cache import CacheReq
+
+        for rec in records:
+            prio.begin(rec)
+            req = CacheReq(rid=rec.rid, token_ids=list(rec.tokens))
+            self.assertTrue(sim.admit(req))
+            hits.append(sim.last_match.prefix_len)
+            self.assertTrue(sim.prefill(req))
+            self.assertTrue(sim.decode(req, list(rec.output)))
+            sim.release(req)
+        sim.check_tree()
+        cache.sanity_check()
+        cache.check_slot_accounting()
+        return hits, prio
+
+    def test_lru(self):
+        self.assertEqual(self._replay(belady=False)[0], [0, 0, 0, 3, 0, 0, 0, 0])
+
+    def test_belady_beats_lru_exactly(self):
+        for shadowing in (True, False):
+            with self.subTest(shadowing=shadowing):
+                hits, prio = self._replay(belady=True, shadowing=shadowing)
+                self.assertEqual(hits, [0, 0, 0, 3, 3, 0, 3, 3])
+                self.assertEqual(prio.calls, 5)  # one victim for each x request (full pool)
+
+    def test_next_use_index(self):
+        from sglang_mamba_ext.benchmarks.oracle import NEVER, PromptTrie, next_after
+
+        trie = PromptTrie(self._records())
+        pos_a = trie.advance(trie.start, [11, 12, 13])
+        # Capped prompts extending A: rids 3 and 6 (the seed's capped prompt is [11, 12]).
+        self.assertEqual(trie.rids(pos_a), [3, 6])
+        self.assertEqual(trie.rids(trie.advance(trie.start, [11])), [0, 3, 6])
+        self.assertIsNone(trie.advance(pos_a, [41]))  # xA's last token is cut by the cap
+        self.assertEqual((next_after([3, 6], 3), next_after([3, 6], 6)), (6, NEVER))
+        self.assertTrue(trie.is_prefix(trie.advance(trie.start, [11]), pos_a))
+        self.assertFalse(trie.is_prefix(pos_a, trie.advance(trie.start, [21, 22])))
+        with self.assertRaisesRegex(ValueError, "rid"):
+            PromptTrie(self._records()[1:])
+
+
+class ChatWorkloadTest(unittest.TestCase):
+    """The chat-shaped synthetic workload (``benchmarks/chat_workload.py``)."""
+
+    def test_deterministic_interleaved_multiturn(self):
+        from sglang_mamba_ext.benchmarks.chat_workload import DEFAULTS, chat_workload, first_turns_by_system
+
+        recs = chat_workload(0)
+        self.assertEqual(recs, chat_workload(0))
+        self.assertNotEqual(recs, chat_workload(1))
+        self.assertEqual([r.rid for r in recs], list(range(len(recs))))
+        firsts = first_turns_by_system(recs)
+        self.assertEqual(sum(len(v) for v in firsts.values()), DEFAULTS["num_conversations"])
+        self.assertEqual(sorted(len(v) for v in firsts.values()), [20] * DEFAULTS["num_system"])
+        interleaved = 0
+        for r in recs:
+            if r.parent is not None:
+                p = recs[r.parent]
+                self.assertLess(p.rid, r.rid)
+                self.assertEqual(r.tokens[: len(p.tokens) + len(p.output)], p.tokens + p.output)
+                self.assertEqual(r.sys, p.sys)
+                interleaved += r.rid != p.rid + 1
+        self.assertGreater(interleaved, len(recs) // 2)  # turns of others arrive in between
+
+    def test_first_sharer_misses_third_hits(self):
+        """One system prompt, three single-turn conversations, pools that evict nothing:
+        the first sharer (2nd conversation) hits nothing of the system prompt + user
+        header it shares, and plants the branch checkpoint the 3rd then hits whole. The
+        variants agree with :func:`reference_model` ("branch") request by request."""
+        if not SGLANG_INSTALLED:
+            self.skipTest("needs SGLang")
+        from sglang_mamba_ext.benchmarks.chat_workload import chat_workload, sharer_hits
+
+        recs = chat_workload(3, num_system=1, num_conversations=3, turns=(1, 1))
+        for name in ("ours-branch-recompute", "oracle-belady"):
+            with self.subTest(variant=name):
+                v = bench_hit_rate.VARIANTS[name]
+                args = (400_000, 16) + ((recs,) if v.side == "oracle" else ())
+                res = run_hit_trace(v.factory(*args), recs, side=v.side)
+                self.assertEqual(res.prefix_lens, reference_model(recs, "branch")[0])
+                n, hit, shared = sharer_hits(recs, res.prefix_lens, 2)
+                self.assertEqual((n, hit), (1, 0))
+                self.assertEqual(sharer_hits(recs, res.prefix_lens, 3), (1, shared, shared))
+                # shared = system message + the user header, up to the user's content.
+                self.assertEqual(recs[1].tokens[shared - 3 : shared], (1, 4, 6))
+
+
+@requires_sglang
+class MainChatTest(unittest.TestCase):
+    def test_last_line_is_ours_over_extra_buffer_and_over_the_bound(self):
+        """``--workload chat`` (no trace needed): the last line holds ours' best hit rate
+        over SGLang's best (extra_buffer included) and over the best oracle row, at the
+        last ``--mamba-sizes``, as :func:`run_config` measures them."""
+        from sglang_mamba_ext.benchmarks.chat_workload import chat_workload
+
+        names = ["upstream-nobuf", "upstream-xbuf", "ours-branch-recompute", "oracle-belady"]
+        argv = ["--workload", "chat", "--limit", "80", "--mamba-sizes", "12,6"]
+        for n in names:
+            argv += ["--only", n]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = bench_hit_rate.main(argv)
+        self.assertEqual(rc, 0)
+        lines = out.getvalue().strip().splitlines()
+        results, _ = run_config(names, 200_000, 6, chat_workload(0)[:80])
+        by = {r.name: r for r in results}
+        ours = by["ours-branch-recompute"].hit_rate
+        up = max(by["upstream-nobuf"].hit_rate, by["upstream-xbuf"].hit_rate)
+        self.assertEqual(
+            lines[-1], f"hit_ratio={ours / up:.4f} oracle_ratio={ours / by['oracle-belady'].hit_rate:.4f}"
+        )
+        self.assertGreaterEqual(by["oracle-belady"].matched_tokens, by["ours-branch-recompute"].matched_tokens)
+        sharer = [l for l in lines if l.startswith("[chat] mamba_size=6 first turn of the 2nd")]
+        self.assertEqual(len(sharer), 1)
+        self.assertIn("oracle-belady ", sharer[0])
+
+
+class OracleDriverTest(TraceDriverCase):
+    """The oracle variants on the first requests of the shared trace."""
+
+    N = 300
+
+    def test_oracle_at_least_ours_under_pressure(self):
+        """8 SSM slots: the offline Belady rule hits at least as much as every online
+        variant of this cache with the same checkpoint placement, without leaks."""
+        got = {}
+        for name in ("ours-branch-lru", "ours-branch-recompute", "oracle-belady"):
+            v = bench_hit_rate.VARIANTS[name]
+            args = (200_000, 8) + ((self.records,) if v.side == "oracle" else ())
+            res = run_hit_trace(v.factory(*args), self.records, side=v.side)
+            self.assertTrue(res.leak_ok, res.leak_details)
+            got[name] = res.matched_tokens
+        self.assertGreaterEqual(got["oracle-belady"], got["ours-branch-recompute"])
+        self.assertGreater(got["ours-branch-recompute"], got["ours-branch-lru"])
+
+    def test_no_eviction_equals_ours(self):
+        """Pools that evict nothing: the victim rule never runs, so the oracle hits exactly
+        what ``ours-branch-*`` hit (the reference model's "branch")."""
+        n = 150
+        recs = self.records[:n]
+        driver = bench_hit_rate.VARIANTS["oracle-belady"].factory(400_000, 3 * n + 8, recs)
+        res = run_hit_trace(driver, recs, side="oracle")
+        self.assertEqual(res.prefix_lens, reference_model(recs, "branch")[0])
+        self.assertEqual(driver.belady.calls, 0)
+        self.assertTrue(res.leak_ok, res.leak_details)
 
 
 if __name__ == "__main__":

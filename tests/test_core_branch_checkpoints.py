@@ -193,5 +193,61 @@ class TestRecomputePolicy(unittest.TestCase):
             make_cache(eviction_policy="lfu")
 
 
+class TestVictimPriority(unittest.TestCase):
+    """``MambaRadixCache.set_victim_priority`` (``eviction.PriorityEviction``): the caller's
+    priority picks the victim, lowest first, ties to the least recent; ``None`` restores
+    the policy named at construction."""
+
+    def _three_states(self):
+        cache = make_cache(kv_size=512, mamba_size=8, track_slots=0)
+        sim = SimModel(cache)
+        # Three independent leaves, oldest first; each keeps its state at its prompt's end
+        # (the last output token is never forwarded): 3, 5 and 7 tokens.
+        for i, n in enumerate((3, 5, 7)):
+            sim.run([100 * (i + 1) + k for k in range(n)], [9], rid=f"r{i}")
+        return cache, sim
+
+    def _seq_lens(self, cache):
+        return sorted(n.seq_len for n in cache.nodes() if n.mamba_value is not None)
+
+    def test_lowest_priority_goes_and_locked_nodes_are_not_offered(self):
+        cache, sim = self._three_states()
+        seen = []
+
+        def deepest_first(cands, for_kv):
+            seen.append((sorted(c.seq_len for c in cands), for_kv))
+            return [-c.seq_len for c in cands]
+
+        cache.set_victim_priority(deepest_first)
+        self.assertEqual(cache.eviction_policy, "lru")  # the configured name is kept
+        deep = max(cache.nodes(), key=lambda n: n.seq_len)
+        cache.inc_lock_ref(deep)  # the 7-token leaf: locked, never offered
+        res = cache.evict(mamba_num=1)
+        self.assertEqual(res.mamba_num_evicted, 1)
+        self.assertEqual(seen, [([3, 5], False)])
+        self.assertEqual(self._seq_lens(cache), [3, 7])  # the 5-token leaf went, not the LRU one
+        cache.dec_lock_ref(deep)
+        res = cache.evict(num_tokens=1)  # KV eviction asks with for_kv=True
+        self.assertEqual(seen[-1], ([3, 7], True))
+        self.assertEqual((res.num_tokens_evicted, self._seq_lens(cache)), (7, [3]))
+        sim.check_tree()
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+    def test_ties_go_to_the_least_recent_and_none_restores_lru(self):
+        cache, _ = self._three_states()
+        cache.set_victim_priority(lambda cands, for_kv: [0.0] * len(cands))
+        cache.evict(mamba_num=1)
+        self.assertEqual(self._seq_lens(cache), [5, 7])  # oldest of equals: the first run
+        # Make the 7-token state the most recent, the 5-token one the least.
+        cache.match_prefix(RadixKey([300, 301, 302, 303, 304, 305, 306, 9]))
+        cache.set_victim_priority(lambda cands, for_kv: [-c.seq_len for c in cands])
+        cache.set_victim_priority(None)  # back to LRU: the 5-token state goes
+        cache.evict(mamba_num=1)
+        self.assertEqual(self._seq_lens(cache), [7])
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+
 if __name__ == "__main__":
     unittest.main()

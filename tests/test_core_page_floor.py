@@ -9,7 +9,7 @@ Each request below has a length that is not a whole number of pages. No SGLang i
 import unittest
 
 from cache_sim import SimModel, make_cache
-from sglang_mamba_ext.mem_cache import CacheReq, RadixKey
+from sglang_mamba_ext.mem_cache import CacheReq
 
 PAGE_SIZES = (4, 16)
 

@@ -623,6 +623,36 @@ class TestPrefixCheckpoints(_ContextTest):
         h.check_tree_states()
         h.check_idle()
 
+    def test_message_boundaries_from_kv_hints(self):
+        """Issue 16: the offsets a request carries in ``kv_hints`` (``plugin/chat_boundaries.py``)
+        are planned after prompt length - 1; a reclaim gives the deepest boundary back
+        first; the forward writes the others, and the first request sharing the prefix hits
+        the boundary exactly."""
+        from sglang_mamba_ext.plugin.chat_boundaries import with_offsets
+
+        h = self.h
+        base = list(range(100, 141))  # 41 tokens: off the 8-token grid
+        a = F.make_req("a", base + [901, 902, 903, 904, 905])
+        a.kv_hints = with_offsets(None, [36, 41])
+        h.admit(a)
+        row = a.kv.req_pool_idx
+        self.assertEqual([c for c, _ in self.pool.prefix_checkpoints[row]], [36, 41, 45])
+        self.assertEqual(self.pool.reclaim_prefix_checkpoints(1), 1)
+        self.assertEqual([c for c, _ in self.pool.prefix_checkpoints[row]], [36, 45])
+        h.prefill(a)
+        h.decode(a, [1, 2])
+        h.finish(a)
+        h.check_idle()
+        b = F.make_req("b", base + [7, 7, 7])
+        h.admit(b)
+        # 36: deeper than SGLang's tracked state on the grid (32), the reclaimed 41 is gone
+        self.assertEqual(b.prefix_len, 36)
+        self.assertEqual(h.state_of(int(b.kv.mamba_cow_src_index[0])), state_value(base[:36]))
+        h.prefill(b)
+        h.finish(b)
+        h.check_tree_states()
+        h.check_idle()
+
     def test_release_paths_free_planned_checkpoints(self):
         from sglang.srt.mem_cache.common import release_kv_cache
 

@@ -41,7 +41,7 @@ class TestEntryPoint(unittest.TestCase):
             "  'warmup': 'kda_cache' in _warmup_registry,\n"
             "  'patched': sorted(t for t in HookRegistry._patched if t in (p.ADD_CLI_ARGS, p.FROM_CLI_ARGS,\n"
             "      p.VALIDATE_EXTRA_BUFFER, p.HANDLE_MAMBA_RADIX, p.BUILD_HYBRID_REQ_POOL, p.PREPARE_FOR_DECODE,\n"
-            "      p.VALIDATE_ONE_REQUEST, p.GET_INTERNAL_STATE)),\n"
+            "      p.VALIDATE_ONE_REQUEST, p.GET_INTERNAL_STATE, p.CHAT_CONVERT, p.CHAT_RENDER)),\n"
             "  'file': p.__file__}))\n"
         )
         env = _env()
@@ -51,7 +51,7 @@ class TestEntryPoint(unittest.TestCase):
         got = json.loads(out.stdout.strip().splitlines()[-1])
         self.assertTrue(got["backend"])
         self.assertTrue(got["warmup"])
-        self.assertEqual(len(got["patched"]), 8, got["patched"])
+        self.assertEqual(len(got["patched"]), 10, got["patched"])
         self.assertTrue(got["file"].startswith(REPO), got["file"])
 
     @pytest.mark.slow  # a fresh interpreter importing SGLang: ~30 s on 2 cores

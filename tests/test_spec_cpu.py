@@ -257,11 +257,14 @@ class TestTargetVerify(unittest.TestCase):
         S, T, bs = 6, 6, 2
         self.T = T
         self.conv = torch.randn(S, *self.shape.conv_state_shape)
-        self.ssm = torch.randn(S, *self.shape.temporal_state_shape)
+        # the pool keeps SGLang's [.., HV, V, K]; the test reads the mixer's [.., HV, K, V]
+        HV, K, V = self.shape.temporal_state_shape
+        ssm_phys = torch.randn(S, HV, V, K)
+        issm_phys = torch.zeros(S + 1, T, HV, V, K)
+        self.ssm, self.issm = ssm_phys.transpose(-1, -2), issm_phys.transpose(-1, -2)
         self.iconv = torch.zeros(S + 1, T, *self.shape.conv_state_shape)
-        self.issm = torch.zeros(S + 1, T, *self.shape.temporal_state_shape)
-        cache = SimpleNamespace(conv=[self.conv], temporal=self.ssm, intermediate_conv_window=[self.iconv],
-                                intermediate_ssm=self.issm)
+        cache = SimpleNamespace(conv=[self.conv], temporal=ssm_phys, intermediate_conv_window=[self.iconv],
+                                intermediate_ssm=issm_phys)
         self.backend = object.__new__(TinyHybridLinearAttnBackend)
         self.backend.req_to_token_pool = SimpleNamespace(mamba2_layer_cache=lambda i: cache)
         self.backend.forward_metadata = SimpleNamespace(mamba_cache_indices=torch.tensor([3, 1]))

@@ -16,10 +16,14 @@ from conftest import small_mixer
 class _Pool:
     def __init__(self, slots, shape):
         self.conv = torch.zeros(slots, *shape.conv_state_shape)
-        self.temporal = torch.zeros(slots, *shape.temporal_state_shape)
+        # stored as SGLang's [slots, HV, V, K] (the tiny pool's layout); tests read and
+        # write the mixer's [slots, HV, K, V] through the transposed view
+        HV, K, V = shape.temporal_state_shape
+        self.temporal_phys = torch.zeros(slots, HV, V, K)
+        self.temporal = self.temporal_phys.transpose(-1, -2)
 
     def mamba2_layer_cache(self, layer_id):
-        return SimpleNamespace(conv=[self.conv], temporal=self.temporal)
+        return SimpleNamespace(conv=[self.conv], temporal=self.temporal_phys)
 
 
 class TestSGLangTrackPlan(unittest.TestCase):

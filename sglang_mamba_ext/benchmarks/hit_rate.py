@@ -1,9 +1,9 @@
 """Hit-rate benchmark: usable prefix hits and recomputed prefill of SGLang 0.5.23's
 hybrid cache (no_buffer and extra_buffer) and of this project's cache variants.
 
-Replays the shared multi-turn trace (../shared/bench/README.md) request by request,
-with equal pools for every variant (KV 200,000 tokens; SSM 64 slots, and 16), page
-size 1, and reports per variant:
+Replays a workload (the shared multi-turn trace, ../shared/bench/README.md, and a
+chat-shaped synthetic one) request by request, with equal pools for every variant (KV
+200,000 tokens; SSM 64 slots, and 16), page size 1, and reports per variant:
 
 * hit rate: sum of usable ``prefix_len`` (KV that has an SSM state) / prompt tokens;
 * KV ceiling: sum of the KV-only match (KV present whatever the state) / prompt tokens;
@@ -12,14 +12,35 @@ size 1, and reports per variant:
   wrote besides the running request's live state), and the leak check
   (``free + evictable + protected == size`` for KV and SSM at the end).
 
-The last two lines compare the best variant of each side (best = highest hit rate;
-recompute of that same variant; upstream's best over the strategies SGLang 0.5.23 serves
-on a CPU device -- no_buffer -- unless ``--upstream-best-of all``; the comparison with
-extra_buffer, SGLang's GPU default, is printed just before), first at 16 SSM slots, then,
-as the very last line, at 64:
+Two workloads (``--workload``): the shared trace, and a chat-shaped synthetic one generated
+from a seed (:mod:`.chat_workload`: a few system prompts, each reused by many interleaved
+multi-turn conversations), whose extra lines show the *first-sharer effect*: the first
+turn of the second conversation on a system prompt hits nothing of it (the branch-point
+checkpoint is planted only by that request), the third conversation's hits it.
 
-    mamba_size=16 hit_ratio=<ours/upstream> recompute_ratio=<ours/upstream>
-    hit_ratio=<ours best / upstream best> recompute_ratio=<ours best / upstream best>
+The closing lines compare, per SSM pool size, the best variant of each side (best =
+highest hit rate; recompute of that same variant) against SGLang's best of its no_buffer
+variants (what it serves on CPU) and of all its variants (``--upstream-best-of``, default
+``all``: extra_buffer included), the latter with ``oracle_ratio``: ours' best hit rate over
+the *offline bound*, the best of the oracle rows. The very last line is the shared trace's
+(the chat workload's with ``--workload chat``) at the last size of ``--mamba-sizes``
+(default 16 slots)::
+
+    hit_ratio=<ours best / upstream best of all> oracle_ratio=<ours best / offline bound>
+
+Offline bound (:mod:`.oracle`): the same cache, the same checkpoint placement, but eviction
+victims chosen with the trace's future through the core's victim-priority seam
+(``MambaRadixCache.set_victim_priority``): Belady (the state, or leaf with its KV, whose
+next use is farthest away or never goes first), Belady counting a state's use only by
+requests no deeper state serves, and Belady weighted by the tokens a miss would recompute.
+Belady is optimal for demand paging of independent, equal-size, equal-cost items; here
+states depend on each other (a miss falls back to the nearest ancestor state, a deeper
+state shadows a shallower one), a leaf also holds KV, the placement rule creates states no
+request asked for (admitted all the same) and an eviction moves later branch-point
+checkpoints. So the bound is the best of these offline
+rules, not a proof of optimality: it is an upper bound only for victim rules that see no
+further than these (an online policy could beat it on some trace; ``oracle_ratio`` would
+then exceed 1).
 
 Op sequence per request (one at a time, rid order): match, lock, alloc_mamba,
 alloc_kv(extend), after_prefill, alloc_kv(decode, one call), after_decode, finish,
@@ -55,11 +76,17 @@ Variants (``--only`` names; see VARIANTS below):
 * ``ours-branch-recompute``: branch-point + prompt-end checkpoints, recompute-aware
   eviction (``--radix-eviction-policy recompute``: GreedyDual-Size-Frequency over tokens
   of recompute saved per byte).
+* ``oracle-belady``, ``oracle-belady-cost``, ``oracle-belady-naive``: ``ours-branch-*``
+  with offline victims (:class:`.oracle.OracleDriver`): Belady with deeper states
+  shadowing shallower ones; the same weighted by the tokens a miss recomputes per request
+  of distance; Belady counting every request that extends a state as a use. Not a
+  server's policy: they read the workload's future.
 
 Usage (``scripts/bench_hit_rate.py`` takes the same arguments):
     python -m sglang_mamba_ext.benchmarks.hit_rate
     python -m sglang_mamba_ext.benchmarks.hit_rate --mamba-sizes 64 --only upstream-xbuf --only ours-lru
     python -m sglang_mamba_ext.benchmarks.hit_rate --limit 300
+    python -m sglang_mamba_ext.benchmarks.hit_rate --workload chat   # no trace file needed
 
 Exit status: 0 on success, 1 when a leak check fails, 2 on bad arguments or input.
 """
@@ -219,14 +246,26 @@ def _ours(name: str, **kw) -> Callable[[int, int], CacheDriver]:
     return factory
 
 
+def _oracle(name: str, **kw) -> Callable[..., CacheDriver]:
+    """The factory of an offline-oracle variant: ``oracle.OracleDriver(kv_size, mamba_size,
+    records, name=name, **kw)`` (it needs the whole trace it will replay)."""
+
+    def factory(kv_size: int, mamba_size: int, records: Sequence[TraceRecord]) -> CacheDriver:
+        from sglang_mamba_ext.benchmarks.oracle import OracleDriver
+
+        return OracleDriver(kv_size, mamba_size, records, name=name, **kw)
+
+    return factory
+
+
 #: upstream variants SGLang can serve on a CPU device (no_buffer); see the docstring.
 NO_BUFFER_VARIANTS = ("upstream-nobuf", "upstream-nobuf-ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    side: str  # "upstream" or "ours"
-    factory: Callable[[int, int], CacheDriver]
+    side: str  # "upstream", "ours" or "oracle" (its factory also takes the records)
+    factory: Callable[..., CacheDriver]
     doc: str
 
 
@@ -257,6 +296,21 @@ VARIANTS: dict[str, Variant] = {
         "ours",
         _ours("ours-branch-recompute", prefix_checkpoints=True, eviction_policy="recompute"),
         "MambaRadixCache, branch-point checkpoints + recompute-aware eviction",
+    ),
+    "oracle-belady": Variant(
+        "oracle",
+        _oracle("oracle-belady"),
+        "MambaRadixCache, branch-point checkpoints, offline Belady victims (deeper states shadow)",
+    ),
+    "oracle-belady-cost": Variant(
+        "oracle",
+        _oracle("oracle-belady-cost", weighted=True),
+        "MambaRadixCache, branch-point checkpoints, offline victims by recompute saved per request-distance",
+    ),
+    "oracle-belady-naive": Variant(
+        "oracle",
+        _oracle("oracle-belady-naive", shadowing=False),
+        "MambaRadixCache, branch-point checkpoints, offline Belady victims (every extension a use)",
     ),
 }
 
@@ -320,6 +374,15 @@ def format_table(
     return "\n".join(lines)
 
 
+def oracle_ratio(results: Sequence[HitResult]) -> tuple[float, str]:
+    """``(ours best hit rate / offline bound, bound_name)``: the bound is the best
+    ``"oracle"`` row; NaN (and "-") without an ours or an oracle row."""
+    ours, bound = best_of(results, "ours"), best_of(results, "oracle")
+    if ours is None or bound is None:
+        return math.nan, bound.name if bound else "-"
+    return (ours.hit_rate / bound.hit_rate if bound.hit_rate > 0 else math.inf), bound.name
+
+
 def _fmt_ratio(x: float) -> str:
     return "nan" if math.isnan(x) else f"{x:.4f}"
 
@@ -334,18 +397,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--mamba-sizes",
         default=",".join(str(m) for m in DEFAULT_MAMBA_SIZES),
         help="comma-separated SSM pool sizes in slots; the last line compares at the "
-        "first one, the line before it at the second (default: %(default)s)",
+        "last one (default: %(default)s)",
     )
     p.add_argument(
         "--upstream-best-of",
         choices=("all", "no_buffer"),
-        default="no_buffer",
-        help="upstream variants the last lines take the best of: no_buffer (default: the "
-        "only strategy SGLang 0.5.23 serves on a CPU device, the issue's 'best strategy "
-        "that runs on CPU') or all (extra_buffer included: SGLang's default on GPU, whose "
-        "tree bookkeeping runs here although SGLang refuses it on CPU); the other set is "
-        "always printed just before",
+        default="all",
+        help="upstream variants the last lines take the best of: all (default: extra_buffer "
+        "included, SGLang's default on GPU, whose tree bookkeeping runs here although "
+        "SGLang refuses it on CPU) or no_buffer (the only strategy SGLang 0.5.23 serves on "
+        "a CPU device); the other set is always printed just before",
     )
+    p.add_argument(
+        "--workload",
+        choices=("all", "trace", "chat"),
+        default="all",
+        help="the shared trace, the chat-shaped synthetic workload (.chat_workload, no "
+        "file needed), or both (default: %(default)s; the last line is the trace's unless "
+        "only chat runs)",
+    )
+    p.add_argument("--chat-seed", type=int, default=0, help="seed of the chat workload (default: %(default)s)")
     p.add_argument("--verbose", action="store_true", help="print each driver's describe() and leak details")
     args = p.parse_args(argv)
     try:
@@ -368,7 +439,10 @@ def run_config(
     for name in names:
         v = VARIANTS[name]
         try:
-            driver = v.factory(kv_size, mamba_size)
+            if v.side == "oracle":
+                driver = v.factory(kv_size, mamba_size, records)
+            else:
+                driver = v.factory(kv_size, mamba_size)
         except VariantUnavailable as e:
             unavailable[name] = str(e)
             continue
@@ -383,57 +457,116 @@ def run_config(
     return results, unavailable
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    records = load_trace_for(args, "hit_rate")
-    if records is None:
-        return 2
-    import torch
+def _counted(results: Sequence[HitResult], best_of_set: str) -> list[HitResult]:
+    """The results a comparison takes: all, or (``no_buffer``) the upstream no_buffer
+    variants beside every ours and oracle row."""
+    if best_of_set == "all":
+        return list(results)
+    return [r for r in results if r.side != "upstream" or r.name in NO_BUFFER_VARIANTS]
 
-    torch.set_num_threads(args.threads)
-    names = [n for n in VARIANTS if args.only is None or n in args.only]
-    print(
-        f"trace={args.trace} requests={len(records)} "
-        f"prompt_tokens={sum(len(r.tokens) for r in records)} kv_size={args.kv_size} "
-        f"mamba_sizes={args.mamba_sizes} page_size=1"
-    )
 
+def run_workload(
+    label: str, names: Sequence[str], records: Sequence[TraceRecord], args: argparse.Namespace
+) -> tuple[dict[int, list[HitResult]], bool]:
+    """Every variant of ``names`` at every ``--mamba-sizes`` on ``records``, tables
+    printed; ``(results by SSM pool size, any leak)``."""
     per_size: dict[int, list[HitResult]] = {}
     leak = False
     for m in args.mamba_sizes:
         results, unavailable = run_config(names, args.kv_size, m, records, verbose=args.verbose)
         per_size[m] = results
         leak |= any(not r.leak_ok for r in results)
-        print(format_table(m, args.kv_size, results, unavailable, names))
+        print(f"[{label}] " + format_table(m, args.kv_size, results, unavailable, names))
         for r in results:
             if not r.leak_ok:
                 print(f"[{r.name}] LEAK: {r.leak_details}")
+    return per_size, leak
 
-    def counted(results: Sequence[HitResult], best_of_set: str) -> list[HitResult]:
-        if best_of_set == "all":
-            return list(results)
-        return [r for r in results if r.side == "ours" or r.name in NO_BUFFER_VARIANTS]
 
-    # Informational: against the other upstream set.
-    other = "no_buffer" if args.upstream_best_of == "all" else "all"
-    for m in args.mamba_sizes:
-        h, rr, o, u = comparison(counted(per_size[m], other))
-        print(
-            f"mamba_size={m} against upstream best of {other} ({u}), ours {o}: "
+def print_sharers(records: Sequence[TraceRecord], per_size: dict[int, list[HitResult]]) -> None:
+    """The chat workload's first-sharer lines (:func:`.chat_workload.sharer_hits`): per SSM
+    pool size, the tokens the first turn of the 2nd and of the 3rd conversation on each
+    system prompt hit, per variant, against what they share with earlier requests."""
+    from sglang_mamba_ext.benchmarks.chat_workload import sharer_hits
+
+    for k, what in ((2, "2nd conversation (first sharer)"), (3, "3rd conversation")):
+        n, _, shared = sharer_hits(records, [0] * len(records), k)
+        for m, results in per_size.items():
+            hits = ", ".join(f"{r.name} {sharer_hits(records, r.prefix_lens, k)[1]:,}" for r in results)
+            print(
+                f"[chat] mamba_size={m} first turn of the {what} on each system prompt "
+                f"({n} requests, {shared:,} tokens shared with earlier requests) hit: {hits}"
+            )
+
+
+def summary_lines(label: str, per_size: dict[int, list[HitResult]], best_of_set: str) -> list[str]:
+    """Per SSM pool size: ours best against upstream best of both sets, and (main set,
+    ``best_of_set``) against the offline bound."""
+    lines = []
+    other = "no_buffer" if best_of_set == "all" else "all"
+    for m, results in per_size.items():
+        h, rr, o, u = comparison(_counted(results, other))
+        lines.append(
+            f"{label}mamba_size={m} against upstream best of {other} ({u}), ours {o}: "
             f"hit_ratio={_fmt_ratio(h)} recompute_ratio={_fmt_ratio(rr)}"
         )
-    for m in args.mamba_sizes:
-        h, rr, o, u = comparison(counted(per_size[m], args.upstream_best_of))
-        print(f"mamba_size={m} best (upstream best of {args.upstream_best_of}): ours {o}, upstream {u}")
-    main_size = args.mamba_sizes[0]
-    if len(args.mamba_sizes) > 1:
-        h, rr, _, _ = comparison(counted(per_size[args.mamba_sizes[1]], args.upstream_best_of))
-        print(
-            f"mamba_size={args.mamba_sizes[1]} hit_ratio={_fmt_ratio(h)} "
-            f"recompute_ratio={_fmt_ratio(rr)}"
+    for m, results in per_size.items():
+        h, rr, o, u = comparison(_counted(results, best_of_set))
+        orat, bound = oracle_ratio(results)
+        lines.append(
+            f"{label}mamba_size={m} against upstream best of {best_of_set} ({u}), ours {o}, "
+            f"offline bound {bound}: hit_ratio={_fmt_ratio(h)} recompute_ratio={_fmt_ratio(rr)} "
+            f"oracle_ratio={_fmt_ratio(orat)}"
         )
-    h, rr, _, _ = comparison(counted(per_size[main_size], args.upstream_best_of))
-    print(f"hit_ratio={_fmt_ratio(h)} recompute_ratio={_fmt_ratio(rr)}")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    records = None
+    if args.workload in ("all", "trace"):
+        records = load_trace_for(args, "hit_rate")
+        if records is None:
+            return 2
+    import torch
+
+    torch.set_num_threads(args.threads)
+    names = [n for n in VARIANTS if args.only is None or n in args.only]
+    leak = False
+    per_size: dict[int, list[HitResult]] = {}
+    if records is not None:
+        print(
+            f"trace={args.trace} requests={len(records)} "
+            f"prompt_tokens={sum(len(r.tokens) for r in records)} kv_size={args.kv_size} "
+            f"mamba_sizes={args.mamba_sizes} page_size=1"
+        )
+        per_size, leak = run_workload("trace", names, records, args)
+    chat_lines: list[str] = []
+    if args.workload in ("all", "chat"):
+        from sglang_mamba_ext.benchmarks.chat_workload import DEFAULTS, chat_workload
+
+        chat = chat_workload(args.chat_seed)[: args.limit]
+        print(
+            f"chat workload: seed={args.chat_seed} system_prompts={DEFAULTS['num_system']} "
+            f"conversations={DEFAULTS['num_conversations']} requests={len(chat)} "
+            f"prompt_tokens={sum(len(r.tokens) for r in chat)} kv_size={args.kv_size} "
+            f"mamba_sizes={args.mamba_sizes} page_size=1"
+        )
+        chat_size, chat_leak = run_workload("chat", names, chat, args)
+        leak |= chat_leak
+        print_sharers(chat, chat_size)
+        chat_lines = summary_lines("chat ", chat_size, args.upstream_best_of)
+        if records is None:
+            per_size = chat_size
+    for line in chat_lines:
+        print(line)
+    if records is not None:
+        for line in summary_lines("", per_size, args.upstream_best_of):
+            print(line)
+    last = per_size[args.mamba_sizes[-1]]
+    h, _, _, _ = comparison(_counted(last, args.upstream_best_of))
+    orat, _ = oracle_ratio(last)
+    print(f"hit_ratio={_fmt_ratio(h)} oracle_ratio={_fmt_ratio(orat)}")
     return 1 if leak else 0
 
 

@@ -5,11 +5,13 @@ tombstone ancestors it leaves bare) stay in the cache. The cache builds one poli
 by name at construction (:func:`make_eviction_policy`), so the hot paths call a bound method
 and never compare strings: :class:`LRUEviction` scans the two recency lists;
 :class:`RecomputeEviction` ranks states by recompute saved per byte, blended with recency.
+:class:`PriorityEviction` is the seam for a caller-given victim priority
+(``MambaRadixCache.set_victim_priority``; the hit-rate benchmark's offline oracle uses it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Type
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Type, Iterator
 
 from .tree_node import EvictResult, TreeNode
 
@@ -137,8 +139,9 @@ class RecomputeEviction(LRUEviction):
         node.hits += 1
         node.priority = self.inflation + node.hits * self.recompute_per_byte(node)
 
-    def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
-        best = None
+    def _candidates(self, leaf_only: bool) -> Iterator[TreeNode]:
+        """Unlocked nodes holding a state, most recent first; only leaves when
+        ``leaf_only`` (a leaf must also be free of KV locks)."""
         for link in self.cache.mamba_lru_list:
             node = link.owner
             if node.mamba_lock_ref:
@@ -146,11 +149,52 @@ class RecomputeEviction(LRUEviction):
             leaf = not node.children
             if (leaf_only and not leaf) or (leaf and node.full_lock_ref):
                 continue
+            yield node
+
+    def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
+        best = None
+        for node in self._candidates(leaf_only):
             if best is None or node.priority <= best.priority:
                 best = node
         if best is not None:
             self.inflation = best.priority
         return best
+
+
+#: ``priority(candidates, for_kv) -> priorities`` of :class:`PriorityEviction`: one float
+#: per candidate node, lower goes first.
+VictimPriority = Callable[[Sequence[TreeNode], bool], Sequence[float]]
+
+
+class PriorityEviction(RecomputeEviction):
+    """Victims by a caller-given priority (``docs/design.md``, "Eviction"). For each victim
+    the callable gets every unlocked candidate at once (so it can look at the tree as a
+    whole) and returns their priorities; the lowest goes, ties to the least recently used.
+    ``for_kv`` is False when an SSM state is wanted (an inner node is then tombstoned, a
+    leaf removed whole) and True when KV is wanted (only leaves are candidates).
+    Candidates, the tree operations and the fallback for stateless leaves are
+    :class:`RecomputeEviction`'s. Installed by ``MambaRadixCache.set_victim_priority``
+    (the hit-rate benchmark's offline oracle); never built by name."""
+
+    name = "priority"
+
+    def __init__(self, cache: "MambaRadixCache", priority: VictimPriority):
+        LRUEviction.__init__(self, cache)
+        self.priority = priority
+
+    def reset(self) -> None:
+        """Nothing kept."""
+
+    def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
+        cands = list(self._candidates(leaf_only))  # most recent first
+        if not cands:
+            return None
+        prios = self.priority(cands, leaf_only)
+        best = 0
+        for i in range(1, len(cands)):
+            if prios[i] <= prios[best]:
+                best = i
+        return cands[best]
 
 
 #: The policies by the name ``MambaRadixCache(eviction_policy=...)`` takes.

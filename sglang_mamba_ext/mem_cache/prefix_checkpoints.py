@@ -1,16 +1,17 @@
 """Which SSM states a request leaves in the tree besides its ping-pong checkpoints, and
 which of them the tree keeps (``docs/design.md``, "Prefix checkpoints" and "Ping-pong
 checkpoints"): planning extra checkpoints for a prefill (at the branch point a match
-reports and at prompt length - 1), committing them once the forward has written them, the
-per-path cap ``max_states_per_path``, and the choice of the state a finished request
-donates (``finish_state``); also how an insert of a request's prefix is adopted by the
-request (lock moved, ``req_to_token`` pointed at the tree's KV). :class:`PrefixCheckpoints`
+reports, at prompt length - 1 and at message boundaries the request names), committing
+them once the forward has written them, the per-path cap ``max_states_per_path``, and the
+choice of the state a finished request donates (``finish_state``); also how an insert of a
+request's prefix is adopted by the request (lock moved, ``req_to_token`` pointed at the
+tree's KV). :class:`PrefixCheckpoints`
 is mixed into :class:`~.radix_cache.MambaRadixCache` and uses its tree operations.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,7 +27,11 @@ class PrefixCheckpoints:
     :class:`~.radix_cache.MambaRadixCache` (module docstring)."""
 
     def plan_prefix_checkpoints(
-        self, req: CacheReq, prompt_len: int, branching_seqlen: Optional[int] = None
+        self,
+        req: CacheReq,
+        prompt_len: int,
+        branching_seqlen: Optional[int] = None,
+        boundaries: Sequence[int] = (),
     ) -> List[Tuple[int, int]]:
         """Plan the extra SSM checkpoints this request's prefill saves (Marconi-style
         admission; ``docs/design.md``, "Prefix checkpoints"), after ``match_prefix``, the
@@ -37,11 +42,18 @@ class PrefixCheckpoints:
           the end of a shared system prompt. A state saved there serves every later request
           that shares the prefix;
         - at ``prompt_len - 1``: the state before the last prompt token, so a resent
-          identical prompt (whose match is capped at ``len - 1``) hits all but one token.
+          identical prompt (whose match is capped at ``len - 1``) hits all but one token;
+        - at each of ``boundaries`` (tokens; message boundaries of a chat request, or the
+          offsets a ``/generate`` request names), in the order given, as long as the
+          per-path cap leaves room (:meth:`_boundary_budget`): where a later request that
+          shares the messages so far will branch, so the *first* request passing a
+          boundary already saves the state there.
 
-        Positions (tokens) are floored to whole pages and kept only inside
-        ``(cache_protected_len, prompt_len)``. Each gets an SSM slot now (evicting one state
-        if the pool is full); a position whose slot cannot be had is dropped. The forward
+        Priority: the branch point, then prompt length - 1, then the boundaries in their
+        order; each position takes an SSM slot now (evicting one state if the pool is
+        full), and planning stops at the first position without a slot. Positions are
+        floored to whole pages and kept only inside ``(cache_protected_len, prompt_len)``;
+        duplicates are planned once (under the first kind that names them). The forward
         writes the states (``HybridReqToTokenPool.prefix_checkpoints_in``);
         :meth:`checkpoint` inserts them; :meth:`on_release` frees unused ones. Nothing is
         planned unless the cache was built with ``branch_checkpoints=True``.
@@ -54,22 +66,59 @@ class PrefixCheckpoints:
             return []
         ps = self.page_size
         p = req.cache_protected_len
-        wanted = set()
-        branch = None
+        wanted = {}  # seqlen -> origin, in priority order
+        candidates = []
         if branching_seqlen is not None:
-            branch = branching_seqlen - branching_seqlen % ps
-            wanted.add(branch)
-        last = prompt_len - 1
-        wanted.add(last - last % ps)
+            candidates.append((branching_seqlen, "branch"))
+        candidates.append((prompt_len - 1, "prompt_end"))
+        for c, origin in candidates:
+            c -= c % ps
+            if p < c < prompt_len:
+                wanted.setdefault(c, origin)
+        budget = self._boundary_budget(req, len(wanted))
+        for c in boundaries:
+            if budget <= 0:
+                break
+            c = int(c)
+            c -= c % ps
+            if p < c < prompt_len and c not in wanted:
+                wanted[c] = "boundary"
+                budget -= 1
         planned: List[Tuple[int, int]] = []
-        for c in sorted(c for c in wanted if p < c < prompt_len):
+        for c, origin in wanted.items():
             slot = self._alloc_mamba_slot()
             if slot is None:
                 break
             planned.append((c, slot))
-            self._prefix_origin[slot] = "branch" if c == branch else "prompt_end"
+            self._prefix_origin[slot] = origin
         req.mamba_prefix_checkpoints = sorted(planned + req.mamba_prefix_checkpoints)
         return planned
+
+    def planned_origin(self, slot: int) -> Optional[str]:
+        """Kind (``"branch"``, ``"prompt_end"``, ``"boundary"``) of the planned prefix
+        checkpoint holding SSM slot ``slot``; ``None`` for another slot."""
+        return self._prefix_origin.get(slot)
+
+    def _boundary_budget(self, req: CacheReq, planned: int) -> int:
+        """How many boundary checkpoints a request may plan under ``max_states_per_path``
+        (unbounded when 0): the cap less the states already on its matched path
+        (``req.last_node`` to the root), less the ``planned`` branch-point / prompt - 1
+        checkpoints, less one for the state it leaves when it finishes. Within that
+        budget the per-path cap (:meth:`_enforce_path_cap`, which drops the shallowest
+        states first) has nothing to drop when the request's own states go in; states
+        SGLang's ``--mamba-track-interval`` tracking inserts in a long prefill still count
+        against the cap as before."""
+        cap = self.max_states_per_path
+        if cap <= 0:
+            return 1 << 30
+        on_path = 0
+        node = req.last_node
+        root = self.root_node
+        while node is not None and node is not root:
+            if node.mamba_value is not None:
+                on_path += 1
+            node = node.parent
+        return cap - on_path - planned - 1
 
     # ------------------------------------------------------------------ helpers
     def _checkpoint_running(self, req: CacheReq, up_to: Optional[int]) -> None:

@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import invariants
-from .eviction import make_eviction_policy
+from .eviction import PriorityEviction, VictimPriority, make_eviction_policy
 from .lru import LRUList
 from .prefix_checkpoints import FINISH_STATES, PrefixCheckpoints
 from .req import CacheReq
@@ -84,10 +84,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             )
         if finish_state not in FINISH_STATES:
             raise ValueError(f"finish_state must be 'working' or 'checkpoint', got {finish_state!r}")
-        self._eviction = make_eviction_policy(eviction_policy, self)
-        self._state_used = self._eviction.state_used
-        self._evict_mamba = self._eviction.evict_mamba
-        self._evict_full = self._eviction.evict_full
+        self._use_policy(make_eviction_policy(eviction_policy, self))
         self.token_to_kv_pool_allocator = kv_allocator
         self.req_to_token_pool = req_to_token_pool
         self.mamba_pool = req_to_token_pool.mamba_pool
@@ -106,7 +103,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         self.evicted_states_total = 0
         #: Match and state counters since construction (:mod:`.stats`).
         self.stats = CacheStats()
-        #: Origin (``"branch"`` / ``"prompt_end"``) of each planned prefix checkpoint, by
+        #: Origin (``"branch"`` / ``"prompt_end"`` / ``"boundary"``) of each planned prefix checkpoint, by
         #: its SSM slot, until it is inserted (stale entries are overwritten, never read).
         self._prefix_origin = {}
         self.reset()
@@ -274,6 +271,22 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             self._evict_full(num_tokens, res)
         self._count_evicted(res)
         return res
+
+    def set_victim_priority(self, priority: Optional[VictimPriority]) -> None:
+        """Choose eviction victims by ``priority(candidates, for_kv)``, lowest first
+        (:class:`~.eviction.PriorityEviction`), instead of the policy named at construction;
+        ``None`` goes back to that policy (a fresh instance). For offline studies (the
+        hit-rate benchmark's oracle); a server never calls it."""
+        if priority is None:
+            self._use_policy(make_eviction_policy(self.eviction_policy, self))
+        else:
+            self._use_policy(PriorityEviction(self, priority))
+
+    def _use_policy(self, policy) -> None:
+        self._eviction = policy
+        self._state_used = policy.state_used
+        self._evict_mamba = policy.evict_mamba
+        self._evict_full = policy.evict_full
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock ``node`` (SSM) and its root path (KV) against eviction, whether or not it

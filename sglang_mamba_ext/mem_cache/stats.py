@@ -15,10 +15,11 @@ from .tree_node import MatchResult
 #: ``ping_pong`` a ping-pong checkpoint inserted after a prefill chunk (SGLang's grid);
 #: ``chunk`` the working state copied at a chunk end without ping-pong tracking
 #: (``no_buffer``); ``branch`` / ``prompt_end`` the prefix checkpoints at the branch point
-#: and at prompt length - 1 (``docs/design.md``, "Prefix checkpoints"); ``finish`` the state
+#: and at prompt length - 1 (``docs/design.md``, "Prefix checkpoints"); ``boundary`` a
+#: prefix checkpoint at a message boundary the request named (same section); ``finish`` the state
 #: a finished request donated; ``insert`` a direct :meth:`MambaRadixCache.insert` (tests,
 #: benchmarks).
-STATE_ORIGINS = ("ping_pong", "chunk", "branch", "prompt_end", "finish", "insert")
+STATE_ORIGINS = ("ping_pong", "chunk", "branch", "prompt_end", "boundary", "finish", "insert")
 
 
 def _per_origin() -> Dict[str, int]:

@@ -306,8 +306,8 @@ class GatedDeltaRuleMixer(nn.Module):
     - ``conv_state``: ``[conv_dim, W-1]``, window axis last, oldest token first (the last W-1
       pre-conv activations ``mixed_qkv`` of the sequence so far, zero-padded at the start).
     - ``temporal_state`` (the SSM state ``S``): ``[HV, K, V]`` float32, the layout of fla's
-      ``initial_state``. (SGLang's GDN kernels keep ``[HV, V, K]``; this project's pool for this
-      model is sized ``[HV, K, V]``, see ``TinyHybridConfig.mamba2_cache_params``.)
+      ``initial_state``. (SGLang's GDN kernels, and this project's pool for the tiny model, keep
+      ``[HV, V, K]``; the tiny backend reads it through transposed views.)
 
     Group value attention: ``HV`` must be a multiple of ``H``; q/k head ``i // (HV // H)`` serves
     value head ``i``.

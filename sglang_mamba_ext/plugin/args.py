@@ -26,6 +26,8 @@ as SGLang makes it (no field written, no extra attribute).
 """
 from __future__ import annotations
 
+import os
+
 import logging
 import pkgutil
 from typing import Any, Dict
@@ -34,6 +36,9 @@ from sglang_mamba_ext.plugin import settings as S
 from sglang_mamba_ext.plugin.startup_errors import FlagError, remember_parser
 
 logger = logging.getLogger(__name__)
+
+#: Set to 1 to keep SGLang's overlap scheduler on ``--device cpu`` with ``--enable-mamba-radix``.
+CPU_OVERLAP_ENV = "SGLANG_MAMBA_EXT_CPU_OVERLAP"
 
 ENABLE_FLAG = "--enable-mamba-radix"
 PROMPTS_FLAG = "--warmup-prompts-file"
@@ -83,8 +88,9 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
 
     With ``enable``: ``radix_cache_backend = "mamba_radix_ext"``; strategy ``auto`` becomes
     ``extra_buffer`` (SGLang's ping-pong tracking pipeline feeds the cache's checkpoints);
-    on ``--device cpu`` (and with ``no_buffer``) overlap scheduling is turned off, as
-    SGLang's own CPU and no_buffer paths require. A user's explicit strategy wins.
+    with ``no_buffer`` overlap scheduling is turned off, as SGLang's no_buffer path requires,
+    and on ``--device cpu`` too unless ``SGLANG_MAMBA_EXT_CPU_OVERLAP=1`` (overlap plans no
+    exact prefix checkpoints). A user's explicit strategy wins.
 
     Returns:
         the plugin settings stored on ``server_args``.
@@ -158,11 +164,16 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     server_args.radix_cache_backend = S.BACKEND_NAME
     if strategy == "auto":
         server_args.mamba_radix_cache_strategy = "extra_buffer"
-    if (server_args.device == "cpu" or server_args.mamba_radix_cache_strategy == "no_buffer") and (
+    # SGLang's overlap scheduler runs on CPU too (checked with the tiny model); the plugin
+    # still turns it off there by default, because under overlap the exact prefix
+    # checkpoints (branch point, prompt - 1) are not planned. CPU_OVERLAP_ENV=1 keeps it on.
+    cpu_overlap = os.environ.get(CPU_OVERLAP_ENV, "0") not in ("", "0")
+    if ((server_args.device == "cpu" and not cpu_overlap) or server_args.mamba_radix_cache_strategy == "no_buffer") and (
         not server_args.disable_overlap_schedule
     ):
         server_args.disable_overlap_schedule = True
-        logger.info("%s: overlap scheduling off (CPU or no_buffer)", ENABLE_FLAG)
+        logger.info("%s: overlap scheduling off (CPU or no_buffer; %s=1 keeps it on CPU)", ENABLE_FLAG,
+                    CPU_OVERLAP_ENV)
     settings["strategy"] = server_args.mamba_radix_cache_strategy
     _check_mamba_cache_size(server_args)
     return settings

@@ -143,6 +143,16 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             )
             self.sync_metrics()
 
+        #: The TP consistency check (``SGLANG_MAMBA_EXT_TP_DIGEST_STEPS``), set by
+        #: :func:`build_tree_cache` under tensor parallelism; ``None`` otherwise.
+        self.tp_digest = None
+
+    def flush_pending_backups(self) -> None:
+        """Called by SGLang's scheduler once per processed batch (no host backups here):
+        the step of the TP digest check (:mod:`.tp_digest`), if on."""
+        if self.tp_digest is not None:
+            self.tp_digest.step()
+
     # -- identity ----------------------------------------------------------------------
     @property
     def root_node(self):
@@ -452,6 +462,9 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         kv_bytes_per_token=_kv_bytes_per_token(params.token_to_kv_pool_allocator),
         max_states_per_path=get_exec().mamba.mamba_max_states_per_path,
     )
+    from sglang_mamba_ext.plugin.tp_digest import maybe_digest_check
+
+    cache.tp_digest = maybe_digest_check(cache.core, getattr(params, "tp_cache_group", None))
     logger.info(
         "sglang-mamba-ext: %s tree cache (page_size=%d, finish_state=%s, ping-pong tracking %s, "
         "track interval %d, checkpoint grid %d, eviction %s)",

@@ -20,6 +20,8 @@ default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serv
 - with ``--speculative-algorithm`` on a host without CUDA: ``--disable-overlap-schedule`` and
   the environment of :func:`cpu_spec_env` (Triton interpreter, no ``torch.compile``, the
   plugin's CPU routing of the speculative path, ``plugin/speculative/cpu_routing.py``).
+- with more than one rank (``--tp`` / ``--dp`` / ``--pp-size`` > 1): the environment of
+  :func:`multi_rank_env` (one CPU core list per rank, PyNccl off).
 
 Mechanism: a BEFORE hook on ``sglang.srt.server_args.prepare_server_args(argv)`` through
 SGLang's plugin ``HookRegistry`` (``sglang/srt/plugins/hook_registry.py``); the launchers call
@@ -159,11 +161,61 @@ def cpu_spec_env() -> List[Tuple[str, str]]:
     return [("TRITON_INTERPRET", "1"), ("TORCHDYNAMO_DISABLE", "1"), (CPU_SPEC_ENV, "1")]
 
 
+def _int_flag(argv: Sequence[str], *flags: str) -> int:
+    for f in flags:
+        v = _flag_value(argv, f)
+        if v:
+            try:
+                return max(1, int(v))
+            except ValueError:
+                return 1  # SGLang's own parser reports it
+    return 1
+
+
+def num_ranks(argv: Sequence[str]) -> int:
+    """Scheduler processes on this node: ``tp * pp``, times ``dp`` without DP attention
+    (DP attention splits the ``tp`` ranks)."""
+    tp = _int_flag(argv, "--tp", "--tp-size", "--tensor-parallel-size")
+    dp = _int_flag(argv, "--dp", "--dp-size", "--data-parallel-size")
+    pp = _int_flag(argv, "--pp", "--pp-size", "--pipeline-parallel-size")
+    dp_attention = _flag_value(argv, "--enable-dp-attention") is not None
+    return tp * pp * (1 if dp_attention else dp)
+
+
+def multi_rank_env(argv: Sequence[str]) -> List[Tuple[str, str]]:
+    """Environment for several ranks on one CPU host (set only when not already set):
+    ``SGLANG_CPU_OMP_THREADS_BIND`` gives each rank its share of the cores (SGLang otherwise
+    asserts one NUMA node per rank, ``utils/numa_utils.py``; ranks beyond the cores share
+    them), and ``SGLANG_NCCL_SO_PATH`` names a library that does not exist so that PyNccl
+    disables itself (the CUDA build of torch ships a loadable NCCL, which SGLang then tries to
+    use and fails with "Expected a cuda device"), and turns on the CPU multi-rank hook
+    (:mod:`sglang_mamba_ext.plugin.multi_rank`). Empty for one rank."""
+    n = num_ranks(argv)
+    if n <= 1:
+        return []
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) >= n:
+        per = len(cores) // n
+        groups = [cores[i * per:(i + 1) * per] for i in range(n)]
+    else:
+        groups = [[cores[i % len(cores)]] for i in range(n)]
+    bind = "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+    from sglang_mamba_ext.plugin.multi_rank import ACTIVE_ENV
+
+    return [("SGLANG_CPU_OMP_THREADS_BIND", bind), ("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl-disabled.so"),
+            (ACTIVE_ENV, "1")]
+
+
 def _before_prepare_server_args(argv, *args, **kwargs):
     new_argv, added = cpu_default_args(argv)
     if _active(new_argv) and CONV_DTYPE_ENV not in os.environ:
         os.environ[CONV_DTYPE_ENV] = "float32"  # inherited by the scheduler processes
         added.append(f"{CONV_DTYPE_ENV}=float32")
+    if _active(new_argv):
+        for name, value in multi_rank_env(new_argv):
+            if name not in os.environ:
+                os.environ[name] = value
+                added.append(f"{name}={value}")
     if speculating_without_cuda(new_argv):
         for name, value in cpu_spec_env():
             if name not in os.environ:

@@ -49,7 +49,7 @@ KIND_COUNTERS: Tuple[Tuple[str, str, str], ...] = (
         "states_stored_",
         "checkpoints_total",
         "SSM states the tree took, by kind (ping_pong: SGLang's tracked checkpoint after a prefill chunk; "
-        "chunk: chunk-end copy without tracking; branch; prompt_end: prompt length - 1; finish; insert: direct).",
+        "chunk: chunk-end copy without tracking; branch; prompt_end: prompt length - 1; boundary: a message boundary; finish; insert: direct).",
     ),
     (
         "state_hits_",

@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 from sglang_mamba_ext.mem_cache import HybridReqToTokenPool as CoreReqToTokenPool
 from sglang_mamba_ext.mem_cache import MambaPool as CoreMambaPool
-from sglang_mamba_ext.plugin import req_bridge
+from sglang_mamba_ext.plugin import chat_boundaries, req_bridge
 
 logger = logging.getLogger(__name__)
 
@@ -251,16 +251,23 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         return sum(len(v) for v in self.prefix_checkpoints.values())
 
     def reclaim_prefix_checkpoints(self, num: int) -> int:
-        """Give up to ``num`` planned prefix checkpoints back to the SSM pool (deepest
-        first: a prompt-end checkpoint before a branch point) so that a request's own slots
-        never wait for an optional checkpoint. Safe without overlap scheduling (the only
-        mode the planning backend runs in): no forward is in flight, and the next forward's
-        plan is read from :attr:`prefix_checkpoints` after this. Returns slots freed."""
+        """Give up to ``num`` planned prefix checkpoints back to the SSM pool (message
+        boundaries first, deepest first, then the others deepest first: a prompt-end
+        checkpoint before a branch point) so that a request's own slots never wait for an
+        optional checkpoint. Safe without overlap scheduling (the only mode the planning
+        backend runs in): no forward is in flight, and the next forward's plan is read from
+        :attr:`prefix_checkpoints` after this. Returns slots freed."""
         freed: List[int] = []
+        core = self.tree_cache.core if self.tree_cache is not None else None
         while len(freed) < num and self.prefix_checkpoints:
-            row = max(self.prefix_checkpoints, key=lambda r: self.prefix_checkpoints[r][-1][0])
+            # (is a boundary, seqlen, row, index): the largest goes first
+            _, _, row, i = max(
+                (core is not None and core.planned_origin(slot) == "boundary", c, r, j)
+                for r, planned in self.prefix_checkpoints.items()
+                for j, (c, slot) in enumerate(planned)
+            )
             planned = self.prefix_checkpoints[row]
-            freed.append(planned.pop()[1])
+            freed.append(planned.pop(i)[1])
             if not planned:
                 del self.prefix_checkpoints[row]
         if freed:
@@ -315,15 +322,18 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         return [r.kv.req_pool_idx for r in reqs]
 
     def _plan_prefix_checkpoints(self, req, creq) -> None:
-        """Plan the request's prefix checkpoints (branch point, prompt length - 1; issue 6)
-        when the backend can write them and the tree cache plans them."""
+        """Plan the request's prefix checkpoints (branch point, prompt length - 1; issue 6;
+        message boundaries from ``Req.kv_hints``, :mod:`.chat_boundaries`; issue 16) when
+        the backend can write them and the tree cache plans them."""
         cache = self.tree_cache
         if not self.prefix_checkpoint_writer or cache is None or not cache.core.branch_checkpoints:
             return
         fill = getattr(req, "full_untruncated_fill_ids", None)
         prompt_len = len(fill) if fill else len(req.origin_input_ids) + len(req.output_ids)
         branching = getattr(req, "mamba_branching_seqlen", None)
-        cache.core.plan_prefix_checkpoints(creq, prompt_len, branching)
+        # message boundaries the request names (chat template, or /generate kv_hints)
+        boundaries = chat_boundaries.request_offsets(req)
+        cache.core.plan_prefix_checkpoints(creq, prompt_len, branching, boundaries)
         req_bridge.push_prefix_checkpoints(self, creq.req_pool_idx, creq)
 
     def prefix_checkpoint_plan(self, forward_batch) -> Dict[int, List[Tuple[int, int]]]:

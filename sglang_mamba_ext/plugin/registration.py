@@ -10,7 +10,8 @@ comes with the CPU defaults of :mod:`.cpu_defaults`):
 - hooks on SGLang functions through ``HookRegistry`` (each listed in ``docs/sglang-hooks.md``):
   argument parsing (:mod:`.args`, :mod:`.cpu_defaults`, :mod:`.speculative`), model lookup
   (:mod:`.tiny_hybrid`), request-pool construction (:mod:`.pool`), decode preparation
-  (:mod:`.cpu_pin_memory`), request validation (:mod:`.request_validation`), the scheduler's
+  (:mod:`.cpu_pin_memory`), request validation (:mod:`.request_validation`), chat message
+  boundaries (:mod:`.chat_boundaries`), the scheduler's
   internal state for ``/server_info`` (:mod:`.metrics`), the speculative verify path
   (:mod:`.speculative.hooks`);
 - registry entries: the ``--radix-cache-backend mamba_radix_ext`` factory, the
@@ -41,6 +42,8 @@ HANDLE_MAMBA_RADIX = "sglang.srt.arg_groups.model_hook.handle_mamba_radix_cache"
 BUILD_HYBRID_REQ_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
 PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
 VALIDATE_ONE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+CHAT_CONVERT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request"
+CHAT_RENDER = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._render_and_encode_chat_template"
 GET_INTERNAL_STATE = (
     "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 )
@@ -55,7 +58,7 @@ def install_mamba_radix() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mamba_ext.plugin import args
+    from sglang_mamba_ext.plugin import args, chat_boundaries
     from sglang_mamba_ext.plugin.cache import build_tree_cache
     from sglang_mamba_ext.plugin.cpu_pin_memory import prepare_for_decode_around
     from sglang_mamba_ext.plugin.metrics import server_info_after
@@ -72,6 +75,8 @@ def install_mamba_radix() -> None:
     HookRegistry.register(PREPARE_FOR_DECODE, prepare_for_decode_around, HookType.AROUND)
     HookRegistry.register(VALIDATE_ONE_REQUEST, validate_one_request_before, HookType.BEFORE)
     HookRegistry.register(GET_INTERNAL_STATE, server_info_after, HookType.AFTER)
+    HookRegistry.register(CHAT_CONVERT, chat_boundaries.convert_to_internal_request_around, HookType.AROUND)
+    HookRegistry.register(CHAT_RENDER, chat_boundaries.render_and_encode_around, HookType.AROUND)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
     # --radix-eviction-policy recompute (the core's recompute-aware SSM eviction), added to
@@ -83,6 +88,9 @@ def install_mamba_radix() -> None:
     if RECOMPUTE_POLICY not in RADIX_EVICTION_POLICY_CHOICES:
         add_radix_eviction_policy_choices([RECOMPUTE_POLICY])
     register_warmup()
+    from sglang_mamba_ext.plugin.multi_rank import register_multi_rank_hooks
+
+    register_multi_rank_hooks()
     _installed = True
 
 

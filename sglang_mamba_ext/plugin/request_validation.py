@@ -6,7 +6,8 @@ tiny model's and Qwen's do), and it checks ``token_ids_logprob`` against the voc
 not ``input_ids``: such a request reaches the model (zero tokens, or an embedding lookup out
 of range) and the scheduler process dies, taking the server down. Under
 ``--enable-mamba-radix`` :func:`validate_one_request_before` refuses both in the tokenizer
-manager (HTTP 400), before they are scheduled.
+manager (HTTP 400), before they are scheduled. It also refuses a bad
+``mamba_radix.checkpoint_offsets`` action in ``kv_hints`` (:mod:`.chat_boundaries`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ def validate_one_request_before(tokenizer_manager, obj, input_ids, *args, **kwar
     """BEFORE hook on ``TokenizerManager._validate_one_request(obj, input_ids)``.
 
     Raises:
-        ValueError: the prompt has no token, or a token id outside ``[0, vocab_size)``
-            (turned into an HTTP 400 by SGLang).
+        ValueError: the prompt has no token, a token id outside ``[0, vocab_size)``, or
+            a bad checkpoint-offsets action in ``kv_hints``
+            (:func:`.chat_boundaries.validate_request_hints`); SGLang answers HTTP 400.
     """
+    from sglang_mamba_ext.plugin.chat_boundaries import validate_request_hints
     from sglang_mamba_ext.plugin.settings import current_settings
 
-    if input_ids is None or getattr(obj, "input_embeds", None) is not None:
-        return None
     if not current_settings().get("enable"):
+        return None
+    validate_request_hints(obj, input_ids)
+    if input_ids is None or getattr(obj, "input_embeds", None) is not None:
         return None
     if len(input_ids) == 0:
         raise ValueError("the prompt is empty: it has no token after tokenization; send at least one token")

@@ -5,6 +5,8 @@
 ``entrypoints/warmup.py::execute_warmups``; ``docs/design.md``, "SGLang wiring"), before it
 reports ready; without ``--warmups kda_cache`` it never runs. For each prompt of ``F``:
 
+(With ``--dp N`` or DP attention, to every data-parallel rank: each has its own cache.)
+
 1. send it with ``max_new_tokens=1`` (greedy): the prefill runs, the request finishes, and
    its KV and final SSM state are inserted into the radix tree;
 2. then send it again extended by the token that pass generated, so the second prefill
@@ -180,7 +182,8 @@ def prompt_token_ids(prompt: WarmPrompt, tokenizer, path: str = "") -> List[int]
     return list(ids)
 
 
-async def _send(tokenizer_manager, input_ids: Sequence[int], disaggregation_mode: str) -> dict:
+async def _send(tokenizer_manager, input_ids: Sequence[int], disaggregation_mode: str,
+                dp_rank: Optional[int] = None) -> dict:
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
     from sglang.srt.managers.io_struct import GenerateReqInput
 
@@ -188,6 +191,8 @@ async def _send(tokenizer_manager, input_ids: Sequence[int], disaggregation_mode
         input_ids=list(input_ids),
         sampling_params={"max_new_tokens": 1, "temperature": 0.0},
     )
+    if dp_rank is not None:  # every data-parallel rank has its own cache: warm each
+        req.routed_dp_rank = dp_rank
     if disaggregation_mode != "null":
         req.bootstrap_room = 0
         req.bootstrap_host = FAKE_BOOTSTRAP_HOST
@@ -234,22 +239,27 @@ async def kda_cache_warmup(disaggregation_mode: str, tokenizer_manager) -> dict:
             skipped += 1
             continue
         todo.append(ids)
-    firsts = []
-    for ids in todo:
-        out = await _send(tokenizer_manager, ids, disaggregation_mode)
-        firsts.append((out.get("output_ids") or [0])[:1])
+    # With --dp N (or DP attention) each data-parallel rank has its own scheduler and cache;
+    # a request names its rank (routed_dp_rank), so every rank gets every prompt.
+    dp = int(getattr(getattr(tokenizer_manager, "server_args", None), "dp_size", 1) or 1)
+    ranks: List[Optional[int]] = list(range(dp)) if dp > 1 else [None]
     hit = 0
-    for ids, first in zip(todo, firsts):
-        out = await _send(tokenizer_manager, list(ids) + list(first), disaggregation_mode)
-        hit += int((out.get("meta_info") or {}).get("cached_tokens", 0) or 0)
+    for rank in ranks:
+        firsts = []
+        for ids in todo:
+            out = await _send(tokenizer_manager, ids, disaggregation_mode, rank)
+            firsts.append((out.get("output_ids") or [0])[:1])
+        for ids, first in zip(todo, firsts):
+            out = await _send(tokenizer_manager, list(ids) + list(first), disaggregation_mode, rank)
+            hit += int((out.get("meta_info") or {}).get("cached_tokens", 0) or 0)
     tokens = sum(len(ids) for ids in todo)
     logger.info(
-        "%s warmup: %d prompts (%d tokens) prefilled into the cache from %s, %d skipped; the "
-        "second pass hit %d cached tokens",
-        S.WARMUP_NAME, len(todo), tokens, path, skipped, hit,
+        "%s warmup: %d prompts (%d tokens) prefilled into the cache from %s on %d data-parallel "
+        "rank(s), %d skipped; the second pass hit %d cached tokens",
+        S.WARMUP_NAME, len(todo), tokens, path, len(ranks), skipped, hit,
     )
     page = int(getattr(getattr(tokenizer_manager, "server_args", None), "page_size", 1) or 1)
-    expected = sum(len(ids) // page * page for ids in todo)  # matches stop at whole pages
+    expected = len(ranks) * sum(len(ids) // page * page for ids in todo)  # matches stop at whole pages
     # Warn on a large shortfall only: a checkpoint grid coarser than a page (64 tokens on
     # GPU kernels) and overlap scheduling's checkpoint donation cost a few tokens per prompt.
     if hit * 2 < expected:

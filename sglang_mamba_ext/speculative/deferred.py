@@ -41,8 +41,8 @@ class StateLayout:
         per_head_gate: raw gate ``[n, HV]`` (Gated DeltaNet) instead of ``[n, HV*K]`` (KDA).
         conv_window_first: the pool stores a conv window as ``[W-1, conv_dim]`` (SGLang KDA)
             rather than ``[conv_dim, W-1]`` (SGLang GDN / Mamba2, tiny).
-        ssm_vk: the pool stores an SSM state as ``[HV, V, K]`` (SGLang KDA and GDN kernels)
-            rather than ``[HV, K, V]`` (tiny, fla's layout).
+        ssm_vk: the pool stores an SSM state as ``[HV, V, K]`` (SGLang's KDA and GDN kernels,
+            and the tiny model's pool) rather than ``[HV, K, V]`` (fla's layout).
         verify_rolls_conv: the backend's verify conv kernel shifts the *main* conv window by
             all draft tokens in place (SGLang's ``causal_conv1d_update`` with intermediate
             windows); the deferred glue saves and restores the batch's windows around it.
@@ -69,9 +69,9 @@ class StateLayout:
 LAYOUTS: Dict[str, StateLayout] = {
     "kda": StateLayout("kda", per_head_gate=False, conv_window_first=True, ssm_vk=True, verify_rolls_conv=True),
     "gdn": StateLayout("gdn", per_head_gate=True, conv_window_first=False, ssm_vk=True, verify_rolls_conv=True),
-    "tiny-kda": StateLayout("tiny-kda", per_head_gate=False, conv_window_first=False, ssm_vk=False,
+    "tiny-kda": StateLayout("tiny-kda", per_head_gate=False, conv_window_first=False, ssm_vk=True,
                             verify_rolls_conv=False),
-    "tiny-gdn": StateLayout("tiny-gdn", per_head_gate=True, conv_window_first=False, ssm_vk=False,
+    "tiny-gdn": StateLayout("tiny-gdn", per_head_gate=True, conv_window_first=False, ssm_vk=True,
                             verify_rolls_conv=False),
 }
 

@@ -5,7 +5,8 @@ hands it each linear layer's ``mixed_qkv`` ``[T, conv_dim]``, ``a`` = the raw de
 ``[T, gate_dim]`` and ``b`` = the raw ``beta`` logits ``[T, HV]`` (``GatedDeltaRuleMixer.project_raw``,
 as SGLang's KDA/GDN layers pass them; activated here with ``mixer.activate_gates``). For batch row ``i`` it reads pool slot
 ``forward_metadata.mamba_cache_indices[i]`` of ``req_to_token_pool.mamba2_layer_cache(layer_id)``
-(``.conv[0]`` ``[slots, conv_dim, W-1]``, ``.temporal`` ``[slots, HV, K, V]``), runs the
+(``.conv[0]`` ``[slots, conv_dim, W-1]``, ``.temporal`` ``[slots, HV, V, K]``: SGLang's GDN
+layout, read and written through ``[slots, HV, K, V]`` views, the mixer's), runs the
 layer's own segment runner ``layer.mixer.run_segments`` over the row's tokens
 ``query_start_loc[i]:query_start_loc[i+1]`` (continuing from the slot's state when
 ``extend_prefix_lens[i] > 0``, from zeros otherwise) and writes the states back; metadata comes
@@ -159,7 +160,7 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
 
     def _layer_pools(self, layer_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
         cache = self.req_to_token_pool.mamba2_layer_cache(layer_id)
-        return cache.conv[0], cache.temporal
+        return cache.conv[0], cache.temporal.transpose(-1, -2)  # [slots, HV, K, V] view
 
     @staticmethod
     def write_state(
@@ -320,8 +321,9 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         bs = N // T
         g, b = mixer.activate_gates(a, b)
         cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
-        conv_pool, ssm_pool = cache.conv[0], cache.temporal
-        inter_conv, inter_ssm = cache.intermediate_conv_window[0], cache.intermediate_ssm
+        # [.., HV, K, V] views of SGLang's [.., HV, V, K] layout
+        conv_pool, ssm_pool = cache.conv[0], cache.temporal.transpose(-1, -2)
+        inter_conv, inter_ssm = cache.intermediate_conv_window[0], cache.intermediate_ssm.transpose(-1, -2)
         slots = self.forward_metadata.mamba_cache_indices[:bs].tolist()
         nt_all = getattr(spec, "retrieve_next_token", None)
         ns_all = getattr(spec, "retrieve_next_sibling", None)

@@ -1,14 +1,17 @@
 """SGLang-facing config of the tiny hybrid model (``docs/design.md``, "Tiny hybrid model"):
 :class:`TinyHybridSGLangConfig` adds the ``mamba2_cache_params`` SGLang sizes its Mamba pool
 from (``srt/configs/hybrid_arch.py::mambaish_config``, ``mem_cache/memory_pool.py::MambaPool``):
-per request a conv row ``[conv_dim, W-1]`` (window axis last) and a temporal row ``[HV, K, V]``,
-the layout of ``sglang_mamba_ext.models.linear_attn`` (fla's), not the ``[HV, V, K]`` of
-SGLang's GDN kernels. One rank (no tensor parallelism).
+per request and rank a conv row ``[conv_dim / tp, W-1]`` (window axis last) and a temporal row
+``[HV / tp, V, K]``: SGLang's Gated DeltaNet layout, built by SGLang's own helper
+(``Mamba2StateShape.create``, as ``configs/qwen3_next.py`` does), so the pool, PD transfer and
+the deferred verify treat it as they treat Qwen3-Next. The backend reads it transposed into the
+``[HV, K, V]`` of ``sglang_mamba_ext.models.linear_attn`` (fla's layout).
 """
 
 from __future__ import annotations
 
 from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape, mamba2_state_dtype
+from sglang.srt.runtime_context import linear_attn_tp_size
 
 from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig
 
@@ -30,18 +33,17 @@ class TinyHybridSGLangConfig(TinyHybridConfig):
 
     @property
     def mamba2_cache_params(self) -> Mamba2CacheParams:
+        """Per-rank pool description (``linear_attn_tp_size()`` ranks share the heads;
+        ``conv_shard_groups``: the q, k, v blocks of ``mixed_qkv``, each sharded by heads)."""
         s = self.linear_attn_shape
-        shape = Mamba2StateShape(
-            conv=[s.conv_state_shape],
-            temporal=s.temporal_state_shape,
+        shape = Mamba2StateShape.create(
+            tp_world_size=linear_attn_tp_size(),
             intermediate_size=s.value_dim,
-            conv_dim=s.conv_dim,
-            ssm_state_size=s.head_k_dim,
+            n_groups=s.num_k_heads,
             num_heads=s.num_v_heads,
             head_dim=s.head_v_dim,
             state_size=s.head_k_dim,
             conv_kernel=s.conv_kernel,
-            num_k_heads_per_tp=s.num_k_heads,
             conv_shard_groups=[s.key_dim, s.key_dim, s.value_dim],
         )
         return Mamba2CacheParams(

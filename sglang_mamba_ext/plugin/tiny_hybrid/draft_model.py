@@ -103,7 +103,8 @@ class TinyHybridDraftForCausalLM(nn.Module):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q, k, v = attn.project_qkv(x, positions)
-            o = core(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch, save_kv_cache=False)
+            o = core(q.reshape(T, attn.num_heads * attn.head_dim), k.reshape(T, attn.num_kv_heads * attn.head_dim),
+                     v.reshape(T, attn.num_kv_heads * attn.head_dim), forward_batch, save_kv_cache=False)
             h = layer.mlp_block(h + attn.finish(o.reshape(T, attn.num_heads, attn.head_dim)))
         h = self.model.norm(h)
         return self.logits_processor(input_ids, h, self.lm_head, forward_batch)

@@ -6,8 +6,15 @@ SGLang's KV pool, softmax by the configured attention backend, e.g. ``torch_nati
 ``RadixLinearAttention`` -> ``HybridLinearAttnBackend`` ->
 :class:`~sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend` for linear
 layers (the mixer's segment runner on the Mamba pool's per-request states), and
-``LogitsProcessor`` over ``lm_head`` (one rank). Parameter names equal the checkpoint's
+``LogitsProcessor`` over ``lm_head``. Parameter names equal the checkpoint's
 (``model.layers.{i}.self_attn.q_proj.weight``, ...).
+
+Tensor parallelism (``--tp N``, or the attention-TP width under DP attention): each rank builds
+its modules from :func:`sglang_mamba_ext.models.tiny_shard.rank_config` (its share of the
+attention and linear-attention heads), loads its slices of the checkpoint
+(:func:`~sglang_mamba_ext.models.tiny_shard.shard_tensor`) and all-reduces the two row-parallel
+outputs (``o_proj``, ``out_proj``) over SGLang's attention-TP group; embeddings, MLPs and
+``lm_head`` are whole on every rank, so the logits need no gather.
 """
 
 from __future__ import annotations
@@ -17,12 +24,26 @@ from typing import Iterable, Optional, Tuple
 import torch
 from torch import nn
 
+from sglang.srt.distributed.communication_op import attention_tensor_model_parallel_all_reduce
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer
 from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig, TinyHybridModel
+from sglang_mamba_ext.models.tiny_shard import rank_config, shard_tensor
+
+
+def attn_tp() -> Tuple[int, int]:
+    """``(rank, size)`` of this process in SGLang's attention-TP group (``(0, 1)`` outside a
+    model runner)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        return int(p.attn_tp_rank), int(p.attn_tp_size)
+    except Exception:
+        return 0, 1
 
 
 class TinyHybridRadixLinearAttention(RadixLinearAttention):
@@ -48,11 +69,13 @@ class TinyHybridForCausalLM(nn.Module):
         if quant_config is not None:
             raise ValueError("TinyHybridForCausalLM: quantization is not supported (drop --quantization)")
         self.config = config
-        self.model = TinyHybridModel(config)
+        self.tp_rank, self.tp_size = attn_tp()
+        self.model = TinyHybridModel(rank_config(config, self.tp_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.logits_processor = LogitsProcessor(config)
+        # lm_head is whole on every rank: full-vocabulary logits, nothing to gather
+        self.logits_processor = LogitsProcessor(config, skip_all_gather=True)
         cores = {}
         for layer in self.model.layers:
             i = layer.layer_id
@@ -98,24 +121,32 @@ class TinyHybridForCausalLM(nn.Module):
                 mixed_qkv, g_raw, b_raw = mixer.project_raw(x)
                 o = core(forward_batch, mixed_qkv, g_raw, b_raw)
                 y = mixer.finish(o.reshape(T, s.num_v_heads, s.head_v_dim), x)
+                if self.tp_size > 1:  # out_proj is row parallel
+                    y = attention_tensor_model_parallel_all_reduce(y)
             else:
                 attn = layer.self_attn
                 q, k, v = attn.project_qkv(x, positions)
-                o = core(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
+                # explicit widths: an idle DP-attention rank runs an empty batch (T = 0)
+                o = core(q.reshape(T, attn.num_heads * attn.head_dim), k.reshape(T, attn.num_kv_heads * attn.head_dim),
+                         v.reshape(T, attn.num_kv_heads * attn.head_dim), forward_batch)
                 y = attn.finish(o.reshape(T, attn.num_heads, attn.head_dim))
+                if self.tp_size > 1:  # o_proj is row parallel
+                    y = attention_tensor_model_parallel_all_reduce(y)
             h = layer.mlp_block(h + y)
         h = self.model.norm(h)
         return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into parameters of the same name (:func:`copy_weights`;
-        a tied ``lm_head.weight`` is skipped).
+        a tied ``lm_head.weight`` is skipped), each cut to this rank's slice under tensor
+        parallelism.
 
         Raises:
             ValueError: a tensor with no matching parameter, a shape mismatch, or a
                 parameter missing from the checkpoint (wrong model directory)."""
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        copy_weights(self, weights, skip=skip)
+        rank, tp = self.tp_rank, self.tp_size
+        copy_weights(self, ((n, shard_tensor(n, t, self.config, rank, tp)) for n, t in weights), skip=skip)
 
 
 def copy_weights(module: nn.Module, weights: Iterable[Tuple[str, torch.Tensor]], skip=frozenset()) -> None:
