@@ -1,4 +1,6 @@
-"""sglang_mamba_ext.benchmarks.spec_memory (scripts/plan_spec_memory.py): formula == constructed buffers, headline targets, SGLang's sizing."""
+"""Memory planning of the speculative buffers: the reference formulas == this project's constructed
+buffers (speculative/reference/sizing.py), and scripts/plan_spec_memory.py
+(sglang_mamba_ext.benchmarks.spec_memory): SGLang-built pools, headline targets."""
 
 import contextlib
 import io
@@ -21,17 +23,68 @@ class TestPlanner(unittest.TestCase):
                     self.assertEqual(f.deferred_peak(v), c.deferred_peak(v), (m.name, v))
 
     def test_script_last_line_meets_targets(self):
+        """The last line comes from the pools SGLang built for Kimi-Linear-48B-A3B (one_layer
+        verify variant, per request row), checked against the published shapes."""
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None:
+            self.skipTest("SGLang is not installed")
         from sglang_mamba_ext.benchmarks import spec_memory as plan_spec_memory
 
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            rc = plan_spec_memory.main([])
+            rc = plan_spec_memory.main(["--models", "Kimi-Linear-48B-A3B"])
         self.assertEqual(rc, 0)
-        last = out.getvalue().strip().splitlines()[-1]
-        parts = dict(p.split("=") for p in last.split())
-        self.assertEqual(set(parts), {"peak_reduction", "resident_reduction"})
+        lines = out.getvalue().strip().splitlines()
+        parts = dict(p.split("=") for p in lines[-1].split())
+        self.assertEqual(set(parts), {"peak_reduction", "resident_reduction", "capacity_ratio"})
+        self.assertIn("deferred verify variant one_layer", lines[-2])
+        m = MODELS["Kimi-Linear-48B-A3B"]
+        s, L, T, A = m.shape, m.num_linear_layers, 63, 4
+        ssm, conv = s.num_v_heads * s.head_k_dim * s.head_v_dim * 2, s.conv_dim * (s.conv_kernel - 1) * 2
+        per_tok = (m.stash_dims.conv_dim + m.stash_dims.gate_dim + m.stash_dims.beta_dim) * 2
+        snap_row = L * T * (ssm + conv)
+        stash_row = L * A * per_tok + 20
+        peak_row = stash_row + L * T * per_tok + T * ssm + T * conv  # pending + one layer's buffers
+        self.assertEqual(parts["peak_reduction"], f"{snap_row / peak_row:.1f}")
+        self.assertEqual(parts["resident_reduction"], f"{snap_row / stash_row:.1f}")
         self.assertGreaterEqual(float(parts["resident_reduction"]), 500.0)
-        self.assertGreaterEqual(float(parts["peak_reduction"]), MODELS["Kimi-Linear-48B-A3B"].num_linear_layers)
+        self.assertGreaterEqual(float(parts["capacity_ratio"]), 5.0)
+        # the capacity line and the ratio agree
+        cap = next(l for l in lines if l.strip().startswith("capacity: max_running_requests"))
+        before, after = (int(x) for x in cap.split("max_running_requests ")[1].split(" (")[0].split(" -> "))
+        self.assertEqual(parts["capacity_ratio"], f"{after / before:.2f}")
+
+    def test_qwen3_next_rows_from_sglang_pools(self):
+        """Qwen3-Next-80B-A3B (Gated DeltaNet) at TP 2, as SGLang builds it: snapshot buffers and
+        the deferred stash per request row match the reference formula at per-rank shapes (GDN
+        gates: one per value head), and deferred mode serves more requests."""
+        import importlib.util
+        from types import SimpleNamespace
+
+        if importlib.util.find_spec("sglang") is None:
+            self.skipTest("SGLang is not installed")
+        from sglang_mamba_ext.benchmarks import spec_memory as plan_spec_memory
+        from sglang_mamba_ext.models.linear_attn import LinearAttnShape
+        from sglang_mamba_ext.speculative.reference.sizing import HybridSpecModel
+
+        args = SimpleNamespace(topk=4, steps=3, draft_token_num=63, max_running_requests=0, total_gib=140.0,
+                               mem_fraction_static=0.88, ssm_dtype="bf16")
+        with contextlib.redirect_stdout(io.StringIO()):
+            res = plan_spec_memory.report("Qwen3-Next-80B-A3B", args, 2)
+        m = MODELS["Qwen3-Next-80B-A3B"]
+        s = m.shape
+        rank = HybridSpecModel(m.name, m.source, m.num_linear_layers,
+                               LinearAttnShape(s.num_k_heads // 2, s.num_v_heads // 2, s.head_k_dim, s.head_v_dim,
+                                               s.conv_kernel), m.gate_dim // 2, m.beta_dim // 2, m.kind)
+        snap, d = res["snapshot"], res["deferred"]
+        self.assertIsNone(res["refused"])
+        self.assertEqual(snap.allocated, spec_memory_formula(rank, 4, 3, 63, snap.rows - 1, torch.bfloat16).snapshot)
+        fd = spec_memory_formula(rank, 4, 3, 63, d.rows - 1, torch.bfloat16)
+        self.assertEqual(d.resident, fd.stash)
+        self.assertEqual(d.peak["one_layer"] - d.resident - fd.conv_windows - fd.node_states["one_layer"],
+                         fd.pending * d.rows // (d.rows - 1))  # the glue's workspace has R rows, the formula N
+        self.assertGreater(d.r.max_running_requests, snap.r.max_running_requests)
 
     def test_snapshot_matches_sglang_pool_sizing(self):
         """Our snapshot formula uses the per-slot shapes SGLang's KimiLinearStateShape gives

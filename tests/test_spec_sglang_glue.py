@@ -30,7 +30,7 @@ if SGLANG_INSTALLED:
     )
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
-    from sglang_mamba_ext.plugin.speculative import HOOK_TARGETS, hooks
+    from sglang_mamba_ext.plugin.speculative import HOOK_TARGETS, hook_function, hooks
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.speculative.replay import ReplayWeights, replay
@@ -134,7 +134,7 @@ class TestFlags(unittest.TestCase):
                     obj = getattr(obj, p)
                 break
             self.assertTrue(hasattr(obj, attr), target)
-            self.assertTrue(callable(getattr(hooks, name)), name)
+            self.assertTrue(callable(hook_function(name)), name)
 
     def test_cli_through_sglang_hooks_subprocess(self):
         code = textwrap.dedent("""

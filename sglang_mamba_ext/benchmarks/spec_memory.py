@@ -1,77 +1,146 @@
-"""Plan the memory of the speculative SSM/conv buffers: snapshot (SGLang today) vs deferred.
+"""Memory of the speculative SSM/conv buffers as SGLang builds them, snapshot vs deferred, and
+what it does to SGLang's pool sizes (issue 15, item 3).
 
-For Kimi-Linear-48B-A3B, Qwen3-Next-80B-A3B and Nemotron-H-8B (a Mamba2 hybrid) — shapes from
-their published ``config.json`` files, cited in ``sglang_mamba_ext/speculative/reference/sizing.py`` — and the
-given ``--topk / --steps / --draft-token-num / --max-running-requests / --dtype``, prints the
-resident and peak bytes of
+For Kimi-Linear-48B-A3B and Qwen3-Next-80B-A3B (published ``config.json`` fields, cited in
+``sglang_mamba_ext/benchmarks/sglang_pools.py``; same shapes as
+``speculative/reference/sizing.py``) at a stated per-GPU memory budget and TP size, runs SGLang's
+own pool sizing and ``MambaPool`` construction in-process on CPU (device memory query simulated,
+tensors on the ``meta`` device; :func:`sglang_mamba_ext.benchmarks.sglang_pools.size_pools`)
+once with ``--mamba-spec-state-update snapshot`` (SGLang's path) and once with ``deferred``,
+and prints per mode:
 
-- snapshot mode: SGLang's per-layer intermediate SSM + conv-window buffers
-  ``[L, N+1, T, state]`` (resident for the server's life; peak = resident);
-- deferred mode (``docs/design.md``, "Deferred update"): resident = the accepted-token activation stash; peak = stash + the
-  verify workspace (all nodes' raw activations until acceptance, one layer of per-node conv
-  windows, and the per-node SSM states of the verify variant: ``one_layer`` (``docs/design.md``, "Speculative verify"),
-  ``head_chunk`` (one-layer buffer for ``--head-chunk`` value heads at a time) or ``on_chip``
-  (Triton kernel keeping node states in registers: no buffer)),
+- bytes of the speculative buffers the pool holds: snapshot ``intermediate_ssm`` +
+  ``intermediate_conv_window`` (allocated for the server's life: resident = peak); deferred
+  (``DeferredSpecState``): *resident* = the stash, the only part that carries state from one
+  round to the next; *peak* = stash + pending verify activations + the verify variant's node
+  states. The glue's verify is the ``one_layer`` variant (one layer's node SSM states and conv
+  windows, reused by every layer), and it preallocates that workspace (fixed addresses for CUDA
+  graphs), so the deferred pool *allocates* its ``one_layer`` peak for the server's life; the
+  ``on_chip`` variant (node states in registers, ``ops/verify/fused.py``) is not wired into
+  SGLang: its peak is shown as the built pool without the one-layer SSM buffer;
+- SSM pool slots, KV tokens and ``max_running_requests`` as SGLang resolved them.
 
-each both from the closed-form formula and from constructing this project's buffer classes on
-CPU at a reduced size (1 layer, 2 rows, 2 draft tokens, full per-layer shapes) and scaling; the
-two must agree (the script exits non-zero otherwise).
+Reductions are per request row (both modes size their buffers by ``max_running_requests + 1``
+rows): snapshot bytes per row / deferred bytes per row. ``capacity_ratio`` is deferred
+``max_running_requests`` / snapshot's at the same budget. By default the runs pass
+``--max-running-requests 512`` (a user bound above both modes' memory limits, so memory decides;
+without it SGLang resets the bound to 48 for speculative decoding, also printed).
 
-Last line, always for Kimi-Linear-48B-A3B, topk=4, steps=3, draft_token_num=63,
-max_running_requests=32, bf16 (states, conv windows and activations), deferred verify variant
-``on_chip``::
+Last line, for Kimi-Linear-48B-A3B (TP 1 on a 140 GiB GPU, 48B bf16 weights), topk=4, steps=3,
+draft_token_num=63, bf16 states, conv windows, activations and KV, deferred verify variant
+``one_layer`` (the one SGLang runs)::
 
-    peak_reduction=<snapshot peak / deferred peak> resident_reduction=<snapshot / stash>
+    peak_reduction=<x> resident_reduction=<y> capacity_ratio=<z>
 
-Usage: ``python -m sglang_mamba_ext.benchmarks.spec_memory [--topk 4 --steps 3 --draft-token-num 63
---max-running-requests 32 --dtype bf16 --ssm-dtype fp32 --head-chunk 1]`` (or
-``python scripts/plan_spec_memory.py`` with the same arguments).
+Usage: ``python -m sglang_mamba_ext.benchmarks.spec_memory [--topk 4 --steps 3
+--draft-token-num 63 --max-running-requests 512 --total-gib 140 --mem-fraction-static 0.88
+--ssm-dtype bf16 --tp N --models ...]`` (or ``python scripts/plan_spec_memory.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Dict, Optional
 
-import torch
+from sglang_mamba_ext.benchmarks.sglang_pools import PUBLISHED, PoolResult, size_pools
 
-from sglang_mamba_ext.speculative.reference.sizing import MODELS, VARIANTS, spec_memory_formula, spec_memory_measured
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def gib(x: int) -> str:
-    return f"{x / 2**30:10.3f} GiB"
+HEADLINE = "Kimi-Linear-48B-A3B"
+#: default tensor-parallel size per model: the smallest that holds the bf16 weights on a 140 GiB GPU
+DEFAULT_TP = {"Kimi-Linear-48B-A3B": 1, "Qwen3-Next-80B-A3B": 2}
+SSM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
-def report(name, args, dtype, ssm_dtype) -> bool:
-    m = MODELS[name]
-    kw = dict(topk=args.topk, steps=args.steps, draft_token_num=args.draft_token_num, max_running=args.max_running_requests,
-              dtype=dtype, ssm_dtype=ssm_dtype, head_chunk=args.head_chunk)
-    f = spec_memory_formula(m, **kw)
-    c = spec_memory_measured(m, **kw)
-    ok = True
-    print(f"== {m.name} ({m.kind}, L={m.num_linear_layers} linear layers, shape {m.shape})")
-    print(f"   source: {m.source}")
-    print(f"   {'':34s}{'formula':>16s}{'constructed':>16s}")
+def gib(x: float) -> str:
+    return f"{x / 2**30:.3f} GiB"
 
-    def row(label, a, b):
-        nonlocal ok
-        ok &= a == b
-        print(f"   {label:34s}{gib(a):>16s}{gib(b):>16s}{'' if a == b else '   MISMATCH'}")
 
-    row("snapshot resident = peak", f.snapshot, c.snapshot)
-    row("deferred resident (stash)", f.stash, c.stash)
-    row("  verify workspace: pending acts", f.pending, c.pending)
-    row("  verify workspace: conv windows", f.conv_windows, c.conv_windows)
-    for v in VARIANTS:
-        row(f"  node states [{v}]", f.node_states[v], c.node_states[v])
-    for v in VARIANTS:
-        row(f"deferred peak [{v}]", f.deferred_peak(v), c.deferred_peak(v))
-    print(f"   resident reduction: {f.resident_reduction():.1f}x; peak reduction: "
-          + ", ".join(f"{v} {f.peak_reduction(v):.1f}x" for v in VARIANTS)
-          + f"  (L = {m.num_linear_layers})")
-    return ok
+def mib(x: float) -> str:
+    return f"{x / 2**20:.2f} MiB"
+
+
+def weights_gib(name: str, tp: int) -> float:
+    """bf16 weight bytes per GPU from the nominal parameter count, in GiB."""
+    return PUBLISHED[name].params_b * 1e9 * 2 / tp / 2**30
+
+
+class ModeRow:
+    """Per-row and total speculative bytes of one SGLang-built pool (module docstring)."""
+
+    def __init__(self, r: PoolResult):
+        self.r = r
+        s, rows = r.spec, max(r.rows, 1)
+        if "stash" in s:
+            self.allocated = r.spec_bytes
+            self.resident = s["stash"]
+            self.peak = {"one_layer": r.spec_bytes, "on_chip": r.spec_bytes - s["one_layer_ssm"]}
+        else:
+            self.allocated = self.resident = r.spec_bytes
+            self.peak = {"one_layer": r.spec_bytes, "on_chip": r.spec_bytes}
+        self.rows = rows
+
+    def per_row(self, x: int) -> float:
+        return x / self.rows
+
+
+def _print_mode(label: str, m: Optional[ModeRow], refused: Optional[str] = None) -> None:
+    if m is None:
+        print(f"   {label}: {refused}")
+        return
+    r = m.r
+    print(f"   {label:9s} resident {gib(m.resident):>12s}  peak {gib(m.peak['one_layer']):>12s}  "
+          f"({r.rows} rows; per row resident {mib(m.per_row(m.resident))}, peak {mib(m.per_row(m.peak['one_layer']))})  "
+          f"SSM slots {r.max_mamba_cache_size:5d}  KV tokens {r.max_total_num_tokens:9d}  "
+          f"max_running_requests {r.max_running_requests:4d}")
+
+
+def report(name: str, args, tp: int) -> Dict[str, object]:
+    """Run and print one model; returns ``{"snapshot": ModeRow, "deferred": ModeRow | None,
+    "refused": str | None}``."""
+    w = weights_gib(name, tp)
+    free = args.total_gib - w
+    kw = dict(total_gib=args.total_gib, free_gib=free, tp=tp, topk=args.topk, steps=args.steps,
+              draft_tokens=args.draft_token_num, mem_fraction_static=args.mem_fraction_static,
+              ssm_dtype=SSM_DTYPES[args.ssm_dtype])
+    bound = ["--max-running-requests", str(args.max_running_requests)] if args.max_running_requests else []
+    print(f"== {name}")
+    print(f"   config: {PUBLISHED[name].source}")
+    print(f"   budget: TP={tp}, {args.total_gib:.1f} GiB per GPU, weights {w:.1f} GiB "
+          f"({PUBLISHED[name].params_b:g}B params, bf16, / TP), free after loading {free:.1f} GiB, "
+          f"--mem-fraction-static {args.mem_fraction_static}")
+    out: Dict[str, object] = {"snapshot": None, "deferred": None, "refused": None}
+    snap = size_pools(name, "snapshot", extra_argv=bound, **kw)
+    if snap.refused:
+        print(f"   snapshot: refused by SGLang: {snap.refused}")
+        return out
+    print(f"   SGLang split {gib(snap.rest_bytes)} between the Mamba and KV pools "
+          f"(Mamba slot {mib(snap.slot_bytes)}, {snap.mamba_ratio} slots per request, KV {snap.kv_cell_bytes} B/token)")
+    s = out["snapshot"] = ModeRow(snap)
+    _print_mode("snapshot", s)
+    dfr = size_pools(name, "deferred", extra_argv=bound, **kw)
+    if dfr.refused:
+        gdn = PUBLISHED[name].config.get("model_type") == "qwen3_next"
+        out["refused"] = dfr.refused
+        _print_mode("deferred", None, ("GDN pending: " if gdn else "refused: ") + dfr.refused)
+        return out
+    d = out["deferred"] = ModeRow(dfr)
+    _print_mode("deferred", d)
+    print("   deferred bytes per row: " + ", ".join(f"{k} {mib(v / d.rows)}" for k, v in dfr.spec.items()))
+    for v, note in (("one_layer", "built by the glue"), ("on_chip", "not wired into SGLang: built pool minus one_layer_ssm")):
+        print(f"   peak reduction per row [{v}] {s.per_row(s.peak[v]) / d.per_row(d.peak[v]):.1f}x ({note})")
+    print(f"   resident reduction per row (stash) {s.per_row(s.resident) / d.per_row(d.resident):.1f}x; "
+          f"allocated at start-up {s.per_row(s.allocated) / d.per_row(d.allocated):.1f}x (the glue preallocates its verify workspace)")
+    print(f"   capacity: max_running_requests {snap.max_running_requests} -> {dfr.max_running_requests} "
+          f"({dfr.max_running_requests / snap.max_running_requests:.2f}x), SSM slots {snap.max_mamba_cache_size} -> "
+          f"{dfr.max_mamba_cache_size}, KV tokens {snap.max_total_num_tokens} -> {dfr.max_total_num_tokens}")
+    if bound:
+        s48 = size_pools(name, "snapshot", **kw)
+        d48 = size_pools(name, "deferred", **kw)
+        if not (s48.refused or d48.refused):
+            print(f"   without --max-running-requests (SGLang's speculative default 48): max_running_requests "
+                  f"{s48.max_running_requests} -> {d48.max_running_requests}, SSM slots {s48.max_mamba_cache_size} -> "
+                  f"{d48.max_mamba_cache_size}, KV tokens {s48.max_total_num_tokens} -> {d48.max_total_num_tokens}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -79,33 +148,39 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=4, help="--speculative-eagle-topk")
     ap.add_argument("--steps", type=int, default=3, help="--speculative-num-steps")
     ap.add_argument("--draft-token-num", type=int, default=63, help="--speculative-num-draft-tokens")
-    ap.add_argument("--max-running-requests", type=int, default=32)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="conv window / activation dtype")
-    ap.add_argument("--ssm-dtype", choices=sorted(DTYPES), default=None, help="SSM state dtype (default: --dtype)")
-    ap.add_argument("--head-chunk", type=int, default=1, help="value heads per pass of the head_chunk variant")
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ", ".join(MODELS))
+    ap.add_argument("--max-running-requests", type=int, default=512,
+                    help="passed to SGLang as a user bound (0: not passed; SGLang then uses 48)")
+    ap.add_argument("--total-gib", type=float, default=140.0, help="device memory per GPU before loading, GiB")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.88)
+    ap.add_argument("--ssm-dtype", choices=sorted(SSM_DTYPES), default="bf16", help="SSM state dtype (conv, KV: bf16)")
+    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel size for every model (default: per model, "
+                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_TP.items()) + ")")
+    ap.add_argument("--models", default=",".join(PUBLISHED), help="comma-separated subset of " + ", ".join(PUBLISHED))
     args = ap.parse_args(argv)
-    dtype = DTYPES[args.dtype]
-    ssm_dtype = DTYPES[args.ssm_dtype] if args.ssm_dtype else None
-    print(f"topk={args.topk} steps={args.steps} draft_token_num={args.draft_token_num} "
-          f"max_running_requests={args.max_running_requests} dtype={args.dtype} ssm_dtype={args.ssm_dtype or args.dtype}")
-    ok = True
     for name in args.models.split(","):
-        if name not in MODELS:
-            ap.error(f"--models: unknown model {name!r}; choose from {', '.join(MODELS)}")
-        ok &= report(name, args, dtype, ssm_dtype)
-    # the headline configuration (issue 5)
-    m = MODELS["Kimi-Linear-48B-A3B"]
-    kw = dict(topk=4, steps=3, draft_token_num=63, max_running=32, dtype=torch.bfloat16)
-    f = spec_memory_formula(m, **kw)
-    c = spec_memory_measured(m, **kw)
-    ok &= f.snapshot == c.snapshot and f.deferred_peak("on_chip") == c.deferred_peak("on_chip") and f.stash == c.stash
-    print("headline: Kimi-Linear-48B-A3B topk=4 steps=3 draft_token_num=63 max_running=32 bf16, "
-          f"deferred verify=on_chip (one_layer would give peak {f.peak_reduction('one_layer'):.1f}x); L={m.num_linear_layers}")
-    if not ok:
-        print("formula and constructed buffers disagree", file=sys.stderr)
+        if name not in PUBLISHED:
+            ap.error(f"--models: unknown model {name!r}; choose from {', '.join(PUBLISHED)}")
+    print(f"speculative buffers as SGLang builds them: topk={args.topk} steps={args.steps} "
+          f"draft_token_num={args.draft_token_num} ssm={args.ssm_dtype}, conv/activations/KV bf16, "
+          f"--max-running-requests {args.max_running_requests or 'not given (48)'}")
+    results = {}
+    for name in args.models.split(","):
+        results[name] = report(name, args, args.tp or DEFAULT_TP[name])
+    if any(r["refused"] for r in results.values()):
+        print("note: a refused deferred row means the deferred glue (sglang_mamba_ext/plugin/speculative/hooks.py) "
+              "does not support that model's linear layers")
+    head = results.get(HEADLINE)
+    if head is None or head["deferred"] is None:
+        print(f"the headline needs {HEADLINE} in deferred mode", file=sys.stderr)
         return 1
-    print(f"peak_reduction={f.peak_reduction('on_chip'):.1f} resident_reduction={f.resident_reduction():.1f}")
+    s, d = head["snapshot"], head["deferred"]
+    print(f"headline: {HEADLINE} TP={args.tp or DEFAULT_TP[HEADLINE]} topk={args.topk} steps={args.steps} "
+          f"draft_token_num={args.draft_token_num} {args.ssm_dtype}; deferred verify variant one_layer (what SGLang "
+          f"builds; on_chip would give peak {s.per_row(s.peak['on_chip']) / d.per_row(d.peak['on_chip']):.1f}x); "
+          "resident = stash; per request row")
+    print(f"peak_reduction={s.per_row(s.peak['one_layer']) / d.per_row(d.peak['one_layer']):.1f} "
+          f"resident_reduction={s.per_row(s.resident) / d.per_row(d.resident):.1f} "
+          f"capacity_ratio={d.r.max_running_requests / s.r.max_running_requests:.2f}")
     return 0
 
 

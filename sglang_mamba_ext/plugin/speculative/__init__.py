@@ -66,21 +66,22 @@ untested). The on-chip tree-verify Triton kernel (``sglang_mamba_ext/speculative
 wired into SGLang's backends: verify here uses SGLang's kernels with the one-layer buffer, and the
 pending workspace is preallocated (fixed addresses for CUDA graphs), so this glue's footprint
 is the planner's ``one_layer`` peak (``scripts/plan_spec_memory.py``, also
-``python -m sglang_mamba_ext.benchmarks.spec_memory``). SGLang's memory planner
-(``mem_cache/kv_cache_configurator.py``, ``reserves_spec_state``) still reserves the snapshot
-buffer's size when it sizes the pools, so the saved memory is not yet handed to the KV pool.
+``python -m sglang_mamba_ext.benchmarks.spec_memory``). SGLang's memory budget
+(``KVCacheConfigurator._handle_max_mamba_cache``) charges that state's bytes instead of the
+snapshot buffers' (:mod:`.budget`), so the saving becomes SSM slots and running requests.
 """
 
 from __future__ import annotations
 
 from typing import List, Tuple
 
-__all__ = ["register_spec_hooks", "HOOK_TARGETS"]
+__all__ = ["register_spec_hooks", "HOOK_TARGETS", "hook_function"]
 
 _KDA = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend._forward_target_verify"
 _GDN = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.forward_extend"
 
-#: (target, hook type name, hook function name in :mod:`.hooks`)
+#: (target, hook type name, hook function name in :mod:`.hooks`, or ``module.function`` for
+#: another module of this package)
 HOOK_TARGETS: List[Tuple[str, str, str]] = [
     ("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", "add_cli_args_after"),
     ("sglang.srt.server_args.ServerArgs.from_cli_args", "AFTER", "from_cli_args_after"),
@@ -95,7 +96,18 @@ HOOK_TARGETS: List[Tuple[str, str, str]] = [
      "worker_forward_before"),
     ("sglang.srt.mem_cache.common.release_kv_cache", "BEFORE", "release_kv_cache_before"),
     ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows", "BEFORE", "free_rows_before"),
+    # SGLang's memory budget: the deferred state's bytes replace the snapshot buffers' (budget.py)
+    ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._handle_max_mamba_cache", "AROUND",
+     "budget.handle_max_mamba_cache_around"),
 ]
+
+
+def hook_function(name: str):
+    """The function a :data:`HOOK_TARGETS` entry names (``fn`` in :mod:`.hooks`, or ``module.fn``)."""
+    import importlib
+
+    mod, _, fn = name.rpartition(".")
+    return getattr(importlib.import_module(f"{__name__}.{mod or 'hooks'}"), fn)
 
 _registered = False
 
@@ -112,12 +124,10 @@ def register_spec_hooks() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mamba_ext.plugin.speculative import hooks
-
     from sglang_mamba_ext.plugin.speculative import cpu_routing
 
     for target, kind, name in HOOK_TARGETS:
-        HookRegistry.register(target, getattr(hooks, name), getattr(HookType, kind))
+        HookRegistry.register(target, hook_function(name), getattr(HookType, kind))
     # The pp_proxy_tensors workaround (every device) and the CPU routing of the speculative
     # path (inert unless cpu_routing.CPU_SPEC_ENV is 1 on a host without CUDA).
     for target, kind, name in cpu_routing.CPU_HOOK_TARGETS:
