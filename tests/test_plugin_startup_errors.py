@@ -80,11 +80,11 @@ class TestStartupErrorsLikeArgparse(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def _launch(self, *extra):
+    def _launch(self, *extra, model=None):
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         env.pop("SGLANG_PLUGINS", None)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.llama, "--device", "cpu",
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model or self.llama, "--device", "cpu",
                "--port", "39123", *extra]
         start = time.monotonic()
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=BOUND_S + 120, cwd=REPO)
@@ -120,6 +120,32 @@ class TestStartupErrorsLikeArgparse(unittest.TestCase):
             "FROZEN_KV_MTP (or drop --mamba-spec-state-update)",
         )
 
+
+    def test_tiny_model_heads_not_divisible_by_tp(self):
+        # found by a new user: this used to fail in the scheduler processes (traceback, exit 137)
+        from sglang_mamba_ext.testing import tiny_model_dir
+
+        out, elapsed = self._launch("--tp", "4", model=tiny_model_dir())
+        self._assert_argparse_error(
+            out, elapsed,
+            "--tp 4: the tiny model's num_key_value_heads=2 is not divisible by it; use --tp 1, 2 "
+            "(attention and linear-attention heads are split evenly over the ranks)",
+        )
+
+    def test_deferred_with_a_draft_that_has_linear_layers(self):
+        from sglang_mamba_ext.testing import tiny_model_dir
+
+        tiny = tiny_model_dir()
+        out, elapsed = self._launch(
+            "--speculative-algorithm", "FROZEN_KV_MTP", "--speculative-draft-model-path", tiny,
+            "--mamba-spec-state-update", "deferred", "--disable-overlap-schedule", model=tiny,
+        )
+        self._assert_argparse_error(
+            out, elapsed,
+            "--speculative-draft-model-path: --mamba-spec-state-update deferred needs a draft without "
+            "Mamba/linear-attention layers (tiny_hybrid has them; a frozen-KV draft reads the target's KV "
+            "only): use another draft or --mamba-spec-state-update snapshot",
+        )
 
 if __name__ == "__main__":
     unittest.main()

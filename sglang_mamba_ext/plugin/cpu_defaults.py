@@ -207,6 +207,9 @@ def multi_rank_env(argv: Sequence[str]) -> List[Tuple[str, str]]:
 
 
 def _before_prepare_server_args(argv, *args, **kwargs):
+    from sglang_mamba_ext.plugin.early_checks import early_model_checks
+
+    early_model_checks(argv or [])
     new_argv, added = cpu_default_args(argv)
     if _active(new_argv) and CONV_DTYPE_ENV not in os.environ:
         os.environ[CONV_DTYPE_ENV] = "float32"  # inherited by the scheduler processes

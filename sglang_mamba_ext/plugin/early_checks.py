@@ -1,0 +1,66 @@
+"""Model-level refusals made before any process starts (``docs/design.md``, "SGLang wiring").
+
+Some combinations can only be refused once a model is known: SGLang reads configs inside the
+scheduler processes, where an error is a traceback and a killed process group. The ones that
+can be decided from the local ``config.json`` files named on the command line are checked
+here, on the raw argv, in the launcher's own process, and raised as
+:class:`~sglang_mamba_ext.plugin.startup_errors.FlagError` (reported like an argparse error,
+exit status 2). Only for the project's tiny model or ``--mamba-spec-state-update deferred``;
+every other launch is untouched. The in-process checks (``plugin/speculative/hooks.py``,
+``models/tiny_shard.py``) stay for hub models and ``sglang.Engine``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from sglang_mamba_ext.plugin.cpu_defaults import TINY_MODEL_TYPE, _flag_value, _int_flag, local_model_config
+from sglang_mamba_ext.plugin.startup_errors import FlagError
+
+#: ``model_type`` of SGLang's Mamba2-family hybrids (``configs/hybrid_arch.py::mamba2_config``).
+MAMBA2_MODEL_TYPES = frozenset({
+    "nemotron_h", "falcon_h1", "mamba2", "mamba", "falcon_mamba", "granitemoehybrid", "lfm2", "lfm2_moe", "zaya",
+})
+_HEADS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads")
+
+
+def _check_tiny(cfg: dict, argv: Sequence[str]) -> None:
+    from sglang_mamba_ext.models.linear_attn import GATES
+
+    gate = cfg.get("linear_gate", "kda")
+    if gate not in GATES:
+        raise FlagError(f"--model-path: config.json has linear_gate={gate!r}; use one of {GATES} "
+                        "(scripts/make_tiny_model.py --linear-gate)")
+    tp = _int_flag(argv, "--tp", "--tp-size", "--tensor-parallel-size")
+    if _flag_value(argv, "--enable-dp-attention") is not None:
+        tp //= max(1, _int_flag(argv, "--dp", "--dp-size", "--data-parallel-size"))
+    for name in _HEADS:
+        n = cfg.get(name)
+        if isinstance(n, int) and tp > 1 and n % tp:
+            ok = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+            raise FlagError(f"--tp {tp}: the tiny model's {name}={n} is not divisible by it; use --tp {ok} "
+                            "(attention and linear-attention heads are split evenly over the ranks)")
+
+
+def _check_deferred(argv: Sequence[str]) -> None:
+    target = local_model_config(_flag_value(argv, "--model-path"))
+    mt = target.get("model_type")
+    if mt in MAMBA2_MODEL_TYPES:
+        raise FlagError(f"--mamba-spec-state-update deferred supports KDA (Kimi-Linear) and Gated DeltaNet "
+                        f"(Qwen3-Next) hybrids; {mt} (Mamba2 layers) needs its own replay kernel: use "
+                        "--mamba-spec-state-update snapshot")
+    draft = local_model_config(_flag_value(argv, "--speculative-draft-model-path"))
+    dt = draft.get("model_type")
+    if dt == TINY_MODEL_TYPE or dt in MAMBA2_MODEL_TYPES or "linear_attention" in (draft.get("layer_types") or []):
+        raise FlagError("--speculative-draft-model-path: --mamba-spec-state-update deferred needs a draft without "
+                        f"Mamba/linear-attention layers ({dt} has them; a frozen-KV draft reads the target's KV "
+                        "only): use another draft or --mamba-spec-state-update snapshot")
+
+
+def early_model_checks(argv: Sequence[str]) -> None:
+    """Raise :class:`FlagError` for the combinations in the module docstring."""
+    cfg = local_model_config(_flag_value(argv, "--model-path"))
+    if cfg.get("model_type") == TINY_MODEL_TYPE:
+        _check_tiny(cfg, argv)
+    if _flag_value(argv, "--mamba-spec-state-update") == "deferred":
+        _check_deferred(argv)
