@@ -21,6 +21,7 @@ setup(
             "hypothesis",
             "fla-core",
             "requests",
+            "sglang-router==0.3.2",  # tests/e2e/test_router_replicas.py
         ],
     },
     entry_points={

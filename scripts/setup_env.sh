@@ -25,7 +25,7 @@ want = {"torch": "2.14.1", "sglang": "0.5.23"}
 for name, ver in want.items():
     if md.version(name) != ver:
         sys.exit(1)
-for name in ("sglang-mamba-ext", "pytest", "hypothesis", "fla-core", "requests"):
+for name in ("sglang-mamba-ext", "pytest", "hypothesis", "fla-core", "requests", "sglang-router"):
     md.version(name)
 eps = md.entry_points(group="sglang.srt.plugins")
 if not any(ep.value.startswith("sglang_mamba_ext.") for ep in eps):
