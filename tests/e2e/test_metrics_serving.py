@@ -117,18 +117,23 @@ class TestMetricsServing(unittest.TestCase):
         self.assertEqual(m["warmup_hit_tokens_total"], tokens)
         self.assertIn(f"the second pass hit {tokens} cached tokens", self.server.log_text())
 
+    def generate_measured(self, ids, label):
+        """Greedy ``/generate`` of ``ids``; returns the response and how the cache's series
+        moved over it (after the server settled)."""
+        before = scrape(self.server)
+        out = self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS)
+        settle(self.server)
+        d = moved(before, scrape(self.server))
+        print(label + ":", json.dumps(d, sort_keys=True))
+        return out, d
+
     def test_b_fresh_prompt_then_resend(self):
         ids = self.fresh_prompt("Zebras graze quietly near the river while seven herons watch. " * 2)
         n = len(ids)
         self.assertNotEqual(n % GRID, 0)  # off the grid: only the prompt-end state serves a resend
         self.assertNotEqual((n - 1) % GRID, 0)
-        m0 = scrape(self.server)
-        first = self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS)
+        first, d = self.generate_measured(ids, f"fresh prompt of {n} tokens")
         self.assertEqual(first["meta_info"]["cached_tokens"], 0)
-        settle(self.server)
-        m1 = scrape(self.server)
-        d = moved(m0, m1)
-        print("fresh prompt of", n, "tokens:", json.dumps(d, sort_keys=True))
         self.assertEqual(d.get("matches_total"), 1)
         self.assertEqual(d.get("prompt_tokens_total"), n)
         self.assertNotIn("kv_match_tokens_total", d)
@@ -143,13 +148,9 @@ class TestMetricsServing(unittest.TestCase):
         self.assertEqual(d.get("ssm_states"), 2)
         self.assertEqual(d.get("kv_tokens"), n + NEW_TOKENS - 1)
 
-        again = self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS)
+        again, d = self.generate_measured(ids, "resent")
         self.assertEqual(again["meta_info"]["cached_tokens"], n - 1)
         self.assertEqual(again["output_ids"], first["output_ids"])
-        settle(self.server)
-        m2 = scrape(self.server)
-        d = moved(m1, m2)
-        print("resent:", json.dumps(d, sort_keys=True))
         self.assertEqual(d.get("matches_total"), 1)
         self.assertEqual(d.get("prompt_tokens_total"), n)
         self.assertEqual(d.get("kv_match_tokens_total"), n - 1)
@@ -170,21 +171,13 @@ class TestMetricsServing(unittest.TestCase):
         self.assertNotEqual(one[k], base[k])
         self.assertNotEqual(two[k], base[k])
         self.assertNotEqual(one[k], two[k])
-        m0 = scrape(self.server)
-        out = self.server.generate(input_ids=one, max_new_tokens=NEW_TOKENS)
+        out, d = self.generate_measured(one, "diverging inside it")
         self.assertEqual(out["meta_info"]["cached_tokens"], 0)
-        settle(self.server)
-        m1 = scrape(self.server)
-        d = moved(m0, m1)
-        print("diverging inside it:", json.dumps(d, sort_keys=True))
         self.assertEqual(d.get("kv_match_tokens_total"), k)  # KV present ...
         self.assertNotIn("prefix_tokens_total", d)  # ... but no state at k: not a hit
         self.assertEqual(d.get("checkpoints_total{branch}"), 1)
-        out = self.server.generate(input_ids=two, max_new_tokens=NEW_TOKENS)
+        out, d = self.generate_measured(two, "second diverging")
         self.assertEqual(out["meta_info"]["cached_tokens"], k)
-        settle(self.server)
-        d = moved(m1, scrape(self.server))
-        print("second diverging:", json.dumps(d, sort_keys=True))
         self.assertEqual((d.get("kv_match_tokens_total"), d.get("prefix_tokens_total")), (k, k))
         self.assertEqual(d.get("checkpoint_hits_total{branch}"), 1)
 
