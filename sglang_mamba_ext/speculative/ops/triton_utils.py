@@ -18,7 +18,8 @@ from typing import Any, Iterator
 import triton
 import triton.language as tl
 
-__all__ = ["gated_delta_step", "softplus", "is_interpreted", "interpreter_env", "launch_scope"]
+__all__ = ["gated_delta_step", "softplus", "silu_l2_kv", "raw_decay_beta", "is_interpreted", "interpreter_env",
+           "launch_scope"]
 
 
 # One gated-delta-rule token on a [BK, BV] float32 state tile: S * decay, then
@@ -65,3 +66,32 @@ def launch_scope(kernel: Any) -> "contextlib.AbstractContextManager[None]":
     """Context for launching ``kernel``: :func:`interpreter_env` if the kernel is
     interpreted, else nothing."""
     return interpreter_env() if is_interpreted(kernel) else contextlib.nullcontext()
+
+
+# One token's key and value from their conv outputs (float32 ``yk [BK]``, ``yv [BV]``, before
+# the activation): SiLU, the forward's rounding to the activation dtype ``act_ty``, per-head L2
+# norm of k (masked lanes ``mk`` zero). Shared by the replay and in-chunk checkpoint kernels.
+@triton.jit
+def silu_l2_kv(yk, yv, mk, act_ty: tl.constexpr, EPS: tl.constexpr):
+    yk = (yk * tl.sigmoid(yk)).to(act_ty).to(tl.float32)
+    yv = (yv * tl.sigmoid(yv)).to(act_ty).to(tl.float32)
+    yk = tl.where(mk, yk, 0.0)
+    kn = (yk * (1.0 / tl.sqrt(tl.sum(yk * yk, axis=0) + EPS))).to(act_ty).to(tl.float32)
+    return kn, yv
+
+
+# One token's activated decay and beta for value head ``i_hv`` from the raw gates:
+# ``decay = exp(-exp(A_log) * softplus(g_raw + dt_bias))``, per key channel (KDA: ``[BK, 1]``,
+# ``g_tok`` / ``dtb`` rows of ``HV*K``) or one per value head (GDN, ``PER_HEAD_GATE``: a scalar,
+# rows of ``HV``); ``beta = sigmoid(b_raw)``. ``neg_a = -exp(A_log[i_hv])``.
+@triton.jit
+def raw_decay_beta(g_tok, b_tok, dtb, neg_a, i_hv, offs_k, mk, K: tl.constexpr, PER_HEAD_GATE: tl.constexpr):
+    if PER_HEAD_GATE:
+        graw = tl.load(g_tok + i_hv).to(tl.float32)
+        decay = tl.exp(neg_a * softplus(graw + tl.load(dtb + i_hv).to(tl.float32)))
+    else:
+        graw = tl.load(g_tok + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        bias = tl.load(dtb + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        decay = tl.exp(neg_a * softplus(graw + bias))[:, None]
+    beta = tl.sigmoid(tl.load(b_tok + i_hv).to(tl.float32))
+    return decay, beta

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_mamba_ext.speculative.ops.triton_utils import gated_delta_step, launch_scope, softplus
+from sglang_mamba_ext.speculative.ops.triton_utils import gated_delta_step, launch_scope, raw_decay_beta, silu_l2_kv
 
 if TYPE_CHECKING:
     from sglang_mamba_ext.speculative.replay import ReplayPlan, ReplayWeights
@@ -98,21 +98,10 @@ def _replay_recurrent_kernel(
                 if HAS_BIAS:
                     yk += tl.load(cb_base + ck, mask=mk, other=0.0).to(tl.float32)
                     yv += tl.load(cb_base + cv, mask=mv, other=0.0).to(tl.float32)
-                # SiLU, then the forward's rounding to the activation dtype
-                yk = (yk * tl.sigmoid(yk)).to(act_ty).to(tl.float32)
-                yv = (yv * tl.sigmoid(yv)).to(act_ty).to(tl.float32)
-                yk = tl.where(mk, yk, 0.0)
-                # per-head L2 norm of k (q is not needed: replay produces no output)
-                kn = (yk * (1.0 / tl.sqrt(tl.sum(yk * yk, axis=0) + EPS))).to(act_ty).to(tl.float32)
-                if PER_HEAD_GATE:  # GDN: one decay per value head
-                    graw = tl.load(graw_ptr + (row + t) * GD + i_hv).to(tl.float32)
-                    dtb = tl.load(dtb_ptr + i_l * HV + i_hv).to(tl.float32)
-                    decay = tl.exp(neg_a * softplus(graw + dtb))
-                else:  # KDA: per key channel
-                    graw = tl.load(graw_ptr + (row + t) * GD + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-                    dtb = tl.load(dtb_ptr + i_l * HV * K + i_hv * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-                    decay = tl.exp(neg_a * softplus(graw + dtb))[:, None]
-                beta = tl.sigmoid(tl.load(braw_ptr + (row + t) * BD_ + i_hv).to(tl.float32))
+                # SiLU, the forward's rounding, L2 norm of k (q is not needed: no output)
+                kn, yv = silu_l2_kv(yk, yv, mk, act_ty, EPS)
+                decay, beta = raw_decay_beta(graw_ptr + (row + t) * GD, braw_ptr + (row + t) * BD_,
+                                             dtb_ptr + i_l * GD, neg_a, i_hv, offs_k, mk, K, PER_HEAD_GATE)
                 S = gated_delta_step(S, kn, yv, decay, beta)
                 if t == tstep:
                     tl.store(st_base + tslot * s_ss + tile, S.to(state_ptr.dtype.element_ty), mask=mkv)
