@@ -1,0 +1,174 @@
+"""In-chunk checkpoint writer (``speculative/ops/inchunk``): the Triton kernels (CPU: Triton's
+interpreter) against the torch reference and against fla's naive recurrences, for KDA (decay
+per key channel) and Gated DeltaNet (decay per value head)."""
+
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
+from sglang_mamba_ext.speculative.ops.inchunk import plan_writes, write_checkpoints
+from sglang_mamba_ext.speculative.replay import ReplayWeights
+from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu, triton_subprocess_case
+
+
+def _load_kernels() -> bool:
+    """The replay kernels (and Triton) interpreted on CPU, then this op's kernels too."""
+    if not load_triton_kernels_for_cpu():
+        return False
+    if torch.cuda.is_available():
+        import sglang_mamba_ext.speculative.ops.inchunk.fused  # noqa: F401
+        return True
+    from sglang_mamba_ext.speculative.ops.triton_utils import interpreter_env, is_interpreted
+
+    with interpreter_env():
+        from sglang_mamba_ext.speculative.ops.inchunk import fused
+    return is_interpreted(fused._inchunk_recurrent_kernel)
+
+
+_CAN_RUN = _load_kernels()
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPE = LinearAttnShape(2, 4, 8, 8, 4)  # H, HV, K, V, W
+
+
+def _mixers(L, gate, seed=0):
+    torch.manual_seed(seed)
+    ms = [GatedDeltaRuleMixer(16, SHAPE, conv_bias=True, gate=gate) for _ in range(L)]
+    with torch.no_grad():
+        for m in ms:
+            m.A_log.normal_(0, 0.5)
+            m.dt_bias.normal_()
+            m.conv_bias.normal_()
+    return [m.to(DEV) for m in ms]
+
+
+def _inputs(L, T, gate, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    D = SHAPE.conv_dim
+    GD = SHAPE.num_v_heads * (1 if gate == "gdn" else SHAPE.head_k_dim)
+    mixed = torch.randn(L, T, D, generator=g)
+    g_raw = torch.randn(L, T, GD, generator=g)
+    b_raw = torch.randn(L, T, SHAPE.num_v_heads, generator=g)
+    return mixed.to(DEV), g_raw.to(DEV), b_raw.to(DEV)
+
+
+def _pools(L, slots, seed=2, transposed=False):
+    """conv [L, slots, D, W-1] and temporal [L, slots, HV, K, V]; ``transposed``: views of
+    SGLang KDA's [W-1, D] / [HV, V, K] storage."""
+    g = torch.Generator().manual_seed(seed)
+    s = SHAPE
+    if transposed:
+        conv = torch.randn(L, slots, s.conv_kernel - 1, s.conv_dim, generator=g).to(DEV).transpose(-1, -2)
+        temp = torch.randn(L, slots, s.num_v_heads, s.head_v_dim, s.head_k_dim, generator=g).to(DEV).transpose(-1, -2)
+    else:
+        conv = torch.randn(L, slots, s.conv_dim, s.conv_kernel - 1, generator=g).to(DEV)
+        temp = torch.randn(L, slots, s.num_v_heads, s.head_k_dim, s.head_v_dim, generator=g).to(DEV)
+    return conv, temp
+
+
+@unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
+class TestInchunkTriton(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.testing.spec_pair import triton_interpreter_env
+
+        cls.enterClassContext(triton_interpreter_env())
+
+    def _both(self, gate, transposed):
+        L, T = 2, 23
+        w = ReplayWeights.from_mixers(_mixers(L, gate))
+        mixed, g_raw, b_raw = _inputs(L, T, gate)
+        # row 0: tokens 0..11 from slot 1, checkpoints inside and at the end; row 1: tokens
+        # 12..22 fresh (zeros), offsets 0, 2 (inside the conv window) and 9
+        writes = plan_writes([(0, 1, [(5, 3), (11, 4)]), (12, -1, [(2, 5), (0, 6), (9, 7)])], DEV)
+        out = {}
+        for impl in ("torch", "triton"):
+            conv, temp = _pools(L, 9, transposed=transposed)
+            write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl=impl)
+            out[impl] = (conv.clone(), temp.clone())
+        ref_conv, ref_temp = _pools(L, 9, transposed=transposed)
+        for impl in out:  # untouched slots stay as they were (source included)
+            for s in (0, 1, 2, 8):
+                torch.testing.assert_close(out[impl][0][:, s], ref_conv[:, s], rtol=0, atol=0)
+                torch.testing.assert_close(out[impl][1][:, s], ref_temp[:, s], rtol=0, atol=0)
+        torch.testing.assert_close(out["triton"][0], out["torch"][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out["triton"][1], out["torch"][1], atol=1e-4, rtol=1e-4)
+        # the offset-0 destination of a fresh row is zeros; a window two tokens in holds them
+        self.assertEqual(out["triton"][1][:, 6].abs().max().item(), 0.0)
+        torch.testing.assert_close(out["triton"][0][:, 5, :, 1:], mixed[:, 12:14].transpose(-1, -2))
+        self.assertEqual(out["triton"][0][:, 5, :, 0].abs().max().item(), 0.0)
+
+    def test_kda_matches_torch(self):
+        self._both("kda", transposed=False)
+
+    def test_gdn_matches_torch(self):
+        self._both("gdn", transposed=False)
+
+    def test_transposed_pool_views(self):
+        self._both("kda", transposed=True)
+        self._both("gdn", transposed=True)
+
+    def _against_fla(self, gate):
+        """Independent of the mixer: explicit conv, SiLU, L2 norm, gate activation, then fla's
+        naive recurrence from the start state, for the first ``p`` tokens."""
+        from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+        from fla.ops.kda.naive import naive_recurrent_kda
+
+        L, T, s = 1, 24, SHAPE
+        (m,) = _mixers(L, gate, seed=5)
+        w = ReplayWeights.from_mixers([m])
+        mixed, g_raw, b_raw = _inputs(L, T, gate, seed=6)
+        conv, temp = _pools(L, 6, seed=7)
+        points = [(1, 2), (13, 3), (23, 4), (24, 5)]
+        write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, points)], DEV), conv, temp, w)
+        H, HV, K, V, W = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim, s.conv_kernel
+        x = torch.cat([conv[0, 1].T, mixed[0]]).double()  # [W-1+T, D]: start window, tokens
+        cw = w.conv_weight[0].double()
+        y = torch.stack([(x[t:t + W].T * cw).sum(-1) for t in range(T)]) + w.conv_bias[0].double()
+        y = F.silu(y).float()
+        q, k, v = torch.split(y, [H * K, H * K, HV * V], dim=-1)
+        k = F.normalize(k.unflatten(-1, (H, K)), dim=-1, eps=1e-6).repeat_interleave(HV // H, dim=1)
+        q = torch.zeros_like(k)
+        v = v.unflatten(-1, (HV, V))
+        f = g_raw[0].float() + w.dt_bias[0].float()
+        beta = torch.sigmoid(b_raw[0].float())
+        for p, slot in points:
+            if gate == "kda":
+                g = -w.A_log[0].float().exp()[:, None] * F.softplus(f.unflatten(-1, (HV, K)))
+                _, S = naive_recurrent_kda(q[None, :p], k[None, :p], v[None, :p], g[None, :p], beta[None, :p],
+                                           initial_state=temp[0, 1][None].clone(), output_final_state=True)
+            else:
+                g = -w.A_log[0].float().exp() * F.softplus(f)
+                _, S = naive_recurrent_gated_delta_rule(q[None, :p], k[None, :p], v[None, :p], beta[None, :p],
+                                                        g[None, :p], initial_state=temp[0, 1][None].clone(),
+                                                        output_final_state=True)
+            torch.testing.assert_close(temp[0, slot], S[0].float(), atol=2e-4, rtol=2e-4)
+            torch.testing.assert_close(conv[0, slot], x[p:p + W - 1].T.float(), rtol=0, atol=0)
+
+    def test_kda_matches_fla_naive(self):
+        self._against_fla("kda")
+
+    def test_gdn_matches_fla_naive(self):
+        self._against_fla("gdn")
+
+
+class TestInchunkChecks(unittest.TestCase):
+    def test_bad_inputs_raise(self):
+        w = ReplayWeights.from_mixers(_mixers(1, "kda"))
+        mixed, g_raw, b_raw = _inputs(1, 8, "kda")
+        conv, temp = _pools(1, 4)
+        with self.assertRaisesRegex(ValueError, "past the 8 input tokens"):
+            write_checkpoints(mixed, g_raw, b_raw, plan_writes([(4, 1, [(5, 2)])], DEV), conv, temp, w)
+        with self.assertRaisesRegex(ValueError, "g_raw width 4 != 32"):
+            write_checkpoints(mixed, g_raw[..., :4].contiguous(), b_raw, plan_writes([(0, 1, [(5, 2)])], DEV),
+                              conv, temp, w)
+        with self.assertRaisesRegex(ValueError, "unknown impl"):
+            write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, [(5, 2)])], DEV), conv, temp, w, impl="x")
+
+
+TestUnderTritonInterpreter = triton_subprocess_case(__file__, "Inchunk", skip=_CAN_RUN)
+
+
+if __name__ == "__main__":
+    unittest.main()
