@@ -88,6 +88,9 @@ def install_mamba_radix() -> None:
     if RECOMPUTE_POLICY not in RADIX_EVICTION_POLICY_CHOICES:
         add_radix_eviction_policy_choices([RECOMPUTE_POLICY])
     register_warmup()
+    from sglang_mamba_ext.plugin.inchunk_checkpoints import register_inchunk_hooks
+
+    register_inchunk_hooks()  # exact prefix checkpoints with SGLang's KDA / GDN backends
     from sglang_mamba_ext.plugin.multi_rank import register_multi_rank_hooks
 
     register_multi_rank_hooks()

@@ -1,0 +1,231 @@
+"""Exact prefix checkpoints with SGLang's own KDA and Gated DeltaNet backends
+(``docs/design.md``, "Prefix checkpoints"; issue 16).
+
+SGLang's chunked linear-attention kernels (``srt/layers/attention/linear/kda_backend.py``,
+``gdn_backend.py``) keep states only on their 64-token chunk grid, so without help the plugin
+rounds a branch point down to the grid and has no prompt-end checkpoint. Under
+``--enable-mamba-radix`` two hooks per backend class change that:
+
+- AFTER ``KDAAttnBackend.__init__`` / ``GDNAttnBackend.__init__`` (:func:`backend_init_after`):
+  when the backend can be helped (CUDA device, or Triton's interpreter; no overlap scheduling,
+  as for the tiny backend; the extend not captured in SGLang's breakable prefill CUDA graph;
+  no KDA safe gate, ``lower_bound``, which the kernel does not implement; the class does not
+  override ``forward_extend``), it sets the pool's ``prefix_checkpoint_writer`` so that the
+  core plans exact positions (``MambaRadixReqToTokenPool._plan_prefix_checkpoints``);
+- AROUND ``forward_extend`` (:func:`forward_extend_around`): for an extend batch with planned
+  checkpoints (``MambaRadixReqToTokenPool.prefix_checkpoint_plan``), *before* SGLang's forward
+  advances the rows' working slots, the in-chunk writer
+  (:func:`sglang_mamba_ext.speculative.ops.inchunk.write_checkpoints`, Triton) writes each
+  planned slot's conv window and SSM state from the layer's raw inputs (``mixed_qkv``, raw
+  gate ``a``, raw ``b``).
+
+Start state: the extend's initial state, read in place from the row's working slot
+(``forward_metadata.mamba_cache_indices``; zeros for a row without prefix, as SGLang's kernels
+treat ``extend_prefix_lens == 0``). SGLang exposes per-chunk states ``h`` only from its Triton
+extend kernel and only for its own track rows (the CuTe DSL / FlashInfer kernels return none),
+so the writer does not start at the chunk before the checkpoint: it steps the recurrence from
+the extend start, ``offset`` tokens (all layers' heads in parallel, one program per value-head
+tile). ``scripts/gpu_check.sh`` measures that cost against the prefill it saves.
+
+Every hook returns SGLang's result unchanged without ``--enable-mamba-radix`` (the pool has no
+``prefix_checkpoint_writer``) or without a plan. Hook targets: ``docs/sglang-hooks.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KDA_BACKEND = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend"
+GDN_BACKEND = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
+#: (hook target, kind, function name in this module)
+HOOK_TARGETS = [
+    (KDA_BACKEND + ".__init__", "AFTER", "backend_init_after"),
+    (GDN_BACKEND + ".__init__", "AFTER", "backend_init_after"),
+    (KDA_BACKEND + ".forward_extend", "AROUND", "forward_extend_around"),
+    (GDN_BACKEND + ".forward_extend", "AROUND", "forward_extend_around"),
+]
+#: Attribute set on a backend the plugin writes checkpoints for: its layout name.
+WRITER_ATTR = "_mamba_radix_inchunk_layout"
+
+
+def register_inchunk_hooks() -> None:
+    """Register :data:`HOOK_TARGETS` with SGLang's HookRegistry (from ``install_mamba_radix``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, kind, name in HOOK_TARGETS:
+        HookRegistry.register(target, globals()[name], getattr(HookType, kind))
+
+
+def _layout_name(backend) -> Optional[str]:
+    """``"kda"`` / ``"gdn"`` for SGLang's backends (subclasses included), else None."""
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+    from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
+
+    for cls, name in ((KDAAttnBackend, "kda"), (GDNAttnBackend, "gdn")):
+        if isinstance(backend, cls):
+            # a subclass with its own forward_extend would bypass forward_extend_around
+            return name if type(backend).forward_extend is cls.forward_extend else None
+    return None
+
+
+def why_not_writer(backend, model_runner) -> Optional[str]:
+    """Why the plugin cannot write exact checkpoints for ``backend`` (None: it can)."""
+    name = _layout_name(backend)
+    if name is None:
+        return f"{type(backend).__name__} overrides forward_extend"
+    sa = getattr(model_runner, "server_args", None)
+    if not getattr(sa, "disable_overlap_schedule", True):
+        return "overlap scheduling (a planned slot could be reused while the forward that writes it is in flight)"
+    device = str(getattr(model_runner, "device", "cuda"))
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"device {device} (the Triton writer needs CUDA, or TRITON_INTERPRET=1)"
+    hf = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
+    for cfg in (hf, getattr(hf, "text_config", None)):
+        if cfg is not None and getattr(cfg, "kda_safe_gate", False):
+            return "the KDA safe gate (kda_safe_gate / lower_bound)"
+    if name == "kda":
+        try:
+            from sglang.srt.layers.attention.hybrid_linear_attn_backend import (
+                Backend,
+                Phase,
+                check_cuda_graph_backend,
+            )
+
+            if backend.supports_prefill_graph_extend() and check_cuda_graph_backend(Phase.PREFILL, Backend.BREAKABLE):
+                return "breakable prefill CUDA graphs capture the KDA extend"
+        except Exception:  # pragma: no cover - SGLang without these names
+            pass
+    return None
+
+
+def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
+    """AFTER SGLang's KDA / GDN backend ``__init__``: under ``--enable-mamba-radix`` mark the
+    backend as helped and the pool as a ``prefix_checkpoint_writer`` when
+    :func:`why_not_writer` finds no obstacle (logged otherwise: checkpoints stay on SGLang's
+    grid)."""
+    pool = getattr(model_runner, "req_to_token_pool", None)
+    if not hasattr(pool, "prefix_checkpoint_writer"):
+        return result
+    reason = why_not_writer(backend, model_runner)
+    if reason is not None:
+        logger.info("mamba-radix: prefix checkpoints stay on the %s-token grid with %s: %s",
+                    getattr(backend, "mamba_chunk_size", 64), type(backend).__name__, reason)
+        return result
+    setattr(backend, WRITER_ATTR, _layout_name(backend))
+    pool.prefix_checkpoint_writer = True
+    logger.info("mamba-radix: exact prefix checkpoints with %s (in-chunk Triton writer)", type(backend).__name__)
+    return result
+
+
+def _layer_weights(backend, layer, per_head_gate: bool):
+    """The layer's :class:`ReplayWeights` (``L = 1``), cached on the backend by layer id."""
+    from sglang_mamba_ext.models.linear_attn import LinearAttnShape
+    from sglang_mamba_ext.speculative.replay import ReplayWeights
+
+    cache: Dict[int, object] = backend.__dict__.setdefault("_mamba_radix_inchunk_weights", {})
+    w = cache.get(layer.layer_id)
+    if w is None:
+        cw = layer.conv_weights
+        bias = layer.bias
+        if isinstance(cw, (tuple, list)):  # split q / k / v convs: one conv_dim-wide stack
+            cw = torch.cat([c.reshape(c.shape[0], -1) for c in cw])
+            bias = None if bias is None else torch.cat(list(bias))
+        cw = cw.reshape(cw.shape[0], -1)
+        shape = LinearAttnShape(layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, cw.shape[-1])
+        w = ReplayWeights(
+            shape,
+            cw.detach().unsqueeze(0).contiguous(),
+            None if bias is None else bias.detach().reshape(1, -1).contiguous(),
+            layer.A_log.detach().reshape(1, -1).float().contiguous(),
+            layer.dt_bias.detach().reshape(1, -1).float().contiguous(),
+            per_head_gate=per_head_gate,
+        )
+        cache[layer.layer_id] = w
+    return w
+
+
+def _writes_for(backend, forward_batch, plan: Dict[int, List[Tuple[int, int]]]):
+    """The batch's :class:`CheckpointWrites` (rows in ``plan``), cached per forward batch."""
+    from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
+
+    cached = backend.__dict__.get("_mamba_radix_inchunk_writes")
+    if cached is not None and cached[0] is forward_batch:
+        return cached[1]
+    lens = list(forward_batch.extend_seq_lens_cpu)
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + int(n))
+    rows = sorted(plan)
+    cache_idx = backend.forward_metadata.mamba_cache_indices
+    writes = plan_writes([(starts[r], 0, plan[r]) for r in rows], cache_idx.device)
+    # start state: the row's working slot when it has a prefix, zeros otherwise (no sync)
+    sel = torch.tensor(rows, dtype=torch.int64, device=cache_idx.device)
+    has_prefix = forward_batch.extend_prefix_lens.to(cache_idx.device)[sel] > 0
+    src = torch.where(has_prefix, cache_idx[sel].to(torch.int64), torch.full_like(sel, -1))
+    writes = writes._replace(src_slots=src)
+    backend.__dict__["_mamba_radix_inchunk_writes"] = (forward_batch, writes)
+    return writes
+
+
+def write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b,
+                            plan: Dict[int, List[Tuple[int, int]]], impl: str = "triton") -> None:
+    """Write this layer's planned checkpoints (``plan``: ``{batch row: [(offset, slot)]}``,
+    offsets in tokens from the row's extend start) into the pool slots, from the raw inputs
+    SGLang's ``forward_extend`` received (``mixed_qkv [T, conv_dim]`` or a q/k/v tuple, ``a``
+    ``[.., T, HV*K]`` KDA / ``[T, HV]`` GDN, ``b`` ``[.., T, HV]``). Must run before SGLang's
+    forward advances the working slots.
+
+    Raises:
+        RuntimeError: the layer has a KDA safe gate, or the extend is being captured in a CUDA
+            graph (the backend should not have been marked a writer).
+    """
+    from sglang_mamba_ext.speculative.deferred import LAYOUTS
+    from sglang_mamba_ext.speculative.ops.inchunk import write_checkpoints
+
+    layout = LAYOUTS[getattr(backend, WRITER_ATTR)]
+    if getattr(layer, "lower_bound", None) is not None:
+        raise RuntimeError("mamba-radix in-chunk checkpoints: the KDA safe gate (lower_bound) is not implemented")
+    if getattr(backend, "prefill_graph_metadata", None) is not None or (
+            mixed_qkv.is_cuda if isinstance(mixed_qkv, torch.Tensor) else False) and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("mamba-radix in-chunk checkpoints: extend captured in a CUDA graph")
+    if isinstance(mixed_qkv, (tuple, list)):
+        mixed_qkv = torch.cat(list(mixed_qkv), dim=-1)
+    T = mixed_qkv.shape[0]
+    w = _layer_weights(backend, layer, layout.per_head_gate)
+    writes = _writes_for(backend, forward_batch, plan)
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    conv, temporal = layout.replay_views(cache.conv[0], cache.temporal)
+    write_checkpoints(
+        mixed_qkv.unsqueeze(0).contiguous(),
+        a.reshape(T, -1).unsqueeze(0).contiguous(),
+        b.reshape(T, -1).unsqueeze(0).contiguous(),
+        writes, conv.unsqueeze(0), temporal.unsqueeze(0), w, impl=impl,
+    )
+
+
+def _plan_for(backend, forward_batch) -> Dict[int, List[Tuple[int, int]]]:
+    """The pool's planned checkpoints inside this extend, computed once per forward batch
+    (every linear layer asks)."""
+    cached = backend.__dict__.get("_mamba_radix_inchunk_plan")
+    if cached is not None and cached[0] is forward_batch:
+        return cached[1]
+    pool = backend.req_to_token_pool
+    plan = pool.prefix_checkpoint_plan(forward_batch) if pool.prefix_checkpoints else {}
+    backend.__dict__["_mamba_radix_inchunk_plan"] = (forward_batch, plan)
+    return plan
+
+
+def forward_extend_around(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    """AROUND SGLang's KDA / GDN ``forward_extend``: the planned prefix checkpoints inside this
+    extend (:func:`write_layer_checkpoints`), then SGLang's forward unchanged."""
+    if getattr(backend, WRITER_ATTR, None) is not None:
+        plan = _plan_for(backend, forward_batch)
+        if plan:
+            write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, plan)
+    return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
