@@ -1,0 +1,249 @@
+"""Exact prefix checkpoints with SGLang's KDA / GDN backends (``plugin/inchunk_checkpoints.py``):
+the hooks driven in-process on SGLang's real ``MambaPool`` (KDA and GDN layouts), real
+``RadixLinearAttention`` layers and real ``KDAAttnBackend`` / ``GDNAttnBackend`` objects (built
+without their ``__init__``), with the pool's real ``prefix_checkpoint_plan``.
+
+What is NOT exercised here: SGLang's own chunked extend (its Triton chunk kernels do not run
+under Triton's CPU interpreter — ``kda_gate_chunk_cumsum`` calls device math the interpreter
+lacks — and its CPU kernels need ``sgl_kernel``), so a stand-in for SGLang's forward advances
+the working slots after the hook wrote the checkpoints; the expected states come from the
+tiny model's mixer math from the same start states. The hook functions are called directly
+(the process-wide HookRegistry is left alone); the Triton writer runs interpreted on CPU, in
+a subprocess started with ``TRITON_INTERPRET=1`` when SGLang was imported first.
+"""
+
+import os
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from conftest import SGLANG_INSTALLED, requires_sglang
+
+if SGLANG_INSTALLED:
+    from sglang.srt.configs.mamba_utils import (
+        KimiLinearCacheParams,
+        KimiLinearStateShape,
+        Mamba2CacheParams,
+        Mamba2StateDType,
+        Mamba2StateShape,
+    )
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+    from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
+    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    from sglang_mamba_ext.plugin import inchunk_checkpoints as ic
+    from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
+
+from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
+from sglang_mamba_ext.speculative.deferred import LAYOUTS
+from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu, triton_subprocess_case
+
+
+def _kernels_ready() -> bool:
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    if not load_triton_kernels_for_cpu():
+        return False
+    import sglang_mamba_ext.speculative.ops.inchunk.fused  # noqa: F401  (interpreted: env set at start)
+    return True
+
+
+_CAN_TRITON = _kernels_ready()
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LAYER_IDS = (1, 3)
+
+
+def _pool(layout):
+    dtype = Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
+    if layout == "kda":
+        shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
+        cp = KimiLinearCacheParams(shape=shape, layers=list(LAYER_IDS), dtype=dtype)
+    else:
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=2, head_dim=8,
+                                        state_size=8, conv_kernel=4)
+        cp = Mamba2CacheParams(shape=shape, layers=list(LAYER_IDS), dtype=dtype)
+    return MambaPool(size=8, spec_state_size=0, cache_params=cp, mamba_layer_ids=list(LAYER_IDS), device=DEV)
+
+
+class _Mode:
+    def is_extend(self):
+        return True
+
+    def is_target_verify(self):
+        return False
+
+    def is_draft_extend_v2(self):
+        return False
+
+
+def _model_runner(rtp, **kw):
+    return SimpleNamespace(req_to_token_pool=rtp, server_args=SimpleNamespace(disable_overlap_schedule=True),
+                           device=DEV, model_config=SimpleNamespace(hf_config=SimpleNamespace()), **kw)
+
+
+@requires_sglang
+@unittest.skipUnless(_CAN_TRITON, "needs CUDA or TRITON_INTERPRET=1 from the start (see TestUnderTritonInterpreter)")
+class TestInchunkHookKda(unittest.TestCase):
+    LAYOUT = "kda"
+
+    def setUp(self):
+        torch.manual_seed(0)
+        self.pool = _pool(self.LAYOUT)
+        with torch.no_grad():
+            self.pool.mamba_cache.temporal.normal_()
+            self.pool.mamba_cache.conv[0].normal_()
+        shape = LinearAttnShape(2, 2, 8, 8, 4)
+        self.mixers = [GatedDeltaRuleMixer(12, shape, gate=self.LAYOUT).to(DEV) for _ in LAYER_IDS]
+        with torch.no_grad():
+            for m in self.mixers:
+                m.A_log.normal_(0, 0.5)
+                m.dt_bias.normal_()
+        self.layers = [
+            RadixLinearAttention(lid, 2, 2, 2, 8, 8, 8, conv_weights=m.conv_weight.detach().reshape(48, 4), bias=None,
+                                 A_log=m.A_log.detach(), dt_bias=m.dt_bias.detach())
+            for lid, m in zip(LAYER_IDS, self.mixers)
+        ]
+        lmap = dict(zip(LAYER_IDS, range(len(LAYER_IDS))))
+        self.rtp = SimpleNamespace(
+            prefix_checkpoint_writer=False,
+            # request row -> planned (seqlen, slot): row 1 (no prefix, 20 new tokens): the
+            # branch point at 7 and prompt-1 at 19; row 2 (prefix 10, 9 new): 14 inside this
+            # extend, 30 beyond it (not written now)
+            prefix_checkpoints={1: [(7, 4), (19, 5)], 2: [(14, 6), (30, 7)]},
+            mamba2_layer_cache=lambda lid: self.pool.mamba2_layer_cache(lmap[lid]),
+        )
+        self.rtp.prefix_checkpoint_plan = lambda fb: MambaRadixReqToTokenPool.prefix_checkpoint_plan(self.rtp, fb)
+        cls = KDAAttnBackend if self.LAYOUT == "kda" else GDNAttnBackend
+        self.backend = cls.__new__(cls)
+        self.backend.req_to_token_pool = self.rtp
+        self.backend.prefill_graph_metadata = None
+        self.backend.supports_prefill_graph_extend = lambda: False
+        # batch rows: request rows 1, 2, 3 with working slots 2, 3, 1
+        self.lens, self.prefix = [20, 9, 5], [0, 10, 0]
+        self.backend.forward_metadata = SimpleNamespace(
+            mamba_cache_indices=torch.tensor([2, 3, 1], dtype=torch.int32, device=DEV))
+        self.fb = SimpleNamespace(
+            forward_mode=_Mode(), req_pool_indices=torch.tensor([1, 2, 3], device=DEV),
+            extend_prefix_lens_cpu=self.prefix, extend_seq_lens_cpu=self.lens,
+            extend_prefix_lens=torch.tensor(self.prefix, device=DEV),
+        )
+
+    def _inputs(self):
+        x = torch.randn(sum(self.lens), 12, device=DEV)
+        out = []
+        with torch.no_grad():
+            for m in self.mixers:
+                mq, a, b = m.project_raw(x)
+                if self.LAYOUT == "kda":  # SGLang's Kimi-Linear layer: a [1, T, HV, K], b [1, T, HV]
+                    a, b = a.reshape(1, -1, 2, 8), b.unsqueeze(0)
+                out.append((mq, a, b))
+        return out
+
+    def _views(self, l):
+        c = self.pool.mamba2_layer_cache(l)
+        return LAYOUTS[self.LAYOUT].replay_views(c.conv[0], c.temporal)
+
+    def test_planned_checkpoints_written_before_sglang_forward(self):
+        ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
+        self.assertTrue(self.rtp.prefix_checkpoint_writer)
+        self.assertEqual(getattr(self.backend, ic.WRITER_ATTR), self.LAYOUT)
+        before = [tuple(v.clone() for v in self._views(l)) for l in range(2)]
+        calls = []
+
+        def sglang_forward(backend, layer, fb, mq, a, b, **kw):
+            calls.append((layer.layer_id, kw))
+            conv, temp = self._views(LAYER_IDS.index(layer.layer_id))
+            conv[[2, 3, 1]] = 9.0  # SGLang advances the working slots
+            temp[[2, 3, 1]] = 9.0
+            return "out"
+
+        ins = self._inputs()
+        for layer, (mq, a, b) in zip(self.layers, ins):
+            self.assertEqual(ic.forward_extend_around(sglang_forward, self.backend, layer, self.fb, mq, a, b,
+                                                      linear_attn_output=None), "out")
+        self.assertEqual(calls, [(1, {"linear_attn_output": None}), (3, {"linear_attn_output": None})])
+        starts = [0, 20, 29]
+        for l, (m, (mq, a, b)) in enumerate(zip(self.mixers, ins)):
+            conv, temp = self._views(l)
+            a2, b2 = a.reshape(mq.shape[0], -1), b.reshape(mq.shape[0], -1)
+            for row, src, items in ((0, None, [(7, 4), (19, 5)]), (1, 3, [(4, 6)])):
+                lo, n = starts[row], self.lens[row]
+                g, beta = m.activate_gates(a2[lo:lo + n], b2[lo:lo + n])
+                got = {}
+                c0 = None if src is None else before[l][0][src]
+                s0 = None if src is None else before[l][1][src].float()
+                with torch.no_grad():
+                    m.run_segments(mq[lo:lo + n], g, beta, c0, s0, cuts=[o for o, _ in items],
+                                   on_cut=lambda o, c, S: got.__setitem__(o, (c.clone(), S.clone())))
+                for o, slot in items:
+                    exp_conv = got[o][0] if got[o][0] is not None else torch.zeros_like(conv[slot])
+                    torch.testing.assert_close(conv[slot], exp_conv, atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(temp[slot], got[o][1], atol=1e-4, rtol=1e-4)
+            # slot 7 (planned beyond this extend), 0 and 8 untouched
+            for s in (0, 7, 8):
+                torch.testing.assert_close(conv[s], before[l][0][s], rtol=0, atol=0)
+                torch.testing.assert_close(temp[s], before[l][1][s], rtol=0, atol=0)
+
+    def test_inert_without_the_mamba_radix_pool(self):
+        rtp = SimpleNamespace(mamba2_layer_cache=self.rtp.mamba2_layer_cache)  # SGLang's own pool
+        self.backend.req_to_token_pool = rtp
+        ic.backend_init_after(None, self.backend, _model_runner(rtp))
+        self.assertFalse(hasattr(self.backend, ic.WRITER_ATTR))
+        before = self.pool.mamba_cache.temporal.clone()
+        mq, a, b = self._inputs()[0]
+        calls = []
+        ic.forward_extend_around(lambda *a_, **k: calls.append(1), self.backend, self.layers[0], self.fb, mq, a, b)
+        self.assertEqual(calls, [1])
+        torch.testing.assert_close(self.pool.mamba_cache.temporal, before, rtol=0, atol=0)
+
+    def test_refusals_keep_the_grid(self):
+        mr = _model_runner(self.rtp)
+        self.assertIsNone(ic.why_not_writer(self.backend, mr))
+        mr.server_args.disable_overlap_schedule = False
+        self.assertIn("overlap scheduling", ic.why_not_writer(self.backend, mr))
+        mr = _model_runner(self.rtp)
+        mr.model_config.hf_config.kda_safe_gate = True
+        self.assertIn("safe gate", ic.why_not_writer(self.backend, mr))
+        mr = _model_runner(self.rtp)
+        mr.device = "cpu"
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):
+            self.assertIn("needs CUDA", ic.why_not_writer(self.backend, mr))
+            ic.backend_init_after(None, self.backend, mr)  # refused: nothing set
+        self.assertFalse(self.rtp.prefix_checkpoint_writer)
+        self.assertFalse(hasattr(self.backend, ic.WRITER_ATTR))
+        base = type(self.backend)
+        sub = type("Sub", (base,), {"forward_extend": lambda self, *a, **k: None})
+        self.assertIn("overrides forward_extend", ic.why_not_writer(sub.__new__(sub), _model_runner(self.rtp)))
+
+    def test_safe_gate_layer_raises(self):
+        ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
+        self.layers[0].lower_bound = -5.0
+        mq, a, b = self._inputs()[0]
+        with self.assertRaisesRegex(RuntimeError, "safe gate"):
+            ic.forward_extend_around(lambda *a_, **k: None, self.backend, self.layers[0], self.fb, mq, a, b)
+
+
+class TestInchunkHookGdn(TestInchunkHookKda):
+    LAYOUT = "gdn"
+
+
+@requires_sglang
+class TestHookTargets(unittest.TestCase):
+    def test_targets_exist_in_sglang(self):
+        import importlib
+
+        for target, kind, name in ic.HOOK_TARGETS:
+            mod, cls, attr = target.rsplit(".", 2)
+            self.assertTrue(callable(getattr(getattr(importlib.import_module(mod), cls), attr)), target)
+            self.assertTrue(callable(getattr(ic, name)))
+            self.assertIn(kind, ("AFTER", "AROUND"))
+
+
+TestUnderTritonInterpreter = triton_subprocess_case(__file__, "InchunkHook", skip=_CAN_TRITON)
+
+
+if __name__ == "__main__":
+    unittest.main()
