@@ -3,7 +3,9 @@
 # tree verify vs torch references at Kimi-Linear-48B-A3B layer shapes, replay time vs a
 # verify-sized recurrent forward, and peak memory of snapshot vs deferred verify. Needs only
 # torch + Triton + a CUDA GPU (no SGLang, no network); finishes in well under 5 minutes. Last
-# lines: memory_ratio=<x>, replay_overhead=<y>.
+# lines: memory_ratio=<x>, replay_overhead=<y>. Then the in-chunk checkpoint writer (docs/design.md,
+# "Prefix checkpoints"): correctness vs torch and fla's chunked kernels, cost per checkpoint vs
+# the prefill it saves; last line inchunk_cost_ratio=<z> (sglang_mamba_ext/speculative/ops/inchunk/gpu_check.py).
 # Extra arguments go to `python -m sglang_mamba_ext.speculative.ops.gpu_check` (e.g.
 # --state-dtype bf16), run with the repository root on PYTHONPATH (the package need not be
 # installed). If $OUT is set, the output is also written to $OUT/gpu_check.txt.
@@ -21,4 +23,13 @@ if [ -n "${OUT:-}" ]; then
   timeout 290 "$py" -m sglang_mamba_ext.speculative.ops.gpu_check "$@" 2>&1 | tee "$OUT/gpu_check.txt"
 else
   timeout 290 "$py" -m sglang_mamba_ext.speculative.ops.gpu_check "$@"
+fi
+# in-chunk checkpoints (a separate process, given what is left of 295 s so that the whole check
+# stays under 5 minutes; it needs about 30 s on a GPU)
+left=$((295 - SECONDS)); if [ "$left" -gt 120 ]; then left=120; fi
+if [ "$left" -lt 20 ]; then echo "gpu_check.sh: no time left for the in-chunk section"; exit 1; fi
+if [ -n "${OUT:-}" ]; then
+  timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check "$@" 2>&1 | tee -a "$OUT/gpu_check.txt"
+else
+  timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check "$@"
 fi

@@ -4,6 +4,8 @@ per key channel) and Gated DeltaNet (decay per value head)."""
 
 import unittest
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -172,3 +174,21 @@ TestUnderTritonInterpreter = triton_subprocess_case(__file__, "Inchunk", skip=_C
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@pytest.mark.slow  # the Triton interpreter on 2 cores: ~2 min
+class TestGpuCheckTinyMode(unittest.TestCase):
+    """``scripts/gpu_check.sh``'s in-chunk section in its CPU mode (``--tiny``, interpreted)."""
+
+    def test_tiny_mode_runs(self):
+        import os
+        import subprocess
+        import sys
+
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+        r = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.speculative.ops.inchunk.gpu_check", "--tiny"],
+                           capture_output=True, text=True, env=env, timeout=900, cwd=root)
+        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-3000:])
+        self.assertIn("correctness OK", r.stdout)
+        self.assertRegex(r.stdout.strip().splitlines()[-1], r"^inchunk_cost_ratio=\d+\.\d{4}$")
