@@ -167,8 +167,8 @@ def main(argv=None) -> int:
     line = f"[inchunk] correctness: triton-vs-torch max|err| fp32={e32:.2e} (tol 1e-4) bf16={e16:.2e} (tol 5e-2)"
     if dev.type == "cuda":
         ef = check_against_fla(small, dev)
-        ok &= ef < 2e-3
-        line += f"  vs fla chunked kernels={ef:.2e} (tol 2e-3)"
+        ok &= ef < 5e-3
+        line += f"  vs fla chunked kernels={ef:.2e} (tol 5e-3)"
     print(line)
 
     # ---- cost: one writer call (all L layers, N requests, one checkpoint each)
