@@ -187,8 +187,9 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         #: (``MambaRadixCache.plan_prefix_checkpoints``); the slots are the request's.
         self.prefix_checkpoints: Dict[int, List[Tuple[int, int]]] = {}
         #: Set by a linear-attention backend that writes a state at any token position
-        #: (the tiny model's torch backend); SGLang's GPU backends write only their
-        #: checkpoint grid, so without it no prefix checkpoint is planned.
+        #: (the tiny model's torch backend; SGLang's KDA / GDN backends through
+        #: ``plugin/inchunk_checkpoints.py``); other backends write only their checkpoint
+        #: grid, so without it no prefix checkpoint is planned.
         self.prefix_checkpoint_writer = False
         #: The tree cache planning the checkpoints (set by ``MambaRadixCacheAdapter``).
         self.tree_cache = None
