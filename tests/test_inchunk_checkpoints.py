@@ -111,6 +111,20 @@ class TestInchunkTriton(unittest.TestCase):
         self._both("kda", transposed=True)
         self._both("gdn", transposed=True)
 
+    def test_padding_destinations_write_nothing(self):
+        from sglang_mamba_ext.speculative.ops.inchunk import CheckpointWrites
+
+        w = ReplayWeights.from_mixers(_mixers(1, "kda"))
+        mixed, g_raw, b_raw = _inputs(1, 6, "kda")
+        conv, temp = _pools(1, 4)
+        ref = (conv.clone(), temp.clone())
+        i64 = lambda x: torch.tensor(x, dtype=torch.int64, device=DEV)  # noqa: E731
+        # a valid offset with no destination, and a destination with a padding offset
+        writes = CheckpointWrites(i64([0]), i64([1]), i64([[4, -1]]), i64([[-1, 2]]))
+        write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w)
+        torch.testing.assert_close(conv, ref[0], rtol=0, atol=0)
+        torch.testing.assert_close(temp, ref[1], rtol=0, atol=0)
+
     def _against_fla(self, gate):
         """Independent of the mixer: explicit conv, SiLU, L2 norm, gate activation, then fla's
         naive recurrence from the start state, for the first ``p`` tokens."""

@@ -214,6 +214,15 @@ class TestInchunkHookKda(unittest.TestCase):
             ic.backend_init_after(None, self.backend, mr)  # refused: nothing set
         self.assertFalse(self.rtp.prefix_checkpoint_writer)
         self.assertFalse(hasattr(self.backend, ic.WRITER_ATTR))
+        if self.LAYOUT == "kda":
+            self.backend.supports_prefill_graph_extend = lambda: True
+            target = "sglang.srt.layers.attention.hybrid_linear_attn_backend.check_cuda_graph_backend"
+            with mock.patch(target, return_value=True):
+                self.assertIn("breakable prefill CUDA graphs", ic.why_not_writer(self.backend, _model_runner(self.rtp)))
+            with mock.patch(target, side_effect=RuntimeError("no context")):
+                self.assertIn("could not check", ic.why_not_writer(self.backend, _model_runner(self.rtp)))
+            with mock.patch(target, return_value=False):
+                self.assertIsNone(ic.why_not_writer(self.backend, _model_runner(self.rtp)))
         base = type(self.backend)
         sub = type("Sub", (base,), {"forward_extend": lambda self, *a, **k: None})
         self.assertIn("overrides forward_extend", ic.why_not_writer(sub.__new__(sub), _model_runner(self.rtp)))

@@ -21,8 +21,9 @@ rounds a branch point down to the grid and has no prompt-end checkpoint. Under
 
 Start state: the extend's initial state, read in place from the row's working slot
 (``forward_metadata.mamba_cache_indices``; zeros for a row without prefix, as SGLang's kernels
-treat ``extend_prefix_lens == 0``). SGLang exposes per-chunk states ``h`` only from its Triton
-extend kernel and only for its own track rows (the CuTe DSL / FlashInfer kernels return none),
+treat ``extend_prefix_lens == 0``). SGLang exposes per-chunk states ``h`` only from some
+extend kernels and only for its own track rows (its FlashInfer KDA prefill and CuTe DSL GDN
+kernels return none),
 so the writer does not start at the chunk before the checkpoint: it steps the recurrence from
 the extend start, ``offset`` tokens (all layers' heads in parallel, one program per value-head
 tile). ``scripts/gpu_check.sh`` measures that cost against the prefill it saves.
@@ -99,8 +100,8 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
 
             if backend.supports_prefill_graph_extend() and check_cuda_graph_backend(Phase.PREFILL, Backend.BREAKABLE):
                 return "breakable prefill CUDA graphs capture the KDA extend"
-        except Exception:  # pragma: no cover - SGLang without these names
-            pass
+        except Exception as e:  # an SGLang without these names, or no runtime context
+            return f"could not check for breakable prefill CUDA graphs ({type(e).__name__}: {e})"
     return None
 
 
@@ -206,6 +207,7 @@ def write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b,
         a.reshape(T, -1).unsqueeze(0).contiguous(),
         b.reshape(T, -1).unsqueeze(0).contiguous(),
         writes, conv.unsqueeze(0), temporal.unsqueeze(0), w, impl=impl,
+        check_offsets=False,  # prefix_checkpoint_plan keeps offsets within the row's new tokens
     )
 
 

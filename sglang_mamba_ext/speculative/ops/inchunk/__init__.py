@@ -27,7 +27,8 @@ class CheckpointWrites(NamedTuple):
             state); ``-1``: zeros (a sequence with no prefix).
         offsets: ``[N, C]`` int64: tokens after the start (``0`` = the start state itself);
             ``-1`` pads.
-        dst_slots: ``[N, C]`` int64: the slot each state goes to (``-1`` pads).
+        dst_slots: ``[N, C]`` int64: the slot each state goes to (``-1`` pads); never a
+            source slot of the same call.
     """
 
     starts: torch.Tensor
@@ -54,6 +55,7 @@ def plan_writes(rows: Sequence[Tuple[int, int, Sequence[Tuple[int, int]]]], devi
 def write_checkpoints(
     mixed_qkv: torch.Tensor, g_raw: torch.Tensor, b_raw: torch.Tensor, writes: CheckpointWrites,
     conv_state: torch.Tensor, temporal_state: torch.Tensor, weights, impl: str = "triton",
+    check_offsets: bool = True,
 ) -> None:
     """For every request ``i`` and linear layer ``l``, run the layer's conv + gated delta rule
     from slot ``writes.src_slots[i]``'s states over tokens ``starts[i] ..`` of the inputs and
@@ -73,6 +75,8 @@ def write_checkpoints(
         weights: :class:`~sglang_mamba_ext.speculative.replay.ReplayWeights` of the ``L``
             layers (``from_mixers`` for ``impl="torch"``).
         impl: ``"triton"`` (:mod:`.fused`) or ``"torch"`` (:mod:`.naive`).
+        check_offsets: check ``starts + offsets <= T`` (a device sync on CUDA; the serving
+            hook, whose plan is checked on the host, passes False).
 
     Raises:
         ValueError: shapes or gate width disagree with ``weights``, non-contiguous inputs, an
@@ -97,7 +101,7 @@ def write_checkpoints(
     want = sh.num_v_heads if weights.per_head_gate else sh.num_v_heads * sh.head_k_dim
     if g_raw.shape[-1] != want:
         raise ValueError(f"write_checkpoints: g_raw width {g_raw.shape[-1]} != {want}")
-    if writes.offsets.numel():
+    if check_offsets and writes.offsets.numel():
         ends = writes.starts[:, None] + writes.offsets
         if bool(((writes.offsets >= 0) & (ends > T)).any()):
             raise ValueError(f"write_checkpoints: an offset reaches past the {T} input tokens")

@@ -89,8 +89,8 @@ def _inchunk_recurrent_kernel(
         out_ty = state_ptr.dtype.element_ty
         for j in tl.static_range(C):  # offset-0 destinations: the start state itself
             o = tl.load(offs_ptr + i_n * C + j)
-            d = tl.maximum(tl.load(dst_ptr + i_n * C + j), 0)
-            tl.store(st_base + d * s_ss + tile, S.to(out_ty), mask=mkv & (o == 0))
+            d = tl.load(dst_ptr + i_n * C + j)
+            tl.store(st_base + tl.maximum(d, 0) * s_ss + tile, S.to(out_ty), mask=mkv & (o == 0) & (d >= 0))
         for t in range(0, n):
             # conv input column m = t + j of [start window (W-1 columns), tokens]
             yk = tl.zeros([BK], dtype=tl.float32)
@@ -115,8 +115,8 @@ def _inchunk_recurrent_kernel(
             S = gated_delta_step(S, kn, yv, decay, beta)
             for j in tl.static_range(C):
                 o = tl.load(offs_ptr + i_n * C + j)
-                d = tl.maximum(tl.load(dst_ptr + i_n * C + j), 0)
-                tl.store(st_base + d * s_ss + tile, S.to(out_ty), mask=mkv & (o == t + 1))
+                d = tl.load(dst_ptr + i_n * C + j)
+                tl.store(st_base + tl.maximum(d, 0) * s_ss + tile, S.to(out_ty), mask=mkv & (o == t + 1) & (d >= 0))
 
 
 @triton.jit
