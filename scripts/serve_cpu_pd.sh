@@ -65,15 +65,16 @@ start decode "$vpy" -m sglang.launch_server --model-path "$model" --device cpu \
   --disaggregation-mode decode --disaggregation-transfer-backend mooncake_tcp \
   --host 127.0.0.1 --port "$dport" "$@"
 
-healthy() { "$vpy" - "$1" <<'PY' 2>/dev/null
+healthy() {  # URL: answers 200
+  "$vpy" - "$1" <<'PY' 2>/dev/null
 import sys, urllib.request
 try:
-    sys.exit(0 if urllib.request.urlopen(sys.argv[1] + "/health", timeout=5).status == 200 else 1)
+    sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status == 200 else 1)
 except Exception:
     sys.exit(1)
 PY
 }
-wait_ready() {  # name, url, pid
+wait_ready() {  # name, url (a health endpoint), pid
   local deadline=$(( $(date +%s) + timeout ))
   until healthy "$2"; do
     if ! kill -0 "$3" 2>/dev/null; then
@@ -88,12 +89,13 @@ wait_ready() {  # name, url, pid
     sleep 2
   done
 }
-wait_ready prefill "http://127.0.0.1:$pport" "${pids[0]}"
-wait_ready decode "http://127.0.0.1:$dport" "${pids[1]}"
+wait_ready prefill "http://127.0.0.1:$pport/health" "${pids[0]}"
+wait_ready decode "http://127.0.0.1:$dport/health" "${pids[1]}"
 start router "$vpy" -m sglang_router.launch_router --pd-disaggregation \
   --prefill "http://127.0.0.1:$pport" "$bport" --decode "http://127.0.0.1:$dport" \
   --host "$host" --port "$port"
-wait_ready router "http://$host:$port" "${pids[2]}"
+# /readiness: 200 once the router has admitted a healthy prefill and decode worker.
+wait_ready router "http://$host:$port/readiness" "${pids[2]}"
 echo "router: http://$host:$port"
 # Serve until a signal arrives or one of the three exits.
 set +e
