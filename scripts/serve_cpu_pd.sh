@@ -15,7 +15,9 @@
 # Environment: HOST (router's address, default 127.0.0.1), PORT (router's port, default 30000),
 # PREFILL_PORT / DECODE_PORT / BOOTSTRAP_PORT (defaults PORT+1, PORT+2, PORT+3; the servers
 # listen on 127.0.0.1), TINY_MODEL_DIR, WARMUP_FILE (as in serve_cpu.sh; set and empty: no
-# warm-up), START_TIMEOUT (seconds, default 600). Extra arguments reach both servers.
+# warm-up), START_TIMEOUT (seconds, default 600), PREFILL_ARGS / DECODE_ARGS (extra arguments
+# for one server only, split on spaces, e.g. PREFILL_ARGS="--tp 2"). Extra arguments reach
+# both servers.
 # When all three answer, prints one line `router: http://HOST:PORT` on stdout. Ctrl-C or
 # SIGTERM stops all of them; if one of them exits, the others are stopped too and the exit
 # status is non-zero. Logs: LOG_DIR (default a new temporary directory, printed on stderr).
@@ -40,6 +42,8 @@ echo "[serve-pd] logs in $logs" >&2
 warm=(--warmups kda_cache --warmup-prompts-file "${WARMUP_FILE-$root/examples/warmup_prompts.jsonl}")
 [ -z "${WARMUP_FILE-x}" ] && warm=()
 
+read -r -a prefill_args <<<"${PREFILL_ARGS:-}"
+read -r -a decode_args <<<"${DECODE_ARGS:-}"
 pids=()
 stop_all() {
   trap - INT TERM EXIT
@@ -60,10 +64,10 @@ start() {  # name, command...
 }
 start prefill "$vpy" -m sglang.launch_server --model-path "$model" --device cpu --enable-mamba-radix \
   "${warm[@]}" --disaggregation-mode prefill --disaggregation-transfer-backend mooncake_tcp \
-  --disaggregation-bootstrap-port "$bport" --host 127.0.0.1 --port "$pport" "$@"
+  --disaggregation-bootstrap-port "$bport" --host 127.0.0.1 --port "$pport" "${prefill_args[@]}" "$@"
 start decode "$vpy" -m sglang.launch_server --model-path "$model" --device cpu \
   --disaggregation-mode decode --disaggregation-transfer-backend mooncake_tcp \
-  --host 127.0.0.1 --port "$dport" "$@"
+  --host 127.0.0.1 --port "$dport" "${decode_args[@]}" "$@"
 
 healthy() {  # URL: answers 200
   "$vpy" - "$1" <<'PY' 2>/dev/null

@@ -75,7 +75,9 @@ class TestPrefillDecodeServing(unittest.TestCase):
                             os.path.join(tmp.name, "decode.log"), env=CHECKED_ENV)
         for s in (cls.prefill, cls.decode):
             cls.addClassCleanup(s.stop)
-            s.wait_healthy()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
+            for started in [pool.submit(s.wait_healthy) for s in (cls.prefill, cls.decode)]:
+                started.result()
         port = free_port()
         cls.url = f"http://127.0.0.1:{port}"
         log = open(os.path.join(tmp.name, "router.log"), "w")
@@ -147,13 +149,13 @@ class TestPrefillDecodeServing(unittest.TestCase):
         # Clients that give up while their request is being prefilled, transferred or decoded
         # (timeouts from a few ms on: where each one lands is up to the scheduler), then
         # both servers must go idle with every slot back (SGLang's strict idle checks).
-        prompts = [_ids(900 + 31 * k, 300 + 40 * k) for k in range(6)]
+        prompts = [_ids(900 + 31 * k, 150 + 30 * k) for k in range(6)]
         timeouts = [0.02, 0.05, 0.1, 0.2, 0.4, 0.8]
 
         def give_up(args):
             ids, t = args
             try:
-                self.post(ids, n=64, timeout=t)
+                self.post(ids, n=48, timeout=t)
             except requests.RequestException:
                 pass
 
