@@ -5,10 +5,12 @@ One set for the class, as ``scripts/serve_cpu_pd.sh`` starts it: a prefill serve
 the plugin refuses ``--disaggregation-mode decode``), both ``--disaggregation-transfer-backend
 mooncake_tcp`` (mooncake's non-CUDA wheel, TCP transport), and ``sglang-router`` in PD mode.
 The decode server only ever sees the KV and SSM state the prefill server sends, so greedy
-output equal to ``TinyHybridReference.generate_greedy`` token for token means both arrived
-intact (a zeroed or mis-sliced SSM state changes the tokens). Hits on the prefill side are
-asserted exactly; SGLang's strict idle checks (leaks) run on both servers. Skipped when
-``sglang_router`` or mooncake is not installed (``scripts/setup_env.sh`` installs both).
+output equal to ``TinyHybridReference.generate_greedy`` token for token, with log-probabilities
+within 1e-4, means both arrived intact (a zeroed or mis-sliced SSM state changes them). Hits on
+the prefill side are asserted exactly; SGLang's strict idle checks (leaks) run on both servers.
+A second, smaller set has a ``--tp 2`` prefill server in front of a ``--tp 1`` decode server
+(the state re-sliced between TP sizes). Skipped when ``sglang_router`` or mooncake is not
+installed (``scripts/setup_env.sh`` installs both).
 """
 
 import concurrent.futures
@@ -48,9 +50,16 @@ def _have_mooncake() -> bool:
     return True
 
 
-@unittest.skipUnless(importlib.util.find_spec("sglang_router") and _have_mooncake(),
-                     "sglang-router or mooncake-transfer-engine-non-cuda is not installed")
-class TestPrefillDecodeServing(unittest.TestCase):
+_SKIP = unittest.skipUnless(importlib.util.find_spec("sglang_router") and _have_mooncake(),
+                            "sglang-router or mooncake-transfer-engine-non-cuda is not installed")
+
+
+class _PdSet:
+    """One prefill + decode + router set per class (``setUpClass``)."""
+
+    PREFILL_FLAGS: list = []  # for the prefill server only
+    WARMUP = True
+
     @classmethod
     def setUpClass(cls):
         from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
@@ -64,12 +73,13 @@ class TestPrefillDecodeServing(unittest.TestCase):
         warm = os.path.join(tmp.name, "warm.jsonl")
         with open(warm, "w") as f:
             f.write(json.dumps({"input_ids": WARM}) + "\n")
+        warmup = ["--warmups", "kda_cache", "--warmup-prompts-file", warm] if cls.WARMUP else []
         bootstrap = free_port()
         pd = ["--device", "cpu", "--disaggregation-transfer-backend", "mooncake_tcp",
               "--max-total-tokens", "4096", "--max-running-requests", "4"]
         cls.prefill = Server(model, [*pd, "--enable-mamba-radix", "--max-mamba-cache-size", "32",
                                      "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                                     str(bootstrap), "--warmups", "kda_cache", "--warmup-prompts-file", warm],
+                                     str(bootstrap), *warmup, *cls.PREFILL_FLAGS],
                              os.path.join(tmp.name, "prefill.log"), env=CHECKED_ENV)
         cls.decode = Server(model, [*pd, "--disaggregation-mode", "decode"],
                             os.path.join(tmp.name, "decode.log"), env=CHECKED_ENV)
@@ -99,21 +109,35 @@ class TestPrefillDecodeServing(unittest.TestCase):
                 raise RuntimeError("sglang-router did not become ready")
             time.sleep(1)
 
-    def post(self, ids, n=NEW, timeout=300):
+    def post(self, ids, n=NEW, timeout=300, **extra):
         return requests.post(self.url + "/generate", timeout=timeout, json={
-            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}})
+            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+            **extra})
 
     def gen(self, ids, n=NEW):
-        r = self.post(ids, n)
+        import torch
+
+        r = self.post(ids, n, return_logprob=True)
         r.raise_for_status()
         out = r.json()
-        self.assertEqual(out["output_ids"], self.ref.generate_greedy(ids, n), f"prompt of {len(ids)}")
+        ref_ids = self.ref.generate_greedy(ids, n)
+        self.assertEqual(out["output_ids"], ref_ids, f"prompt of {len(ids)}")
+        # the log-probabilities too: a state off by a little would still often pick the
+        # same greedy tokens
+        logits, _ = self.ref.forward_tokens(ids + ref_ids[:-1])
+        ref_lp = torch.log_softmax(logits[len(ids) - 1:], dim=-1)[torch.arange(n), torch.tensor(ref_ids)]
+        got = torch.tensor([item[0] for item in out["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, ref_lp, atol=1e-4, rtol=0)
         return out
 
     def prefill_cache(self) -> dict:
         info = requests.get(self.prefill.base_url + "/server_info", timeout=60).json()
         return info["internal_states"][0]["mamba_radix"]
 
+
+
+@_SKIP
+class TestPrefillDecodeServing(_PdSet, unittest.TestCase):
     def test_1_warmup_cached_on_prefill(self):
         # The warm-up ran on the prefill server (fake bootstrap, SGLang would keep it out of
         # the tree): a prompt extending the warmed one hits all of it (the first pass's finish
@@ -170,6 +194,28 @@ class TestPrefillDecodeServing(unittest.TestCase):
         cache = self.prefill_cache()
         self.assertEqual(cache["kv_protected_tokens"], 0)
         self.assertEqual(cache["ssm_protected_states"], 0)
+
+
+@_SKIP
+class TestPrefillTp2DecodeTp1(_PdSet, unittest.TestCase):
+    """Different TP sizes: the prefill server's two ranks each hold half of the heads (KV
+    heads, and the SSM state's heads and conv channels split per q / k / v group,
+    ``models/tiny_shard.py``); the decode server holds them whole. The transfer must put each
+    rank's slices at their places in the decode server's tensors (conv state per group, not
+    as one block: sglang #22060); tokens and log-probabilities equal to the reference show it
+    did."""
+
+    PREFILL_FLAGS = ["--tp", "2"]
+    WARMUP = False
+
+    def test_state_resliced_from_two_ranks_to_one(self):
+        ids1 = _ids(3, 37)
+        out1 = self.gen(ids1)
+        ids2 = ids1 + out1["output_ids"] + _ids(450, 9)
+        out2 = self.gen(ids2)
+        self.assertEqual(out2["meta_info"]["cached_tokens"], len(ids1))  # the finish state, as above
+        for server in (self.prefill, self.decode):
+            idle_and_checked(server, settle_s=1.0)
 
 
 if __name__ == "__main__":
