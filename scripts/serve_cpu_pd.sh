@@ -78,14 +78,17 @@ except Exception:
     sys.exit(1)
 PY
 }
-wait_ready() {  # name, url (a health endpoint), pid
-  local deadline=$(( $(date +%s) + timeout ))
+names=(prefill decode router)
+wait_ready() {  # name, url (a health endpoint)
+  local deadline=$(( $(date +%s) + timeout )) i
   until healthy "$2"; do
-    if ! kill -0 "$3" 2>/dev/null; then
-      echo "[serve-pd] $1 exited during start-up; end of $logs/$1.log:" >&2
-      tail -n 30 "$logs/$1.log" >&2
-      exit 1
-    fi
+    for i in "${!pids[@]}"; do
+      if ! kill -0 "${pids[$i]}" 2>/dev/null; then
+        echo "[serve-pd] ${names[$i]} exited during start-up; end of $logs/${names[$i]}.log:" >&2
+        tail -n 30 "$logs/${names[$i]}.log" >&2
+        exit 1
+      fi
+    done
     if [ "$(date +%s)" -gt "$deadline" ]; then
       echo "[serve-pd] $1 not healthy after $timeout s; see $logs/$1.log" >&2
       exit 1
@@ -93,13 +96,13 @@ wait_ready() {  # name, url (a health endpoint), pid
     sleep 2
   done
 }
-wait_ready prefill "http://127.0.0.1:$pport/health" "${pids[0]}"
-wait_ready decode "http://127.0.0.1:$dport/health" "${pids[1]}"
+wait_ready prefill "http://127.0.0.1:$pport/health"
+wait_ready decode "http://127.0.0.1:$dport/health"
 start router "$vpy" -m sglang_router.launch_router --pd-disaggregation \
   --prefill "http://127.0.0.1:$pport" "$bport" --decode "http://127.0.0.1:$dport" \
   --host "$host" --port "$port"
 # /readiness: 200 once the router has admitted a healthy prefill and decode worker.
-wait_ready router "http://$host:$port/readiness" "${pids[2]}"
+wait_ready router "http://$host:$port/readiness"
 echo "router: http://$host:$port"
 # Serve until a signal arrives or one of the three exits.
 set +e
