@@ -84,8 +84,7 @@ class TestPrefillDecodeServing(unittest.TestCase):
                                      "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                                      str(bootstrap), "--warmups", "kda_cache", "--warmup-prompts-file", warm,
                                      *cls.PREFILL_FLAGS],
-                             os.path.join(tmp.name, "prefill.log"),
-                             env={**CHECKED_ENV, "SGLANG_MAMBA_EXT_TP_DIGEST_STEPS": "1"})  # ranks agree
+                             os.path.join(tmp.name, "prefill.log"), env=CHECKED_ENV)
         cls.decode = Server(model, [*pd, "--disaggregation-mode", "decode"],
                             os.path.join(tmp.name, "decode.log"), env=CHECKED_ENV)
         for s in (cls.prefill, cls.decode):
