@@ -21,7 +21,17 @@ setup(
             "hypothesis",
             "fla-core",
             "requests",
-            "sglang-router==0.3.2",  # tests/e2e/test_router_replicas.py
+            "sglang-router==0.3.2",  # tests/e2e/test_router_replicas.py, test_pd_serving.py
+            # mooncake's transfer engine without CUDA: --disaggregation-mode on CPU
+            # (tests/e2e/test_pd_serving.py); needs Debian's libibverbs1, libnl-3-200,
+            # libnl-route-3-200 (scripts/setup_env.sh installs them).
+            "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+        ],
+        # Prefill/decode disaggregation on a host without CUDA (scripts/serve_cpu_pd.sh).
+        # A GPU deployment installs SGLang's own mooncake-transfer-engine instead.
+        "pd-cpu": [
+            "sglang-router==0.3.2",
+            "mooncake-transfer-engine-non-cuda==0.3.13.post1",
         ],
     },
     entry_points={

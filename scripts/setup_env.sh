@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: a virtual environment at ./.venv holding
 # torch 2.14.1, sglang 0.5.23 and this package (editable, with its [test] extra, which also
-# registers the SGLang plugin entry point). Safe to run again: it installs only what is
+# registers the SGLang plugin entry point), and the Debian libraries mooncake's transfer
+# engine loads (libibverbs1, libnl-3-200, libnl-route-3-200: prefill/decode disaggregation,
+# installed with apt-get as root or through passwordless sudo; otherwise it stops naming them). Safe to run again: it installs only what is
 # missing or at the wrong version. Prints the python to use on its last line.
 #
 # Environment: PYTHON (interpreter to build the venv from, default python3),
@@ -25,14 +27,47 @@ want = {"torch": "2.14.1", "sglang": "0.5.23"}
 for name, ver in want.items():
     if md.version(name) != ver:
         sys.exit(1)
-for name in ("sglang-mamba-ext", "pytest", "hypothesis", "fla-core", "requests", "sglang-router"):
+for name in ("sglang-mamba-ext", "pytest", "hypothesis", "fla-core", "requests", "sglang-router",
+             "mooncake-transfer-engine-non-cuda"):
     md.version(name)
 eps = md.entry_points(group="sglang.srt.plugins")
 if not any(ep.value.startswith("sglang_mamba_ext.") for ep in eps):
     sys.exit(1)
 import sglang_mamba_ext
+import mooncake.engine  # loads libibverbs / libnl (system libraries, below)
 PY
 }
+
+# System libraries of mooncake-transfer-engine-non-cuda (its engine.so links them even when
+# only the TCP transport is used).
+sys_libs=(libibverbs.so.1 libnl-3.so.200 libnl-route-3.so.200)
+deb_pkgs=(libibverbs1 libnl-3-200 libnl-route-3-200)
+missing_libs() {
+  local lib
+  for lib in "${sys_libs[@]}"; do
+    ldconfig -p 2>/dev/null | grep -q "$lib" || echo "$lib"
+  done
+}
+if [ -n "$(missing_libs)" ]; then
+  echo "[setup] installing Debian packages ${deb_pkgs[*]} (mooncake's transfer engine needs them)" >&2
+  if [ "$(id -u)" -eq 0 ]; then apt_get=(apt-get)
+  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then apt_get=(sudo -n apt-get)
+  else apt_get=()
+  fi
+  if [ "${#apt_get[@]}" -eq 0 ] || ! command -v apt-get >/dev/null; then
+    echo "[setup] error: missing system libraries: $(missing_libs | tr '\n' ' ')" >&2
+    echo "[setup] install the Debian/Ubuntu packages ${deb_pkgs[*]} (as root: apt-get install -y ${deb_pkgs[*]}), then run this again" >&2
+    exit 1
+  fi
+  { "${apt_get[@]}" install -y -q "${deb_pkgs[@]}" || { "${apt_get[@]}" update -q && "${apt_get[@]}" install -y -q "${deb_pkgs[@]}"; }; } >&2 || {
+    echo "[setup] error: apt-get could not install ${deb_pkgs[*]}; install them, then run this again" >&2
+    exit 1
+  }
+  if [ -n "$(missing_libs)" ]; then
+    echo "[setup] error: still missing after apt-get: $(missing_libs | tr '\n' ' ')" >&2
+    exit 1
+  fi
+fi
 
 if ! check; then
   echo "[setup] installing torch 2.14.1, sglang 0.5.23 and sglang-mamba-ext[test] (a few minutes on first run)" >&2

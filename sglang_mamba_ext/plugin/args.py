@@ -128,6 +128,8 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     def refuse(flag: str, why: str = "") -> None:
         raise FlagError(f"{ENABLE_FLAG} cannot be combined with {flag}{why}; drop one of them")
 
+    _check_disaggregation(server_args)
+
     if server_args.disable_radix_cache:
         refuse("--disable-radix-cache", " (it is a radix prefix cache)")
     backend = server_args.radix_cache_backend
@@ -158,8 +160,6 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
             f"{ENABLE_FLAG} cannot be combined with --mamba-radix-cache-strategy extra_buffer_lazy; "
             "use extra_buffer (the default with the flag) or no_buffer"
         )
-    if getattr(server_args, "disaggregation_mode", "null") not in (None, "null"):
-        refuse(f"--disaggregation-mode {server_args.disaggregation_mode}", " (not implemented)")
 
     server_args.radix_cache_backend = S.BACKEND_NAME
     if strategy == "auto":
@@ -177,6 +177,33 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     settings["strategy"] = server_args.mamba_radix_cache_strategy
     _check_mamba_cache_size(server_args)
     return settings
+
+
+def _check_disaggregation(server_args) -> None:
+    """Prefill/decode disaggregation (``docs/design.md``, "Prefill/decode disaggregation"):
+    the plugin serves the prefill side (SGLang sends the KV and the working SSM state from
+    the plugin's pool; the cache keeps serving hits there). The decode side builds SGLang's
+    own ``HybridMambaDecodeReqToTokenPool`` (``mem_cache/kv_cache_configurator.py``, rows
+    pre-allocated for transfers in flight) outside the request-pool hook, and the plugin's
+    cache needs its own pool, so a decode server runs without the flag (SGLang's decode path,
+    with or without ``--disaggregation-decode-enable-radix-cache``).
+
+    Raises:
+        FlagError: ``--disaggregation-mode decode`` or ``--enable-pd-role-switch`` (a
+            prefill server that can flip to decode) with the flag."""
+    mode = getattr(server_args, "disaggregation_mode", "null")
+    if mode == "decode":
+        raise FlagError(
+            f"{ENABLE_FLAG} cannot be combined with --disaggregation-mode decode: the decode "
+            "server builds SGLang's own request pool (HybridMambaDecodeReqToTokenPool), which "
+            f"the plugin's cache cannot use; drop {ENABLE_FLAG} on the decode server (it "
+            "receives the KV and SSM state the same way) and keep it on the prefill server"
+        )
+    if mode == "prefill" and getattr(server_args, "enable_pd_role_switch", False):
+        raise FlagError(
+            f"{ENABLE_FLAG} cannot be combined with --enable-pd-role-switch (the server could "
+            "flip to decode, which runs without the plugin); drop one of them"
+        )
 
 
 def _check_mamba_cache_size(server_args) -> None:

@@ -38,7 +38,7 @@ from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
-from sglang_mamba_ext.plugin.settings import BACKEND_NAME
+from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         tokens = _token_list(key.raw_token_ids())
         ns = req_bridge.namespace(key.extra_key, key.cache_salt)
         req = params.req
+        if req is not None and req.skip_radix_cache_insert:
+            _admit_warmup(req)
         cow = bool(params.cow_mamba) and req is not None
         creq = req_bridge.pull(req) if cow else None
         # A copy-on-write slot may evict a state (and its leaf's KV): one batched free.
@@ -356,6 +358,22 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             f"Available mamba: {ssm_free + ssm_evictable} "
             f"(available_size={ssm_free} + component_evictable_size_={ssm_evictable})\n"
         )
+
+
+def _admit_warmup(req) -> None:
+    """Let a ``kda_cache`` warm-up request on a prefill server into the tree: SGLang sets
+    ``Req.skip_radix_cache_insert`` for its fake bootstrap host (``managers/schedule_batch.py``,
+    so that its own warm-up leaves no entries); the plugin's warm-up (``rid`` prefix
+    ``WARMUP_RID_PREFIX``, :mod:`.warmup`) exists to leave them. A request with positional
+    embedding overrides stays out (its KV is not determined by its token ids)."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    if (
+        str(getattr(req, "rid", "")).startswith(WARMUP_RID_PREFIX)
+        and getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST
+        and getattr(req, "positional_embed_overrides", None) is None
+    ):
+        req.skip_radix_cache_insert = False
 
 
 def _token_list(tokens) -> List[int]:

@@ -10,7 +10,8 @@ comes with the CPU defaults of :mod:`.cpu_defaults`):
 - hooks on SGLang functions through ``HookRegistry`` (each listed in ``docs/sglang-hooks.md``):
   argument parsing (:mod:`.args`, :mod:`.cpu_defaults`, :mod:`.speculative`), model lookup
   (:mod:`.tiny_hybrid`), request-pool construction (:mod:`.pool`), decode preparation
-  (:mod:`.cpu_pin_memory`), request validation (:mod:`.request_validation`), chat message
+  (:mod:`.cpu_pin_memory`), the prefill side's KV send on a host without CUDA
+  (:mod:`.disaggregation`), request validation (:mod:`.request_validation`), chat message
   boundaries (:mod:`.chat_boundaries`), the scheduler's
   internal state for ``/server_info`` (:mod:`.metrics`), the speculative verify path
   (:mod:`.speculative.hooks`);
@@ -94,6 +95,9 @@ def install_mamba_radix() -> None:
     from sglang_mamba_ext.plugin.multi_rank import register_multi_rank_hooks
 
     register_multi_rank_hooks()
+    from sglang_mamba_ext.plugin.disaggregation import register_disaggregation_hooks
+
+    register_disaggregation_hooks()
     _installed = True
 
 

@@ -19,6 +19,11 @@ from typing import Any, Dict
 BACKEND_NAME = "mamba_radix_ext"
 #: Name of the warmup registered with ``sglang.srt.entrypoints.warmup.warmup``.
 WARMUP_NAME = "kda_cache"
+#: ``rid`` prefix of the ``kda_cache`` warmup's requests. On a prefill server
+#: (``--disaggregation-mode prefill``) they carry SGLang's fake bootstrap host, which makes
+#: SGLang bar them from the tree (``Req.skip_radix_cache_insert``); the adapter lets these
+#: ones in (``plugin/cache.py::MambaRadixCacheAdapter.match_prefix``).
+WARMUP_RID_PREFIX = "mamba-radix-warmup-"
 #: Extra ``ServerArgs`` attribute with the plugin's settings.
 SETTINGS_ATTR = "_mamba_radix_ext"
 #: ``--radix-eviction-policy`` value added by the plugin: the core cache's recompute-aware

@@ -15,6 +15,11 @@ reports ready; without ``--warmups kda_cache`` it never runs. For each prompt of
    ``len - 1`` tokens).
 
 It logs how many prompts and tokens were prefilled and how many tokens the second pass hit
+On a prefill server (``--disaggregation-mode prefill``) the requests go to SGLang's fake
+bootstrap host (no decode peer; SGLang's own warm-up does the same), which SGLang keeps out of
+the tree; the warm-up's requests (``rid`` prefix ``settings.WARMUP_RID_PREFIX``) are let in by
+the adapter, so the prompts are cached there too.
+
 (with a warning when that is less than the prompts: the pools are too small to keep them);
 with ``--enable-metrics`` the same numbers go to the ``sglang:mamba_radix_warmup_*`` counters
 (:func:`sglang_mamba_ext.plugin.metrics.record_warmup`).
@@ -32,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import uuid
 from typing import Any, List, Optional, Sequence
 
 from sglang_mamba_ext.plugin import settings as S
@@ -190,6 +196,7 @@ async def _send(tokenizer_manager, input_ids: Sequence[int], disaggregation_mode
     req = GenerateReqInput(
         input_ids=list(input_ids),
         sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        rid=S.WARMUP_RID_PREFIX + uuid.uuid4().hex,
     )
     if dp_rank is not None:  # every data-parallel rank has its own cache: warm each
         req.routed_dp_rank = dp_rank

@@ -1,0 +1,200 @@
+"""End to end: prefill/decode disaggregation with the plugin on the prefill server (issue 14).
+
+One set for the class, as ``scripts/serve_cpu_pd.sh`` starts it: a prefill server with
+``--enable-mamba-radix`` and the ``kda_cache`` warm-up, a decode server (SGLang's own pool:
+the plugin refuses ``--disaggregation-mode decode``), both ``--disaggregation-transfer-backend
+mooncake_tcp`` (mooncake's non-CUDA wheel, TCP transport), and ``sglang-router`` in PD mode.
+The decode server only ever sees the KV and SSM state the prefill server sends, so greedy
+output equal to ``TinyHybridReference.generate_greedy`` token for token, with log-probabilities
+within 1e-4, means both arrived intact (a zeroed or mis-sliced SSM state changes them). Hits on
+the prefill side are asserted exactly; SGLang's strict idle checks (leaks) run on both servers.
+The prefill server runs ``--tp 2`` and the decode server ``--tp 1`` (one set keeps CI short,
+and it covers the harder case): each prefill rank holds half of the heads (KV heads, and the
+SSM state's heads and conv channels split per q / k / v group, ``models/tiny_shard.py``), the
+decode server holds them whole, so the transfer must put each rank's slices at their places
+(conv state per group, not as one block: sglang #22060). The equal-TP case (what
+``scripts/serve_cpu_pd.sh`` runs by default) is the same transfer with one rank. Skipped when
+``sglang_router`` or mooncake is not installed (``scripts/setup_env.sh`` installs both).
+"""
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import pytest
+import requests
+
+from server_util import CHECKED_ENV, Server, common_prefix, idle_and_checked
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+NEW = 8
+CHUNK = 8  # TinyHybridSGLangConfig.mamba_chunk_size: SGLang's prefill tracking grid
+
+
+def _ids(start, n):
+    return [(start + 7 * i) % 700 + 3 for i in range(n)]
+
+
+WARM = _ids(300, 40)  # the kda_cache warm-up prompt of the prefill server
+
+
+def _have_mooncake() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401  (loads libibverbs / libnl)
+    except Exception:
+        return False
+    return True
+
+
+_SKIP = unittest.skipUnless(importlib.util.find_spec("sglang_router") and _have_mooncake(),
+                            "sglang-router or mooncake-transfer-engine-non-cuda is not installed")
+
+
+@_SKIP
+class TestPrefillDecodeServing(unittest.TestCase):
+    """One prefill (``--tp 2``) + decode (``--tp 1``) + router set for the class."""
+
+    PREFILL_FLAGS = ["--tp", "2"]  # for the prefill server only
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
+        from sglang_mamba_ext.testing import tiny_model_dir
+        from sglang_mamba_ext.testing.server import free_port
+
+        tmp = tempfile.TemporaryDirectory()
+        cls.addClassCleanup(tmp.cleanup)
+        model = tiny_model_dir()
+        cls.ref = TinyHybridReference.from_pretrained(model)
+        warm = os.path.join(tmp.name, "warm.jsonl")
+        with open(warm, "w") as f:
+            f.write(json.dumps({"input_ids": WARM}) + "\n")
+        bootstrap = free_port()
+        pd = ["--device", "cpu", "--disaggregation-transfer-backend", "mooncake_tcp",
+              "--max-total-tokens", "4096", "--max-running-requests", "4"]
+        cls.prefill = Server(model, [*pd, "--enable-mamba-radix", "--max-mamba-cache-size", "32",
+                                     "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                                     str(bootstrap), "--warmups", "kda_cache", "--warmup-prompts-file", warm,
+                                     *cls.PREFILL_FLAGS],
+                             os.path.join(tmp.name, "prefill.log"), env=CHECKED_ENV)
+        cls.decode = Server(model, [*pd, "--disaggregation-mode", "decode"],
+                            os.path.join(tmp.name, "decode.log"), env=CHECKED_ENV)
+        for s in (cls.prefill, cls.decode):
+            cls.addClassCleanup(s.stop)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
+            for started in [pool.submit(s.wait_healthy) for s in (cls.prefill, cls.decode)]:
+                started.result()
+        port = free_port()
+        cls.url = f"http://127.0.0.1:{port}"
+        log = open(os.path.join(tmp.name, "router.log"), "w")
+        cls.addClassCleanup(log.close)
+        cls.router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+             "--port", str(port), "--prefill", cls.prefill.base_url, str(bootstrap), "--decode", cls.decode.base_url],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        cls.addClassCleanup(lambda: os.killpg(cls.router.pid, signal.SIGKILL) if cls.router.poll() is None else None)
+        deadline = time.time() + 120
+        while True:  # /readiness: 200 once a healthy prefill and decode worker are admitted
+            try:
+                if requests.get(cls.url + "/readiness", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline or cls.router.poll() is not None:
+                raise RuntimeError("sglang-router did not become ready")
+            time.sleep(1)
+
+    def post(self, ids, n=NEW, timeout=300, **extra):
+        return requests.post(self.url + "/generate", timeout=timeout, json={
+            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+            **extra})
+
+    def gen(self, ids, n=NEW):
+        import torch
+
+        r = self.post(ids, n, return_logprob=True)
+        r.raise_for_status()
+        out = r.json()
+        ref_ids = self.ref.generate_greedy(ids, n)
+        self.assertEqual(out["output_ids"], ref_ids, f"prompt of {len(ids)}")
+        # the log-probabilities too: a state off by a little would still often pick the
+        # same greedy tokens
+        logits, _ = self.ref.forward_tokens(ids + ref_ids[:-1])
+        ref_lp = torch.log_softmax(logits[len(ids) - 1:], dim=-1)[torch.arange(n), torch.tensor(ref_ids)]
+        got = torch.tensor([item[0] for item in out["meta_info"]["output_token_logprobs"]])
+        torch.testing.assert_close(got, ref_lp, atol=1e-4, rtol=0)
+        return out
+
+    def prefill_cache(self) -> dict:
+        info = requests.get(self.prefill.base_url + "/server_info", timeout=60).json()
+        return info["internal_states"][0]["mamba_radix"]
+
+    def test_1_warmup_cached_on_prefill(self):
+        # The warm-up ran on the prefill server (fake bootstrap, SGLang would keep it out of
+        # the tree): a prompt extending the warmed one hits all of it (the first pass's finish
+        # state sits at len(WARM); the suffix avoids the warm-up's own next token, whose
+        # second-pass state lies one token deeper).
+        first = self.ref.generate_greedy(WARM, 1)[0]
+        suffix = [t for t in (11, 12, 13, 14) if t != first][:3]
+        out = self.gen(WARM + suffix)
+        self.assertEqual(out["meta_info"]["cached_tokens"], len(WARM))
+
+    def test_2_turns_equal_single_server_and_hit_on_prefill(self):
+        ids1 = _ids(1, 45)
+        out1 = self.gen(ids1)
+        # the next turn: the conversation so far plus a new user message
+        ids2 = ids1 + out1["output_ids"] + _ids(500, 12)
+        out2 = self.gen(ids2)
+        # What the prefill server cached of turn 1: it ran the prompt and sampled one token
+        # (the decode server produced the rest), so its states on that path are the prompt's
+        # len - 1 checkpoint, the end of its prefill when on the 8-token tracking grid, and
+        # its finish state at len(prompt) (prompt + first token, minus one).
+        path = ids1 + out1["output_ids"][:1]
+        shared = common_prefix(ids2, path)
+        states = [0, len(ids1) - 1, len(path) - 1] + ([len(ids1)] if len(ids1) % CHUNK == 0 else [])
+        want = max(s for s in states if s <= min(shared, len(ids2) - 1))
+        self.assertEqual(want, len(ids1))  # the test's own set-up: the finish state is on the path
+        self.assertEqual(out2["meta_info"]["cached_tokens"], want)
+        # a concurrent batch of different prompts through the same pair: still exact
+        prompts = [_ids(40 + 13 * k, 20 + 9 * k) for k in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(self.gen, prompts))
+
+    def test_3_client_aborts_leave_no_leak(self):
+        # Clients that give up while their request is being prefilled, transferred or decoded
+        # (timeouts from a few ms on: where each one lands is up to the scheduler), then
+        # both servers must go idle with every slot back (SGLang's strict idle checks).
+        prompts = [_ids(900 + 31 * k, 150 + 30 * k) for k in range(6)]
+        timeouts = [0.02, 0.05, 0.1, 0.2, 0.4, 0.8]
+
+        def give_up(args):
+            ids, t = args
+            try:
+                self.post(ids, n=48, timeout=t)
+            except requests.RequestException:
+                pass
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            list(pool.map(give_up, zip(prompts, timeouts)))
+        for server in (self.prefill, self.decode):
+            idle_and_checked(server)
+        # and both still serve, exactly
+        self.gen(_ids(77, 30))
+        for server in (self.prefill, self.decode):
+            idle_and_checked(server, settle_s=1.0)
+        cache = self.prefill_cache()
+        self.assertEqual(cache["kv_protected_tokens"], 0)
+        self.assertEqual(cache["ssm_protected_states"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
