@@ -297,6 +297,11 @@ VARIANTS: dict[str, Variant] = {
         _ours("ours-branch-recompute", prefix_checkpoints=True, eviction_policy="recompute"),
         "MambaRadixCache, branch-point checkpoints + recompute-aware eviction",
     ),
+    "ours-branch-adaptive": Variant(
+        "ours",
+        _ours("ours-branch-adaptive", prefix_checkpoints=True, eviction_policy="adaptive"),
+        "MambaRadixCache, branch-point checkpoints + adaptive eviction (hit expectations learned per state class)",
+    ),
     "oracle-belady": Variant(
         "oracle",
         _oracle("oracle-belady"),
