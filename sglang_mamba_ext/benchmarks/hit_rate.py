@@ -76,6 +76,9 @@ Variants (``--only`` names; see VARIANTS below):
 * ``ours-branch-recompute``: branch-point + prompt-end checkpoints, recompute-aware
   eviction (``--radix-eviction-policy recompute``: GreedyDual-Size-Frequency over tokens
   of recompute saved per byte).
+* ``ours-branch-adaptive``: branch-point + prompt-end checkpoints, adaptive eviction
+  (``--radix-eviction-policy adaptive``: the same, weighted by each state's expected future
+  hits, learned online per class of states; ``mem_cache/eviction.py``).
 * ``oracle-belady``, ``oracle-belady-cost``, ``oracle-belady-naive``: ``ours-branch-*``
   with offline victims (:class:`.oracle.OracleDriver`): Belady with deeper states
   shadowing shallower ones; the same weighted by the tokens a miss recomputes per request
