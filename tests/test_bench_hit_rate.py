@@ -382,7 +382,7 @@ class OursVariantsTest(TraceDriverCase):
         self.assertEqual(res.state_copies, 0)
 
     def test_branch_checkpoints(self):
-        for name in ("ours-branch-lru", "ours-branch-recompute"):
+        for name in ("ours-branch-lru", "ours-branch-recompute", "ours-branch-adaptive"):
             with self.subTest(variant=name):
                 res = self._check_against_model(name, "branch")
                 nobuf, _, _ = reference_model(self.records, "nobuf")
@@ -390,7 +390,7 @@ class OursVariantsTest(TraceDriverCase):
                 self.assertGreater(res.matched_tokens, 1.5 * sum(nobuf))
 
     def test_small_pools_evict_without_leak(self):
-        for name in ("ours-lru", "ours-branch-lru", "ours-branch-recompute"):
+        for name in ("ours-lru", "ours-branch-lru", "ours-branch-recompute", "ours-branch-adaptive"):
             with self.subTest(variant=name):
                 driver = bench_hit_rate.VARIANTS[name].factory(8192, 6)
                 res = run_hit_trace(driver, self.records, side="ours")

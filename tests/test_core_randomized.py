@@ -242,6 +242,10 @@ CONFIGS = {
         page_size=1, track_slots=2, finish_state="working", cache_kwargs=dict(
             branch_checkpoints=True, eviction_policy="recompute", max_states_per_path=3, kv_bytes_per_token=64)
     ),
+    "page1_branch_adaptive": dict(
+        page_size=1, track_slots=2, finish_state="working", cache_kwargs=dict(
+            branch_checkpoints=True, eviction_policy="adaptive", max_states_per_path=3)
+    ),
     "page2_branch_lru_nobuffer": dict(
         page_size=2, track_slots=0, finish_state="working", cache_kwargs=dict(branch_checkpoints=True)
     ),

@@ -323,18 +323,23 @@ class TestFlags(unittest.TestCase):
 
 
 class TestEvictionPolicyFlag(unittest.TestCase):
-    """``--radix-eviction-policy recompute`` (issue 6) selects the core's recompute-aware
-    SSM eviction through SGLang's existing flag."""
+    """``--radix-eviction-policy recompute`` (issue 6) and ``adaptive`` (issue 16) select
+    the core's SSM eviction policies through SGLang's existing flag."""
 
     def test_recompute_policy_reaches_the_core_cache(self):
         from sglang.srt.runtime_context import get_memory
 
-        ctx, sa = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--radix-eviction-policy", "recompute"))
-        self.assertEqual(sa.radix_eviction_policy, "recompute")
-        with F.in_context(ctx):
-            self.assertEqual(get_memory().radix_eviction_policy, "recompute")
-            cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
-            self.assertEqual(cache.core.eviction_policy, "recompute")
+        from sglang_mamba_ext.mem_cache.eviction import AdaptiveEviction, RecomputeEviction
+
+        for policy, cls in (("recompute", RecomputeEviction), ("adaptive", AdaptiveEviction)):
+            with self.subTest(policy=policy):
+                ctx, sa = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--radix-eviction-policy", policy))
+                self.assertEqual(sa.radix_eviction_policy, policy)
+                with F.in_context(ctx):
+                    self.assertEqual(get_memory().radix_eviction_policy, policy)
+                    cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
+                    self.assertEqual(cache.core.eviction_policy, policy)
+                    self.assertIs(type(cache.core._eviction), cls)
         ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix"))
         with F.in_context(ctx):
             cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
@@ -348,10 +353,12 @@ class TestEvictionPolicyFlag(unittest.TestCase):
             self.assertEqual(cache.core.max_states_per_path, 3)
 
     def test_policy_refusals_name_the_flags(self):
-        with self.assertRaises(ValueError) as cm:
-            F.parse_args(F.base_argv("--radix-eviction-policy", "recompute"))
-        self.assertIn("--enable-mamba-radix", str(cm.exception))
-        self.assertIn("--radix-eviction-policy recompute", str(cm.exception))
+        for policy in ("recompute", "adaptive"):
+            with self.subTest(policy=policy):
+                with self.assertRaises(ValueError) as cm:
+                    F.parse_args(F.base_argv("--radix-eviction-policy", policy))
+                self.assertIn("--enable-mamba-radix", str(cm.exception))
+                self.assertIn(f"--radix-eviction-policy {policy}", str(cm.exception))
         for other in ("lfu", "tlru"):
             with self.subTest(policy=other):
                 with self.assertRaises(ValueError) as cm:

@@ -96,7 +96,8 @@ class TestEntryPoint(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         self.assertIn("--enable-mamba-radix", out.stdout)
         self.assertIn("--warmup-prompts-file PATH", out.stdout)
-        self.assertIn("recompute", out.stdout)  # --radix-eviction-policy choice
+        self.assertIn("recompute", out.stdout)  # --radix-eviction-policy choices
+        self.assertIn("adaptive", out.stdout)
         self.assertIn("--mamba-spec-state-update", out.stdout)
 
 

@@ -76,6 +76,9 @@ Variants (``--only`` names; see VARIANTS below):
 * ``ours-branch-recompute``: branch-point + prompt-end checkpoints, recompute-aware
   eviction (``--radix-eviction-policy recompute``: GreedyDual-Size-Frequency over tokens
   of recompute saved per byte).
+* ``ours-branch-adaptive``: branch-point + prompt-end checkpoints, adaptive eviction
+  (``--radix-eviction-policy adaptive``: the same, weighted by each state's expected future
+  hits, learned online per class of states; ``mem_cache/eviction.py``).
 * ``oracle-belady``, ``oracle-belady-cost``, ``oracle-belady-naive``: ``ours-branch-*``
   with offline victims (:class:`.oracle.OracleDriver`): Belady with deeper states
   shadowing shallower ones; the same weighted by the tokens a miss recomputes per request
@@ -296,6 +299,11 @@ VARIANTS: dict[str, Variant] = {
         "ours",
         _ours("ours-branch-recompute", prefix_checkpoints=True, eviction_policy="recompute"),
         "MambaRadixCache, branch-point checkpoints + recompute-aware eviction",
+    ),
+    "ours-branch-adaptive": Variant(
+        "ours",
+        _ours("ours-branch-adaptive", prefix_checkpoints=True, eviction_policy="adaptive"),
+        "MambaRadixCache, branch-point checkpoints + adaptive eviction (hit expectations learned per state class)",
     ),
     "oracle-belady": Variant(
         "oracle",

@@ -4,7 +4,9 @@ operations that free them (tombstoning an inner node, removing a leaf with its K
 tombstone ancestors it leaves bare) stay in the cache. The cache builds one policy object
 by name at construction (:func:`make_eviction_policy`), so the hot paths call a bound method
 and never compare strings: :class:`LRUEviction` scans the two recency lists;
-:class:`RecomputeEviction` ranks states by recompute saved per byte, blended with recency.
+:class:`RecomputeEviction` ranks states by recompute saved per byte, blended with recency;
+:class:`AdaptiveEviction` weighs that by each state's expected future hits, learned online
+per class of states.
 :class:`PriorityEviction` is the seam for a caller-given victim priority
 (``MambaRadixCache.set_victim_priority``; the hit-rate benchmark's offline oracle uses it).
 """
@@ -26,9 +28,12 @@ class LRUEviction:
     skipped. Each victim costs O(1) list steps beyond the locked ones passed over."""
 
     name = "lru"
-    #: Called with a node whose state was stored or used, after the cache moved it to the
-    #: front of ``mamba_lru_list``; ``None``: this policy keeps nothing else.
-    state_used: Optional[Callable[[TreeNode], None]] = None
+    #: Called as ``state_used(node, event)`` after the cache moved ``node`` to the front of
+    #: ``mamba_lru_list``: ``event`` is ``"stored"`` (a state was stored there, its
+    #: ``mamba_origin`` set), ``"hit"`` (a request's first copy-on-write match resumes
+    #: from it) or ``"touched"`` (any other match ending there); ``None``: this policy
+    #: keeps nothing else.
+    state_used: Optional[Callable[[TreeNode, str], None]] = None
 
     def __init__(self, cache: "MambaRadixCache"):
         self.cache = cache
@@ -135,7 +140,7 @@ class RecomputeEviction(LRUEviction):
             size += cache.kv_bytes_per_token * len(node.key) / (cache.mamba_pool.slot_bytes() or 1)
         return (node.seq_len - anc.seq_len) / size
 
-    def _state_used(self, node: TreeNode) -> None:
+    def _state_used(self, node: TreeNode, event: str) -> None:
         node.hits += 1
         node.priority = self.inflation + node.hits * self.recompute_per_byte(node)
 
@@ -158,6 +163,126 @@ class RecomputeEviction(LRUEviction):
                 best = node
         if best is not None:
             self.inflation = best.priority
+        return best
+
+
+class AdaptiveEviction(RecomputeEviction):
+    """GreedyDual-Size-Frequency whose frequency is each state's *expected future hits*,
+    learned online per class of states (``docs/design.md``, "Eviction"):
+
+        priority(n) = L + E[future hits | class(n), hits(n)] * saved(n) / bytes(n)
+
+    ``saved / bytes`` is :meth:`RecomputeEviction.recompute_per_byte`, evaluated when a
+    victim is chosen (the nearest ancestor holding a state may have changed since the
+    state was stored); ``L`` is the inflation value as in GDSF (the highest victim
+    priority so far), set on ``n`` when its state is stored or hit.
+
+    ``class(n)`` is ``(mamba_origin, under_state)``: where the state came from (branch
+    point, prompt length - 1, message boundary, finished sequence, chunk or ping-pong
+    checkpoint; ``stats.STATE_ORIGINS``) and whether a shallower state lay on its path when
+    it was stored (a nested state, e.g. inside a conversation, against a top-level one,
+    e.g. a shared system prompt). ``hits(n)`` counts the requests that resumed from the
+    state since it was stored (first copy-on-write match per request), capped at
+    :attr:`MAX_HITS`. Per class the policy counts how many states reached ``h`` hits and
+    estimates ``P(one more hit | h) = (reached(h + 1) + 1) / (reached(h) + 2)`` (Laplace
+    smoothing: 1/2 without data), geometric beyond :attr:`MAX_HITS`; the expected future
+    hits chain these. A class nobody resumes from (prompt-end states that a finished
+    sequence shadows, say) drops toward 0 and goes first; a class whose states keep being
+    hit (system-prompt branch points) is kept. The hit counts are halved every
+    :attr:`HALF_LIFE` stores, so the estimates follow a changing workload. The idea of
+    learning hit probabilities per class of entries online is LHD's (Beckmann et al.,
+    "LHD: Improving Cache Hit Rate by Maximizing Hit Density", NSDI 2018), here inside
+    GDSF's cost-aware, aging priority.
+
+    Candidates and ties as :class:`RecomputeEviction`. O(states x path depth) per victim;
+    O(path depth) per stored state.
+    """
+
+    name = "adaptive"
+    #: Hits per state tracked exactly (buckets 0 .. MAX_HITS, the last one open).
+    MAX_HITS = 2
+    #: States stored between two halvings of the learned counts.
+    HALF_LIFE = 4096
+
+    def __init__(self, cache: "MambaRadixCache"):
+        super().__init__(cache)
+        self.reached: Dict[tuple, float] = {}  # (class, h) -> states that reached h hits
+        self.more: Dict[tuple, float] = {}  # class -> hits of states already at MAX_HITS
+        self.stores = 0
+        self._expected: Dict[tuple, float] = {}  # (class, h) -> expected future hits (cache)
+
+    def reset(self) -> None:
+        self.inflation = 0.0
+        self.reached.clear()
+        self.more.clear()
+        self.stores = 0
+        self._expected.clear()
+
+    def state_class(self, node: TreeNode) -> tuple:
+        """``(mamba_origin, under_state)`` of the state just stored at ``node``."""
+        root = self.cache.root_node
+        anc = node.parent
+        while anc is not root and anc.mamba_value is None:
+            anc = anc.parent
+        return (node.mamba_origin, anc is not root)
+
+    def _state_used(self, node: TreeNode, event: str) -> None:
+        if event == "touched":
+            return
+        if event == "stored" or node.state_class is None:
+            node.state_class = self.state_class(node)
+            node.hits = 0
+            key = (node.state_class, 0)
+            self.reached[key] = self.reached.get(key, 0.0) + 1.0
+            self.stores += 1
+            if self.stores % self.HALF_LIFE == 0:
+                for d in (self.reached, self.more):
+                    for k in d:
+                        d[k] *= 0.5
+        if event == "hit":
+            h = node.hits
+            if h < self.MAX_HITS:
+                key = (node.state_class, h + 1)
+                self.reached[key] = self.reached.get(key, 0.0) + 1.0
+            else:
+                self.more[node.state_class] = self.more.get(node.state_class, 0.0) + 1.0
+            node.hits = h + 1
+        node.priority = self.inflation
+        self._expected.clear()
+
+    def expected_hits(self, cls: tuple, hits: int) -> float:
+        """Expected future hits of a state of class ``cls`` that has had ``hits`` hits
+        (class docstring)."""
+        h = min(hits, self.MAX_HITS)
+        got = self._expected.get((cls, h))
+        if got is not None:
+            return got
+        reached = self.reached
+        top = reached.get((cls, self.MAX_HITS), 0.0)
+        more = self.more.get(cls, 0.0)
+        p = (more + 1.0) / (top + more + 2.0)
+        e = p / (1.0 - p)
+        for k in range(self.MAX_HITS - 1, h - 1, -1):
+            p = (reached.get((cls, k + 1), 0.0) + 1.0) / (reached.get((cls, k), 0.0) + 2.0)
+            e = p * (1.0 + e)
+        self._expected[(cls, h)] = e
+        return e
+
+    def priority_of(self, node: TreeNode) -> float:
+        """``node``'s priority now (class docstring); lower goes first."""
+        if node.state_class is None:  # stored before this policy was installed
+            node.state_class = self.state_class(node)
+        return node.priority + self.expected_hits(node.state_class, node.hits) * self.recompute_per_byte(node)
+
+    def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
+        best = None
+        best_p = 0.0
+        for node in self._candidates(leaf_only):
+            p = self.priority_of(node)
+            if best is None or p <= best_p:
+                best, best_p = node, p
+        if best is not None and best_p > self.inflation:
+            self.inflation = best_p
         return best
 
 
@@ -201,6 +326,7 @@ class PriorityEviction(RecomputeEviction):
 EVICTION_POLICIES: Dict[str, Type[LRUEviction]] = {
     LRUEviction.name: LRUEviction,
     RecomputeEviction.name: RecomputeEviction,
+    AdaptiveEviction.name: AdaptiveEviction,
 }
 
 

@@ -156,7 +156,10 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         if best == 0:
             device_indices = EMPTY_INDICES
         else:
-            self._touch_state(best_node)
+            # A hit counts once per request: its first copy-on-write match (a repeated
+            # match of a waiting request reuses its slot; sorting matches copy nothing).
+            hit = cow_mamba and (req is None or req.mamba_pool_idx is None)
+            self._touch_state(best_node, "hit" if hit else "touched")
             device_indices = best_node.value if best == 1 else torch.cat([c.value for c in path[:best]])
 
         result = MatchResult(device_indices, best_node, kv_match_len=pos, kv_last_node=last)
@@ -457,14 +460,14 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             new.mamba_origin = origin
             self._full_evictable += n - pos
             self._mamba_evictable += 1
-            self._touch_state(new)
+            self._touch_state(new, "stored")
             if self.event_sink is not None:
                 self.event_sink("stored", new)
             node = new
             mamba_exist = False
         elif mamba_value is not None and node is not self.root_node and node.mamba_value is None:
-            self._set_state(node, mamba_value)
             node.mamba_origin = origin
+            self._set_state(node, mamba_value)
             mamba_exist = False
         else:
             mamba_exist = True
@@ -509,12 +512,14 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             push(node.full_link)
             node = node.parent
 
-    def _touch_state(self, node: TreeNode) -> None:
-        """A state was stored or used: most recent in the SSM LRU list, and the eviction
-        policy told (``state_used``) if it keeps more."""
+    def _touch_state(self, node: TreeNode, event: str) -> None:
+        """A state was ``"stored"`` (its ``mamba_origin`` already set), ``"hit"`` (a
+        request resumes from it) or ``"touched"`` (matched without a copy): most recent in
+        the SSM LRU list, and the eviction policy told (``state_used(node, event)``) if it
+        keeps more."""
         self.mamba_lru_list.push_front(node.mamba_link)
         if self._state_used is not None:
-            self._state_used(node)
+            self._state_used(node, event)
 
     def _path_values(self, node: TreeNode) -> torch.Tensor:
         vals = []
@@ -535,7 +540,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             self._mamba_protected += 1
         else:
             self._mamba_evictable += 1
-        self._touch_state(node)
+        self._touch_state(node, "stored")
         if self.event_sink is not None:
             self.event_sink("state_stored", node)
 

@@ -50,6 +50,8 @@ class TreeNode:
         seq_len: tokens from the root to the end of this node (its state's position).
         full_lock_ref / mamba_lock_ref: lock counts (requests using this node).
         last_access_time: logical clock of the last touch.
+        priority / hits / state_class: the eviction policy's bookkeeping
+            (:mod:`.eviction`).
     """
 
     __slots__ = (
@@ -66,6 +68,7 @@ class TreeNode:
         "last_access_time",
         "priority",
         "hits",
+        "state_class",
         "id",
         "full_link",
         "mamba_link",
@@ -88,6 +91,7 @@ class TreeNode:
         self.last_access_time = 0
         self.priority = 0.0
         self.hits = 0
+        self.state_class = None
         self.id = TreeNode._next_id
         TreeNode._next_id += 1
         self.full_link = LRULink(self)

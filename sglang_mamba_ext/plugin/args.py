@@ -118,9 +118,9 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     settings: Dict[str, Any] = {"enable": bool(enable), "warmup_prompts_file": prompts_file}
     policy = getattr(server_args, "radix_eviction_policy", "lru")
     if not enable:
-        if policy == S.RECOMPUTE_POLICY:
+        if policy in S.PLUGIN_POLICIES:
             raise FlagError(
-                f"--radix-eviction-policy {S.RECOMPUTE_POLICY} is sglang-mamba-ext's policy: "
+                f"--radix-eviction-policy {policy} is sglang-mamba-ext's policy: "
                 f"add {ENABLE_FLAG} (or choose another policy)"
             )
         return settings

@@ -80,14 +80,13 @@ def install_mamba_radix() -> None:
     HookRegistry.register(CHAT_RENDER, chat_boundaries.render_and_encode_around, HookType.AROUND)
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
-    # --radix-eviction-policy recompute (the core's recompute-aware SSM eviction), added to
-    # SGLang's choices before any argument parser is built.
+    # --radix-eviction-policy recompute / adaptive (the core's SSM eviction policies), added
+    # to SGLang's choices before any argument parser is built.
     from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
 
-    from sglang_mamba_ext.plugin.settings import RECOMPUTE_POLICY
+    from sglang_mamba_ext.plugin.settings import PLUGIN_POLICIES
 
-    if RECOMPUTE_POLICY not in RADIX_EVICTION_POLICY_CHOICES:
-        add_radix_eviction_policy_choices([RECOMPUTE_POLICY])
+    add_radix_eviction_policy_choices([p for p in PLUGIN_POLICIES if p not in RADIX_EVICTION_POLICY_CHOICES])
     register_warmup()
     from sglang_mamba_ext.plugin.inchunk_checkpoints import register_inchunk_hooks
 

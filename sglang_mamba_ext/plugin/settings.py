@@ -29,8 +29,14 @@ SETTINGS_ATTR = "_mamba_radix_ext"
 #: ``--radix-eviction-policy`` value added by the plugin: the core cache's recompute-aware
 #: SSM eviction (``MambaRadixCache(eviction_policy="recompute")``).
 RECOMPUTE_POLICY = "recompute"
+#: ``--radix-eviction-policy`` value added by the plugin: the core cache's adaptive SSM
+#: eviction (recompute-aware, with hit expectations learned per class of states;
+#: ``MambaRadixCache(eviction_policy="adaptive")``).
+ADAPTIVE_POLICY = "adaptive"
+#: ``--radix-eviction-policy`` values the plugin adds to SGLang's choices.
+PLUGIN_POLICIES = (RECOMPUTE_POLICY, ADAPTIVE_POLICY)
 #: ``--radix-eviction-policy`` values the plugin's cache accepts.
-SUPPORTED_POLICIES = ("lru", RECOMPUTE_POLICY)
+SUPPORTED_POLICIES = ("lru",) + PLUGIN_POLICIES
 
 # Settings of this process's last ``from_cli_args`` (the launcher, which also runs the
 # HTTP server and its warmups); used when ``get_server_args()`` is not published yet.
