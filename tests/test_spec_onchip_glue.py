@@ -174,6 +174,54 @@ class TestOnChipGlue(unittest.TestCase):
         # the replay inputs are captured identically
         torch.testing.assert_close(st.pending_mixed_qkv, buf_pool.mamba_spec_deferred.pending_mixed_qkv, rtol=0, atol=0)
 
+    def _tiny(self, gate, verify, x, main, mixer, spec):
+        from sglang_mamba_ext.plugin.tiny_hybrid.backend import TinyHybridLinearAttnBackend
+
+        pool = _pool(verify, "tiny-" + gate, self.T)
+        pool.mamba_cache.conv[0].copy_(main[0])
+        pool.mamba_cache.temporal.copy_(main[1])
+        be = object.__new__(TinyHybridLinearAttnBackend)
+        be.req_to_token_pool = SimpleNamespace(mamba_pool=pool, mamba_map={1: 0},
+                                               mamba2_layer_cache=lambda layer_id: pool.mamba2_layer_cache(0))
+        be.forward_metadata = SimpleNamespace(mamba_cache_indices=torch.tensor([4, 1, -1]))
+        fb = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True), spec_info=spec)
+        launches = []
+        real = verify_onchip.onchip_tree_recurrence
+        with torch.no_grad(), mock.patch.object(verify_onchip, "onchip_tree_recurrence",
+                                                side_effect=lambda *a, **k: launches.append(1) or real(*a, **k)):
+            _, graw, braw = mixer.project_raw(x)
+            mixed, _, _ = mixer.project(x)
+            out = be.forward_extend(layer=SimpleNamespace(layer_id=1, mixer=mixer), forward_batch=fb, mixed_qkv=mixed,
+                                    a=graw, b=braw)
+        return pool, out, len(launches)
+
+    def test_tiny_backend(self):
+        """The tiny backend's verify (both gates, a tree and a chain row plus a padding row):
+        on chip == its torch loop over the one-layer buffer."""
+        from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
+
+        nt, ns = _tree_arrays(self.PARENTS[:2] + [[-1, 0, 1, 2, 3]])
+        spec = SimpleNamespace(draft_token_num=self.T, topk=2, retrieve_next_token=nt, retrieve_next_sibling=ns)
+        for gate in ("kda", "gdn"):
+            with self.subTest(gate=gate):
+                torch.manual_seed(1)
+                mixer = GatedDeltaRuleMixer(12, LinearAttnShape(2, 2, 8, 8, 4), gate=gate)
+                with torch.no_grad():
+                    mixer.A_log.normal_(0, 0.5)
+                    mixer.dt_bias.normal_()
+                ref = _pool("one_layer", "tiny-" + gate, self.T)
+                main = (torch.randn_like(ref.mamba_cache.conv[0]), torch.randn_like(ref.mamba_cache.temporal) * 0.3)
+                x = torch.randn(3 * self.T, 12)
+                buf_pool, buf_out, buf_n = self._tiny(gate, "one_layer", x, main, mixer, spec)
+                chip_pool, chip_out, chip_n = self._tiny(gate, "on_chip", x, main, mixer, spec)
+                self.assertEqual((buf_n, chip_n), (0, 1))
+                self.assertIsNone(chip_pool.mamba_spec_deferred.one_layer_ssm)
+                self.assertGreater(float(buf_out.abs().max()), 0.1)
+                torch.testing.assert_close(chip_out, buf_out, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(chip_pool.mamba_spec_deferred.one_layer_conv[:2],
+                                           buf_pool.mamba_spec_deferred.one_layer_conv[:2], rtol=0, atol=0)
+                torch.testing.assert_close(chip_pool.mamba_cache.temporal, main[1], rtol=0, atol=0)
+
     def test_kda(self):
         self._check("kda")
 
