@@ -300,7 +300,7 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
         conv=old.conv, temporal=old.temporal, intermediate_ssm=ssm_view, intermediate_conv_window=[conv_view],
     )
     setattr(pool, POOL_ATTR, state)
-    logger.info("mamba-spec-state-update=deferred (%s): no intermediate SSM buffer; %s verify (%s); %s", layout.name,
+    logger.info("mamba-spec-state-update=deferred (%s): no intermediate SSM buffer; verify_variant=%s (%s); %s", layout.name,
                 verify, why, {k: f"{v / 2**20:.1f} MiB" for k, v in state.nbytes().items()})
     return None
 
