@@ -244,6 +244,28 @@ class TestTreeVerifyOnChipRealShapes(unittest.TestCase):
         self._check(8, 16, "gdn")
 
 
+@pytest.mark.slow
+class TestGpuCheckTinyMode(unittest.TestCase):
+    """``python -m sglang_mamba_ext.speculative.ops.gpu_check --tiny`` (``scripts/gpu_check.sh``'s
+    body at toy shapes, CPU, Triton's interpreter) runs to the end with every correctness check
+    passing (exit 0), including the glue's on-chip verify and the one-layer timing."""
+
+    def test_tiny_mode_runs(self):
+        import os
+        import subprocess
+        import sys
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        r = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.speculative.ops.gpu_check", "--tiny"], env=env,
+                           capture_output=True, text=True, timeout=1200)
+        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-3000:])
+        lines = r.stdout.splitlines()
+        self.assertTrue(any(l.startswith("correctness: glue on-chip verify") for l in lines), r.stdout)
+        self.assertTrue(any(l.startswith("onchip_vs_one_layer=") for l in lines), r.stdout)
+        self.assertTrue(lines[-2].startswith("memory_ratio=") and lines[-1].startswith("replay_overhead="), r.stdout)
+
+
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_CAN_TRITON_INPROC)
 TestUnderTritonInterpreterRealShapes = pytest.mark.slow(
     triton_subprocess_case(__file__, "RealShapes", skip=_CAN_TRITON_INPROC))
