@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Deferred-verify GPU check (docs/design.md, "Deferred update" and "Replay"): Triton replay /
-# tree verify vs torch references at Kimi-Linear-48B-A3B layer shapes, replay time vs a
-# verify-sized recurrent forward, and peak memory of snapshot vs deferred verify. Needs only
+# tree verify vs torch references at Kimi-Linear-48B-A3B layer shapes, the glue's on-chip
+# verify entry vs torch at Kimi-Linear / Qwen3-Next TP-2 per-rank shapes, replay time vs a
+# verify-sized recurrent forward, on-chip verify time vs the one-layer-buffer verify
+# (onchip_vs_one_layer=), and peak memory of snapshot vs deferred verify. Needs only
 # torch + Triton + a CUDA GPU (no SGLang, no network); finishes in well under 5 minutes. Last
 # lines: memory_ratio=<x>, replay_overhead=<y>. Then the in-chunk checkpoint writer (docs/design.md,
 # "Prefix checkpoints"): correctness vs torch and fla's chunked kernels, cost per checkpoint vs

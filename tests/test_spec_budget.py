@@ -77,7 +77,7 @@ class TestDeferredBudget(unittest.TestCase):
             self.assertEqual(r.max_total_num_tokens, r.kv_budget_bytes // r.kv_cell_bytes)
         # at this budget all three grow
         self.assertEqual((s.max_mamba_cache_size, s.max_running_requests), (31, 10))
-        self.assertEqual((d.max_mamba_cache_size, d.max_running_requests), (281, 48))
+        self.assertEqual((d.max_mamba_cache_size, d.max_running_requests), (442, 48))
         self.assertGreater(d.max_total_num_tokens, s.max_total_num_tokens)
 
     def test_user_max_mamba_cache_size_wins(self):
@@ -112,9 +112,11 @@ class TestDeferredBudget(unittest.TestCase):
         row_def, rem = divmod(d.spec_bytes, d.rows)
         self.assertEqual(rem, 0)
         self.assertEqual(s.spec_bytes, row_snap * s.rows)
-        # per rank: 36 layers, conv_dim 2*8*128 + 16*128, 16 value heads of 128 x 128, bf16
+        # per rank: 36 layers, conv_dim 2*8*128 + 16*128, 16 value heads of 128 x 128, bf16;
+        # verify on chip: no node-state SSM buffer
         per_tok = 4096 + 16 + 16
-        self.assertEqual(row_def, 36 * 4 * per_tok * 2 + 20 + 36 * D * per_tok * 2 + D * 16 * 128 * 128 * 2 + D * 4096 * 3 * 2)
+        self.assertEqual(d.verify, "on_chip")
+        self.assertEqual(row_def, 36 * 4 * per_tok * 2 + 20 + 36 * D * per_tok * 2 + D * 4096 * 3 * 2)
         for r, row in ((s, row_snap), (d, row_def)):
             self.assertEqual(r.max_mamba_cache_size, _auto_slots(r, row))
             self.assertEqual(r.max_running_requests, min(48, r.max_mamba_cache_size // r.mamba_ratio))
@@ -125,16 +127,25 @@ class TestDeferredBudget(unittest.TestCase):
 
     def test_deferred_row_bytes_from_published_shapes(self):
         """The deferred state's bytes per row (stash of steps + 1 tokens with 20 B of counters,
-        pending activations of D tokens, one layer's D node states and conv windows) from
-        Kimi-Linear's published shapes."""
+        pending activations of D tokens, one layer's D conv windows; on chip no node states,
+        with the forced one_layer variant one layer's D node SSM states too) from Kimi-Linear's
+        published shapes."""
         from sglang_mamba_ext.benchmarks.sglang_pools import PUBLISHED
 
         cfg = PUBLISHED[MODEL].config["linear_attn_config"]
         self.assertEqual(len(cfg["kda_layers"]), 20)
         # stash + pending + one-layer buffers, per row, from the published shapes (bf16):
         per_tok = 3 * 32 * 128 + 32 * 128 + 32  # mixed_qkv + g + beta
-        expect = (20 * 4 * per_tok * 2 + 20) + 20 * D * per_tok * 2 + D * 32 * 128 * 128 * 2 + D * 3 * 3 * 32 * 128 * 2
+        expect = (20 * 4 * per_tok * 2 + 20) + 20 * D * per_tok * 2 + D * 3 * 3 * 32 * 128 * 2
+        self.assertEqual(self.dfr.verify, "on_chip")
         self.assertEqual(self.row_def, expect)
+        from sglang_mamba_ext.benchmarks.sglang_pools import size_pools
+
+        one = size_pools(MODEL, "deferred", verify="one_layer", **BUDGET)
+        self.assertEqual(one.verify, "one_layer")
+        self.assertEqual(divmod(one.spec_bytes, one.rows), (expect + D * 32 * 128 * 128 * 2, 0))
+        self.assertEqual(one.max_mamba_cache_size, _auto_slots(one, expect + D * 32 * 128 * 128 * 2))
+        self.assertLess(one.max_mamba_cache_size, self.dfr.max_mamba_cache_size)
 
 
 if __name__ == "__main__":

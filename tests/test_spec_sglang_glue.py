@@ -164,9 +164,10 @@ class TestFlags(unittest.TestCase):
         self.assertIn("refused DeferredSpecConfigError", out.stdout)
 
 
-def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3), layout="kda"):
+def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3), layout="kda", verify="auto"):
     """SGLang's MambaPool with 2 linear layers of H = HV = 2 heads, K = V = 8, W = 4, as
-    Kimi-Linear (KDA: conv [W-1, dim]) or Qwen3-Next (GDN: conv [dim, W-1]) sizes it."""
+    Kimi-Linear (KDA: conv [W-1, dim]) or Qwen3-Next (GDN: conv [dim, W-1]) sizes it
+    (``verify``: the deferred verify variant, ``auto`` = the on-chip rule: on chip here)."""
     dtype = Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
     if layout == "kda":
         shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
@@ -180,7 +181,8 @@ def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3), layout="kd
     pool = MambaPool.__new__(MambaPool)
     spec = SimpleNamespace(speculative_num_steps=2, speculative_algorithm="FROZEN_KV_MTP")
     with _deferred("deferred" if deferred else "snapshot"), mock.patch("sglang.srt.runtime_context.get_spec", return_value=spec), \
-            mock.patch.object(hooks, "_target_layout", None if layout == "kda" else layout):
+            mock.patch.object(hooks, "_target_layout", None if layout == "kda" else layout), \
+            mock.patch.dict(os.environ, {"SGLANG_MAMBA_EXT_DEFERRED_VERIFY": verify}):
         hooks.mamba_pool_init_around(MambaPool.__init__, pool, **kw)
     return pool
 
@@ -189,7 +191,7 @@ def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3), layout="kd
 class TestPoolConstruction(unittest.TestCase):
     def test_deferred_pool_has_one_layer_buffers(self):
         snap = _make_pool(False)
-        d = _make_pool(True)
+        d = _make_pool(True, verify="one_layer")
         s_int, d_int = snap.mamba_cache.intermediate_ssm, d.mamba_cache.intermediate_ssm
         self.assertEqual(tuple(s_int.shape), tuple(d_int.shape))  # SGLang's kernels see [L, R, T, ...]
         self.assertNotEqual(s_int.stride(0), 0)
@@ -205,6 +207,27 @@ class TestPoolConstruction(unittest.TestCase):
         self.assertEqual(tuple(state.stash.g_raw.shape), (2, 4, 3, 16))
         snap_bytes = s_int.numel() * s_int.element_size()
         self.assertEqual(state.nbytes()["one_layer_ssm"] * 2, snap_bytes)
+
+    def test_onchip_pool_has_no_node_state_buffer(self):
+        """Where the shapes fit on chip (K = V = 8, depth 3) the pool gets no one-layer SSM
+        buffer: ``intermediate_ssm`` is a one-element placeholder of SGLang's shape."""
+        d = _make_pool(True)
+        buffered = _make_pool(True, verify="one_layer")
+        state = d.mamba_spec_deferred
+        self.assertEqual((state.verify, buffered.mamba_spec_deferred.verify), ("on_chip", "one_layer"))
+        self.assertIsNone(state.one_layer_ssm)
+        ph = d.mamba_cache.intermediate_ssm
+        self.assertEqual(tuple(ph.shape), tuple(buffered.mamba_cache.intermediate_ssm.shape))
+        self.assertEqual(ph.untyped_storage().nbytes(), 4)  # one fp32 element
+        self.assertEqual(set(ph.stride()), {0})
+        nb, nb_buf = state.nbytes(), buffered.mamba_spec_deferred.nbytes()
+        self.assertEqual(nb["one_layer_ssm"], 0)
+        self.assertEqual(nb_buf["one_layer_ssm"], 4 * 5 * 2 * 8 * 8 * 4)  # R * T * HV * V * K fp32
+        self.assertEqual({k: v for k, v in nb.items() if k != "one_layer_ssm"},
+                         {k: v for k, v in nb_buf.items() if k != "one_layer_ssm"})  # conv buffer, stash, pending kept
+        with mock.patch.dict(os.environ, {"SGLANG_MAMBA_EXT_DEFERRED_VERIFY": "bogus"}), \
+                self.assertRaisesRegex(hooks.DeferredSpecConfigError, "SGLANG_MAMBA_EXT_DEFERRED_VERIFY"):
+            _make_pool(True, verify="bogus")
 
     def test_mamba2_refused(self):
         pool = MambaPool.__new__(MambaPool)
@@ -251,7 +274,7 @@ class TestCommitReplayPath(unittest.TestCase):
     def setUp(self):
         torch.manual_seed(0)
         self.T = 5
-        self.pool = _make_pool(True, T=self.T, layout=self.LAYOUT)
+        self.pool = _make_pool(True, T=self.T, layout=self.LAYOUT, verify="one_layer")  # the stand-in verify below uses no dispatcher
         self.state = self.pool.mamba_spec_deferred
         shape = LinearAttnShape(2, 2, 8, 8, 4)
         self.mixers = [GatedDeltaRuleMixer(12, shape, gate=self.LAYOUT) for _ in range(2)]

@@ -7,6 +7,7 @@ them earlier without it, the tests re-run in a subprocess (``TestUnderTritonInte
 
 import unittest
 
+import pytest
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape, gated_delta_rule
@@ -20,7 +21,7 @@ from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu, trit
 
 _CAN_RUN = load_triton_kernels_for_cpu()
 _CAN_TRITON_INPROC = _CAN_RUN
-SELECT = 'Replay or TreeVerify'
+SELECT = '(Replay or TreeVerify) and not RealShapes'
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -183,7 +184,91 @@ class TestTreeVerifyTriton(unittest.TestCase):
         torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+@unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
+class TestTreeVerifyOnChipRealShapes(unittest.TestCase):
+    """The glue's on-chip verify entry (``speculative/verify_onchip.py::onchip_tree_verify``:
+    SGLang's ``target_verify`` arguments, raw gates, pre-norm q/k, states ``[slots, HV, V, K]``)
+    against the torch tree recurrence at the real models' per-rank head shapes, reduced batch:
+    Kimi-Linear-48B-A3B (KDA, TP 1: H = HV = 32, K = V = 128) and Qwen3-Next-80B-A3B (GDN, TP 2:
+    H = 8, HV = 16, K = V = 128), one request's EAGLE tree of topk 2, steps 3 (11 nodes, depth
+    4). Slow under the interpreter (every head of the layer)."""
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.testing.spec_pair import triton_interpreter_env
+
+        cls.enterClassContext(triton_interpreter_env())
+
+    def _check(self, H, HV, gate):
+        from sglang_mamba_ext.speculative.tree import DraftTree, eagle_tree_parents
+        from sglang_mamba_ext.speculative.verify_onchip import choose_verify, onchip_tree_verify
+
+        torch.manual_seed(0)
+        K = V = 128
+        shape = LinearAttnShape(H, HV, K, V, 4)
+        self.assertEqual(choose_verify(K, V, 4, env="auto")[0], "on_chip")
+        parents = eagle_tree_parents(2, 3)
+        T, N = len(parents), 1
+        index = TreeIndex.build(DraftTree(torch.zeros(N, T, dtype=torch.long), torch.tensor([parents] * N)), 4)
+        m = GatedDeltaRuleMixer(8, shape, gate=gate)
+        with torch.no_grad():
+            m.A_log.normal_(0, 0.5)
+            m.dt_bias.normal_()
+        q = torch.randn(1, N * T, H, K)
+        k = torch.randn(1, N * T, H, K)
+        v = torch.randn(1, N * T, HV, V)
+        a = torch.randn(N * T, HV * K if gate == "kda" else HV)
+        b = torch.randn(1, N * T, HV)
+        pool_vk = torch.randn(4, HV, V, K)  # SGLang's [slots, HV, V, K]
+        slots = torch.tensor([3])
+        o = onchip_tree_verify(q, k, v, a, b, m.A_log, m.dt_bias, pool_vk, slots, T, index.parents, 4,
+                               per_head_gate=gate == "gdn")
+        self.assertEqual(tuple(o.shape), (1, N * T, HV, V))
+        # reference: the mixer's own gates and L2 norm, torch tree recurrence over a node buffer
+        with torch.no_grad():
+            g, beta = m.activate_gates(a.view(N, T, -1), b.view(N, T, HV))
+            from sglang_mamba_ext.models.linear_attn import l2_normalize
+
+            qn, kn = l2_normalize(q.view(N, T, H, K)), l2_normalize(k.view(N, T, H, K))
+            buf = OneLayerBuffer(N, T, shape).ssm
+            o_ref = tree_recurrence(m, qn, kn, v.view(N, T, HV, V), g, beta, pool_vk[slots].transpose(-1, -2), index,
+                                    buf, torch.arange(N))
+        self.assertGreater(float(o_ref.abs().max()), 0.1)
+        torch.testing.assert_close(o.view(N, T, HV, V), o_ref, rtol=2e-4, atol=2e-4)
+
+    def test_kimi_linear_kda_per_rank(self):
+        self._check(32, 32, "kda")
+
+    def test_qwen3_next_gdn_tp2_per_rank(self):
+        self._check(8, 16, "gdn")
+
+
+@pytest.mark.slow
+class TestGpuCheckTinyMode(unittest.TestCase):
+    """``python -m sglang_mamba_ext.speculative.ops.gpu_check --tiny`` (``scripts/gpu_check.sh``'s
+    body at toy shapes, CPU, Triton's interpreter) runs to the end with every correctness check
+    passing (exit 0), including the glue's on-chip verify and the one-layer timing."""
+
+    def test_tiny_mode_runs(self):
+        import os
+        import subprocess
+        import sys
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        r = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.speculative.ops.gpu_check", "--tiny"], env=env,
+                           capture_output=True, text=True, timeout=1200)
+        self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-3000:])
+        lines = r.stdout.splitlines()
+        self.assertTrue(any(l.startswith("correctness: glue on-chip verify") for l in lines), r.stdout)
+        self.assertTrue(any(l.startswith("onchip_vs_one_layer=") for l in lines), r.stdout)
+        self.assertTrue(lines[-2].startswith("memory_ratio=") and lines[-1].startswith("replay_overhead="), r.stdout)
+
+
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_CAN_TRITON_INPROC)
+TestUnderTritonInterpreterRealShapes = pytest.mark.slow(
+    triton_subprocess_case(__file__, "RealShapes", skip=_CAN_TRITON_INPROC))
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ class PoolResult:
     spec: Dict[str, int] = field(default_factory=dict)
     rows: int = 0
     refused: Optional[str] = None
+    verify: Optional[str] = None  # the deferred verify variant the glue built ("on_chip" / "one_layer")
 
     @property
     def spec_bytes(self) -> int:
@@ -162,7 +163,7 @@ def _spec_buffers(pool):
 def size_pools(name: str, mode: Optional[str], *, total_gib: float, free_gib: float, tp: int = 1, topk: int = 4,
                steps: int = 3, draft_tokens: int = 63, mem_fraction_static: float = 0.88,
                ssm_dtype: str = "bfloat16", conv_dtype: str = "bfloat16", context_length: int = 32768,
-               extra_argv: Sequence[str] = ()) -> PoolResult:
+               extra_argv: Sequence[str] = (), verify: str = "auto") -> PoolResult:
     """Run SGLang's ``KVCacheConfigurator.configure`` for a target worker of :data:`PUBLISHED`
     ``[name]`` under ``--speculative-algorithm FROZEN_KV_MTP --speculative-eagle-topk topk
     --speculative-num-steps steps --speculative-num-draft-tokens draft_tokens
@@ -170,7 +171,9 @@ def size_pools(name: str, mode: Optional[str], *, total_gib: float, free_gib: fl
     ``extra_argv``), with ``SGLANG_MAMBA_SSM_DTYPE=ssm_dtype`` and ``SGLANG_MAMBA_CONV_DTYPE=conv_dtype``
     for that call only (whatever the process environment says, e.g. the plugin's CPU defaults'
     float32 conv windows); KV in bf16. A refusal (the plugin's start-up errors, SGLang's "not enough memory")
-    comes back as :attr:`PoolResult.refused`."""
+    comes back as :attr:`PoolResult.refused`. ``verify``: ``SGLANG_MAMBA_EXT_DEFERRED_VERIFY`` for
+    the call (``auto``: the glue's on-chip rule, ``speculative/verify_onchip.py``; ``one_layer`` /
+    ``on_chip`` force a variant)."""
     import torch
 
     from sglang_mamba_ext.benchmarks.scheduler import apply_plugin
@@ -200,7 +203,10 @@ def size_pools(name: str, mode: Optional[str], *, total_gib: float, free_gib: fl
     res = PoolResult(mode)
     # the deferred glue remembers the target's backend layout process-wide (one target per
     # server process); start from none and leave the caller's value as it was
-    with mock.patch.dict(os.environ, {"SGLANG_MAMBA_SSM_DTYPE": ssm_dtype, "SGLANG_MAMBA_CONV_DTYPE": conv_dtype}), \
+    from sglang_mamba_ext.speculative.verify_onchip import VERIFY_ENV
+
+    env = {"SGLANG_MAMBA_SSM_DTYPE": ssm_dtype, "SGLANG_MAMBA_CONV_DTYPE": conv_dtype, VERIFY_ENV: verify}
+    with mock.patch.dict(os.environ, env), \
             mock.patch.object(hooks, "_target_layout", None):
         sa = pickle.loads(pickle.dumps(prepare_server_args(argv)))  # as a scheduler process receives it
         ctx = create_context(sa, role="scheduler")
@@ -252,4 +258,6 @@ def size_pools(name: str, mode: Optional[str], *, total_gib: float, free_gib: fl
             res.kv_budget_bytes = seen["kv_budget"]
             res.kv_cell_bytes = int(create_memory_pool_configurator(conf)._cell_size)
             res.spec, res.rows = _spec_buffers(pool)
+            state = getattr(pool, hooks.POOL_ATTR, None)
+            res.verify = None if state is None else state.verify
     return res

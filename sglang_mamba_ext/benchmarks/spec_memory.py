@@ -13,11 +13,13 @@ and prints per mode:
   ``intermediate_conv_window`` (allocated for the server's life: resident = peak); deferred
   (``DeferredSpecState``): *resident* = the stash, the only part that carries state from one
   round to the next; *peak* = stash + pending verify activations + the verify variant's node
-  states. The glue's verify is the ``one_layer`` variant (one layer's node SSM states and conv
-  windows, reused by every layer), and it preallocates that workspace (fixed addresses for CUDA
-  graphs), so the deferred pool *allocates* its ``one_layer`` peak for the server's life; the
-  ``on_chip`` variant (node states in registers, ``ops/verify/fused.py``) is not wired into
-  SGLang: its peak is shown as the built pool without the one-layer SSM buffer;
+  buffers. The glue preallocates that workspace (fixed addresses for CUDA graphs), so a
+  deferred pool *allocates* its peak for the server's life. Its verify variant is chosen by
+  the glue's rule (``speculative/verify_onchip.py``): ``on_chip`` (node states in registers,
+  ``ops/verify/fused.py``: no node-state SSM buffer, only one layer's conv windows) where the
+  per-rank head dims and tree depth fit — Kimi-Linear and Qwen3-Next do — else ``one_layer``
+  (one layer's node SSM states and conv windows, reused by every layer). The other variant is
+  built too (``SGLANG_MAMBA_EXT_DEFERRED_VERIFY`` forced for that run) and printed beside it;
 - SSM pool slots, KV tokens and ``max_running_requests`` as SGLang resolved them.
 
 Reductions are per request row (both modes size their buffers by ``max_running_requests + 1``
@@ -27,8 +29,8 @@ rows): snapshot bytes per row / deferred bytes per row. ``capacity_ratio`` is de
 without it SGLang resets the bound to 48 for speculative decoding, also printed).
 
 Last line, for Kimi-Linear-48B-A3B (TP 1 on a 140 GiB GPU, 48B bf16 weights), topk=4, steps=3,
-draft_token_num=63, bf16 states, conv windows, activations and KV, deferred verify variant
-``one_layer`` (the one SGLang runs)::
+draft_token_num=63, bf16 states, conv windows, activations and KV, deferred verify variant as
+the glue chooses it (``on_chip``)::
 
     peak_reduction=<x> resident_reduction=<y> capacity_ratio=<z>
 
@@ -65,18 +67,15 @@ def weights_gib(name: str, tp: int) -> float:
 
 
 class ModeRow:
-    """Per-row and total speculative bytes of one SGLang-built pool (module docstring)."""
+    """Per-row and total speculative bytes of one SGLang-built pool (module docstring);
+    ``variant``: ``"snapshot"``, or the deferred verify variant the pool was built for."""
 
     def __init__(self, r: PoolResult):
         self.r = r
         s, rows = r.spec, max(r.rows, 1)
-        if "stash" in s:
-            self.allocated = r.spec_bytes
-            self.resident = s["stash"]
-            self.peak = {"one_layer": r.spec_bytes, "on_chip": r.spec_bytes - s["one_layer_ssm"]}
-        else:
-            self.allocated = self.resident = r.spec_bytes
-            self.peak = {"one_layer": r.spec_bytes, "on_chip": r.spec_bytes}
+        self.variant = r.verify or "snapshot"
+        self.allocated = self.peak = r.spec_bytes
+        self.resident = s["stash"] if "stash" in s else r.spec_bytes
         self.rows = rows
 
     def per_row(self, x: int) -> float:
@@ -88,14 +87,15 @@ def _print_mode(label: str, m: Optional[ModeRow], refused: Optional[str] = None)
         print(f"   {label}: {refused}")
         return
     r = m.r
-    print(f"   {label:9s} resident {gib(m.resident):>12s}  peak {gib(m.peak['one_layer']):>12s}  "
-          f"({r.rows} rows; per row resident {mib(m.per_row(m.resident))}, peak {mib(m.per_row(m.peak['one_layer']))})  "
+    print(f"   {label:20s} resident {gib(m.resident):>12s}  peak {gib(m.peak):>12s}  "
+          f"({r.rows} rows; per row resident {mib(m.per_row(m.resident))}, peak {mib(m.per_row(m.peak))})  "
           f"SSM slots {r.max_mamba_cache_size:5d}  KV tokens {r.max_total_num_tokens:9d}  "
           f"max_running_requests {r.max_running_requests:4d}")
 
 
 def report(name: str, args, tp: int) -> Dict[str, object]:
-    """Run and print one model; returns ``{"snapshot": ModeRow, "deferred": ModeRow | None,
+    """Run and print one model; returns ``{"snapshot": ModeRow, "deferred": ModeRow | None
+    (the variant the glue's rule chooses), "other": ModeRow | None (the other variant, forced),
     "refused": str | None}``."""
     w = weights_gib(name, tp)
     free = args.total_gib - w
@@ -108,7 +108,7 @@ def report(name: str, args, tp: int) -> Dict[str, object]:
     print(f"   budget: TP={tp}, {args.total_gib:.1f} GiB per GPU, weights {w:.1f} GiB "
           f"({PUBLISHED[name].params_b:g}B params, bf16, / TP), free after loading {free:.1f} GiB, "
           f"--mem-fraction-static {args.mem_fraction_static}")
-    out: Dict[str, object] = {"snapshot": None, "deferred": None, "refused": None}
+    out: Dict[str, object] = {"snapshot": None, "deferred": None, "other": None, "refused": None}
     snap = size_pools(name, "snapshot", extra_argv=bound, **kw)
     if snap.refused:
         print(f"   snapshot: refused by SGLang: {snap.refused}")
@@ -119,20 +119,24 @@ def report(name: str, args, tp: int) -> Dict[str, object]:
     _print_mode("snapshot", s)
     dfr = size_pools(name, "deferred", extra_argv=bound, **kw)
     if dfr.refused:
-        gdn = PUBLISHED[name].config.get("model_type") == "qwen3_next"
         out["refused"] = dfr.refused
-        _print_mode("deferred", None, ("GDN pending: " if gdn else "refused: ") + dfr.refused)
+        _print_mode("deferred", None, "refused: " + dfr.refused)
         return out
     d = out["deferred"] = ModeRow(dfr)
-    _print_mode("deferred", d)
-    print("   deferred bytes per row: " + ", ".join(f"{k} {mib(v / d.rows)}" for k, v in dfr.spec.items()))
-    for v, note in (("one_layer", "built by the glue"), ("on_chip", "not wired into SGLang: built pool minus one_layer_ssm")):
-        print(f"   peak reduction per row [{v}] {s.per_row(s.peak[v]) / d.per_row(d.peak[v]):.1f}x ({note})")
+    other_variant = "one_layer" if d.variant == "on_chip" else "on_chip"
+    o = out["other"] = ModeRow(size_pools(name, "deferred", extra_argv=bound, verify=other_variant, **kw))
+    _print_mode(f"deferred [{d.variant}]", d)
+    _print_mode(f"deferred [{o.variant}]", o)
+    for m, note in ((d, "the glue's rule chooses it"), (o, f"forced: SGLANG_MAMBA_EXT_DEFERRED_VERIFY={o.variant}")):
+        print(f"   deferred [{m.variant}] bytes per row: " + ", ".join(f"{k} {mib(v / m.rows)}" for k, v in m.r.spec.items()))
+        print(f"   peak reduction per row [{m.variant}] {s.per_row(s.peak) / m.per_row(m.peak):.1f}x ({note})")
     print(f"   resident reduction per row (stash) {s.per_row(s.resident) / d.per_row(d.resident):.1f}x; "
-          f"allocated at start-up {s.per_row(s.allocated) / d.per_row(d.allocated):.1f}x (the glue preallocates its verify workspace)")
+          f"allocated at start-up = peak (the glue preallocates its verify workspace)")
     print(f"   capacity: max_running_requests {snap.max_running_requests} -> {dfr.max_running_requests} "
           f"({dfr.max_running_requests / snap.max_running_requests:.2f}x), SSM slots {snap.max_mamba_cache_size} -> "
-          f"{dfr.max_mamba_cache_size}, KV tokens {snap.max_total_num_tokens} -> {dfr.max_total_num_tokens}")
+          f"{dfr.max_mamba_cache_size}, KV tokens {snap.max_total_num_tokens} -> {dfr.max_total_num_tokens} "
+          f"[{d.variant}]; [{o.variant}]: {o.r.max_running_requests} requests, {o.r.max_mamba_cache_size} SSM slots, "
+          f"{o.r.max_total_num_tokens} KV tokens")
     if bound:
         s48 = size_pools(name, "snapshot", **kw)
         d48 = size_pools(name, "deferred", **kw)
@@ -173,12 +177,12 @@ def main(argv=None) -> int:
     if head is None or head["deferred"] is None:
         print(f"the headline needs {HEADLINE} in deferred mode", file=sys.stderr)
         return 1
-    s, d = head["snapshot"], head["deferred"]
+    s, d, o = head["snapshot"], head["deferred"], head["other"]
     print(f"headline: {HEADLINE} TP={args.tp or DEFAULT_TP[HEADLINE]} topk={args.topk} steps={args.steps} "
-          f"draft_token_num={args.draft_token_num} {args.ssm_dtype}; deferred verify variant one_layer (what SGLang "
-          f"builds; on_chip would give peak {s.per_row(s.peak['on_chip']) / d.per_row(d.peak['on_chip']):.1f}x); "
+          f"draft_token_num={args.draft_token_num} {args.ssm_dtype}; deferred verify variant {d.variant} (what the glue "
+          f"builds by its rule; {o.variant} gives peak {s.per_row(s.peak) / o.per_row(o.peak):.1f}x); "
           "resident = stash; per request row")
-    print(f"peak_reduction={s.per_row(s.peak['one_layer']) / d.per_row(d.peak['one_layer']):.1f} "
+    print(f"peak_reduction={s.per_row(s.peak) / d.per_row(d.peak):.1f} "
           f"resident_reduction={s.per_row(s.resident) / d.per_row(d.resident):.1f} "
           f"capacity_ratio={d.r.max_running_requests / s.r.max_running_requests:.2f}")
     return 0

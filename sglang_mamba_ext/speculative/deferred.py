@@ -9,8 +9,10 @@ acceptance, the accepted nodes' records into the stash with counts, pre-verify `
 and track slot; device ops only, no host sync), ``replay`` (at the start of the next round or
 to flush a request before its state is cached: the Triton kernels of ``ops/replay/fused.py``;
 rows with nothing pending are no-ops) and ``clear`` (rows released without their state).
-Verify itself uses the one-layer buffers ``one_layer_ssm`` / ``one_layer_conv``, handed to the
-verify kernels as ``[L, ...]`` views with layer stride 0. Pure torch.
+Verify uses the one-layer conv-window buffer ``one_layer_conv`` and, in the ``one_layer``
+variant, the node-state buffer ``one_layer_ssm``, handed to the verify kernels as ``[L, ...]``
+views with layer stride 0; in the ``on_chip`` variant (``verify_onchip.py``: chosen where the
+shapes fit on chip) there is no node-state buffer. Pure torch.
 """
 
 from __future__ import annotations
@@ -92,25 +94,38 @@ class DeferredSpecState:
             buffer and the stash / workspace.
         device: torch device.
         layout: the backend's :class:`StateLayout` (default: SGLang's KDA backend).
+        verify: ``"one_layer"`` (node states in ``one_layer_ssm``) or ``"on_chip"`` (no
+            node-state buffer: ``one_layer_ssm`` is None, :meth:`layered_views` hands out a
+            one-element placeholder; :mod:`.verify_onchip`).
 
     Raises:
-        ValueError: ``dims.gate_dim`` disagrees with the layout's gate.
+        ValueError: ``dims.gate_dim`` disagrees with the layout's gate, or an unknown ``verify``.
     """
 
     def __init__(self, num_layers: int, num_rows: int, draft_token_num: int, max_accept: int,
                  shape: LinearAttnShape, dims: StashDims, ssm_state_shape: Tuple[int, ...],
                  conv_state_shape: Tuple[int, ...], ssm_dtype: torch.dtype, conv_dtype: torch.dtype,
-                 act_dtype: torch.dtype, device, layout: StateLayout = LAYOUTS["kda"]) -> None:
+                 act_dtype: torch.dtype, device, layout: StateLayout = LAYOUTS["kda"],
+                 verify: str = "one_layer") -> None:
+        if verify not in ("one_layer", "on_chip"):
+            raise ValueError(f"DeferredSpecState: verify must be 'one_layer' or 'on_chip', got {verify!r}")
         if dims.gate_dim != layout.gate_dim(shape):
             raise ValueError(f"DeferredSpecState: gate width {dims.gate_dim} != {layout.gate_dim(shape)} of {layout.name}")
         self.num_layers, self.num_rows, self.draft_token_num = num_layers, num_rows, draft_token_num
-        self.shape, self.dims, self.layout = shape, dims, layout
+        self.shape, self.dims, self.layout, self.verify = shape, dims, layout, verify
+        self.max_depth = max_accept  # tree depth bound (steps + 1), the on-chip path tables' width
         L, R, T = num_layers, num_rows, draft_token_num
         self.stash = ActivationStash(L, R, max_accept, dims, dtype=act_dtype, device=device)
         self.pending_mixed_qkv = torch.zeros(L, R * T, dims.conv_dim, dtype=act_dtype, device=device)
         self.pending_g_raw = torch.zeros(L, R * T, dims.gate_dim, dtype=act_dtype, device=device)
         self.pending_b_raw = torch.zeros(L, R * T, max(dims.beta_dim, 1), dtype=act_dtype, device=device)
-        self.one_layer_ssm = torch.zeros(R, T, *ssm_state_shape, dtype=ssm_dtype, device=device)
+        self.ssm_state_shape = tuple(ssm_state_shape)
+        self.one_layer_ssm: Optional[torch.Tensor] = None
+        if verify == "one_layer":
+            self.one_layer_ssm = torch.zeros(R, T, *ssm_state_shape, dtype=ssm_dtype, device=device)
+        else:  # one element seen as [R, T, *ssm] (stride 0): SGLang's verify paths read the shape only
+            self._ssm_placeholder = torch.zeros(1, dtype=ssm_dtype, device=device).as_strided(
+                (R, T, *ssm_state_shape), (0,) * (2 + len(ssm_state_shape)))
         self.one_layer_conv = torch.zeros(R, T, *conv_state_shape, dtype=conv_dtype, device=device)
         self.mamba_track_interval: Optional[int] = None
         self._layer_weights: Dict[int, Tuple] = {}
@@ -118,11 +133,18 @@ class DeferredSpecState:
 
     # -- verify buffers ---------------------------------------------------------------------
 
+    @property
+    def on_chip(self) -> bool:
+        """Verify keeps the node states on chip (no node-state buffer)."""
+        return self.verify == "on_chip"
+
     def layered_views(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(ssm [L, R, T, *ssm], conv [L, R, T, *conv])``: the one-layer buffers seen as
-        ``L`` layers (stride 0 on the layer dim; no extra memory)."""
+        ``L`` layers (stride 0 on the layer dim; no extra memory). On chip, ``ssm`` is a view of
+        one element (every stride 0): no verify kernel may write it."""
         L = self.num_layers
-        return (self.one_layer_ssm.unsqueeze(0).expand(L, *self.one_layer_ssm.shape),
+        ssm = self.one_layer_ssm if self.one_layer_ssm is not None else self._ssm_placeholder
+        return (ssm.unsqueeze(0).expand(L, *ssm.shape),
                 self.one_layer_conv.unsqueeze(0).expand(L, *self.one_layer_conv.shape))
 
     def nbytes(self) -> Dict[str, int]:
@@ -131,7 +153,7 @@ class DeferredSpecState:
         return {
             "stash": self.stash.nbytes(),
             "pending": nb(self.pending_mixed_qkv, self.pending_g_raw, self.pending_b_raw),
-            "one_layer_ssm": nb(self.one_layer_ssm),
+            "one_layer_ssm": 0 if self.one_layer_ssm is None else nb(self.one_layer_ssm),
             "one_layer_conv": nb(self.one_layer_conv),
         }
 

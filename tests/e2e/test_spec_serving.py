@@ -14,7 +14,15 @@ prefill), of which the last round's may be cut at ``max_new_tokens``: that total
 non-empty bucket of ``spec_correct_drafts_histogram``, which counts rounds by accepted drafts);
 ``spec_accept_length == completion_tokens / spec_verify_ct``. One server per
 class, killed in the class cleanup; SGLang's strict idle checks (leaks) are on.
+
+Deferred classes verify on chip (the tiny model's shapes fit: ``speculative/verify_onchip.py``)
+unless ``SGLANG_MAMBA_EXT_DEFERRED_VERIFY=one_layer`` is in the environment (the servers
+inherit it); the server log must name the variant. With ``SPEC_ACCEPT_DUMP=<file>`` every
+request's prompt, output and ``spec_correct_drafts_histogram`` are written there as JSON at the
+end, to compare the two variants' accept counts run against run.
 """
+
+import json
 
 import os
 import tempfile
@@ -93,7 +101,16 @@ class _SpecCase:
         overshoot = 1 + mi["spec_verify_ct"] + mi["spec_num_correct_drafts"] - n
         self.assertTrue(0 <= overshoot <= deepest, mi)
         self.assertAlmostEqual(mi["spec_accept_length"], n / mi["spec_verify_ct"], places=9)
+        _ACCEPTS.append({"class": type(self).__name__, "prompt": list(ids), "n": n, "output": r["output_ids"],
+                         "histogram": hist})
         return r
+
+    def test_deferred_verify_variant_in_log(self):
+        if self.MODE != "deferred":
+            self.skipTest("deferred mode only")
+        want = os.environ.get("SGLANG_MAMBA_EXT_DEFERRED_VERIFY", "auto")
+        want = "on_chip" if want == "auto" else want  # the tiny model's shapes fit on chip
+        self.assertIn(f"verify_variant={want}", self.server.log_text())
 
     def test_greedy_equals_reference_and_accept_counts(self):
         hist = []
@@ -177,6 +194,16 @@ class _SpecCase:
         # runs last in the class (alphabetical): every slot back after the requests above
         load = idle_and_checked(self.server)
         self.assertEqual(load["num_used_tokens"], 0)
+
+
+_ACCEPTS = []
+
+
+def tearDownModule():
+    path = os.environ.get("SPEC_ACCEPT_DUMP")
+    if path:
+        with open(path, "w") as f:
+            json.dump(sorted(_ACCEPTS, key=lambda x: (x["class"], x["prompt"], x["n"])), f, indent=0)
 
 
 class TestSpecTopk1(_SpecCase, unittest.TestCase):

@@ -13,9 +13,17 @@ backend has an adapter — SGLang's ``KDAAttnBackend`` (Kimi-Linear), its ``GDNA
 the verify conv kernel rolls the main window):
 
 - the Mamba pool is built without SGLang's intermediate SSM / conv-window buffers
-  ``[L, N+1, T, ...]``; it gets one-layer buffers ``[N+1, T, ...]`` handed to SGLang's verify
-  kernels as ``[L, N+1, T, ...]`` views with layer stride 0, so every layer's tree verify writes
-  and reads its node states in the same memory (``MambaPool.__init__``);
+  ``[L, N+1, T, ...]``; it gets a one-layer conv-window buffer ``[N+1, T, ...]`` handed to
+  SGLang's verify conv kernel as an ``[L, N+1, T, ...]`` view with layer stride 0, so every
+  layer's tree verify writes and reads its node windows in the same memory
+  (``MambaPool.__init__``). The SSM node states: where the per-rank head dims and the tree
+  depth fit on chip (``speculative/verify_onchip.py``; Kimi-Linear, Qwen3-Next and the tiny
+  model do) there is no node-state SSM buffer at all — the backend's recurrent verify
+  (``kernel_dispatcher.target_verify``, called by SGLang's own verify code after its conv
+  kernel) is replaced for the call by the on-chip Triton kernel, which recomputes each node's
+  state from the main state along its path in registers; otherwise a one-layer node-state
+  buffer ``[N+1, T, ...]`` seen as ``L`` layers, written and read by SGLang's kernel
+  (``SGLANG_MAMBA_EXT_DEFERRED_VERIFY=one_layer`` / ``on_chip`` forces a variant);
 - during verify each linear layer's raw inputs (``mixed_qkv``, ``a``, ``b`` — exactly the
   backend's arguments) are copied into a pending workspace, and the batch's main conv windows,
   which SGLang's verify conv kernel rolls in place by all draft tokens (snapshot mode undoes
@@ -62,10 +70,10 @@ scheduler/worker processes with the pickled ServerArgs and read there through
 
 Not covered here: Mamba2 targets, the KDA safe gate (``lower_bound``), ragged verify
 layouts, overlap scheduling, tensor parallelism of the stash (per-rank shapes work,
-untested). The on-chip tree-verify Triton kernel (``sglang_mamba_ext/speculative/``) is not
-wired into SGLang's backends: verify here uses SGLang's kernels with the one-layer buffer, and the
-pending workspace is preallocated (fixed addresses for CUDA graphs), so this glue's footprint
-is the planner's ``one_layer`` peak (``scripts/plan_spec_memory.py``, also
+untested), SGLang's ReplaySSM ring or fused-accept verify together with the on-chip variant
+(refused at the verify call). The pending workspace and the verify buffers are preallocated
+(fixed addresses for CUDA graphs), so this glue's footprint is the planner's peak for the
+variant it built (``scripts/plan_spec_memory.py``, also
 ``python -m sglang_mamba_ext.benchmarks.spec_memory``). SGLang's memory budget
 (``KVCacheConfigurator._handle_max_mamba_cache``) charges that state's bytes instead of the
 snapshot buffers' (:mod:`.budget`), so the saving becomes SSM slots and running requests.

@@ -17,6 +17,7 @@ import torch
 from sglang_mamba_ext.plugin.startup_errors import FlagError
 from sglang_mamba_ext.speculative.deferred import DeferredSpecState
 from sglang_mamba_ext.speculative.stash import StashDims
+from sglang_mamba_ext.speculative.verify_onchip import choose_verify, onchip_tree_verify
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +240,11 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
     """AROUND ``MambaPool.__init__``: in deferred mode, build the pool without SGLang's
     ``[L, N+1, T, ...]`` intermediate buffers, then give it one-layer buffers seen as ``L``
     layers (stride 0) and a :class:`DeferredSpecState` (``pool.mamba_spec_deferred``) in the
-    target backend's :class:`~sglang_mamba_ext.speculative.deferred.StateLayout`.
+    target backend's :class:`~sglang_mamba_ext.speculative.deferred.StateLayout`. Where the
+    per-rank head dims and the tree depth fit on chip
+    (:func:`~sglang_mamba_ext.speculative.verify_onchip.choose_verify`), verify runs on chip and
+    the one-layer *SSM* node buffer is not allocated (a one-element placeholder takes its place
+    in ``intermediate_ssm``); the conv-window buffer stays.
 
     Raises:
         DeferredSpecConfigError: a linear-attention family without a replay kernel (Mamba2),
@@ -278,12 +283,16 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
     L = len(kwargs["mamba_layer_ids"])
     R = kwargs["spec_state_size"] + 1
     steps = int(get_spec().speculative_num_steps or (T - 1))
+    try:  # tree depth = steps + 1 (EAGLE trees and topk-1 chains)
+        verify, why = choose_verify(k_dim, v_dim, steps + 1)
+    except ValueError as e:
+        raise DeferredSpecConfigError(f"{FLAG} deferred: {e}") from None
     state = DeferredSpecState(
         num_layers=L, num_rows=R, draft_token_num=T, max_accept=steps + 1, shape=shape,
         dims=StashDims(conv_dim, layout.gate_dim(shape), hv), ssm_state_shape=tuple(shape_p.temporal),
         conv_state_shape=conv_shape, ssm_dtype=cache_params.dtype.temporal,
         conv_dtype=cache_params.dtype.conv, act_dtype=cache_params.dtype.conv, device=kwargs["device"],
-        layout=layout,
+        layout=layout, verify=verify,
     )
     ssm_view, conv_view = state.layered_views()
     old = pool.mamba_cache
@@ -291,8 +300,8 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
         conv=old.conv, temporal=old.temporal, intermediate_ssm=ssm_view, intermediate_conv_window=[conv_view],
     )
     setattr(pool, POOL_ATTR, state)
-    logger.info("mamba-spec-state-update=deferred (%s): no intermediate SSM buffer; %s", layout.name,
-                {k: f"{v / 2**20:.1f} MiB" for k, v in state.nbytes().items()})
+    logger.info("mamba-spec-state-update=deferred (%s): no intermediate SSM buffer; verify_variant=%s (%s); %s", layout.name,
+                verify, why, {k: f"{v / 2**20:.1f} MiB" for k, v in state.nbytes().items()})
     return None
 
 
@@ -334,8 +343,64 @@ def capture_verify_inputs(req_to_token_pool, layer_id: int, conv_weight, conv_bi
     return True
 
 
+class _OnChipDispatcher:
+    """Stands in for a KDA / GDN backend's ``kernel_dispatcher`` during one on-chip verify
+    call: ``target_verify`` (the backend's recurrent verify, after SGLang's own conv kernel
+    filled the one-layer conv buffer and ``retrieve_parent_token``) runs
+    :func:`~sglang_mamba_ext.speculative.verify_onchip.onchip_tree_verify`; any other attribute
+    is the real dispatcher's. ``calls`` counts the on-chip launches."""
+
+    def __init__(self, real, state: DeferredSpecState):
+        self._real, self._state, self.calls = real, state, 0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, cache_steps,
+                      retrieve_parent_token=None, **kwargs):
+        if kwargs.get("cache_ring") or kwargs.get("fused_accept_state_indices") is not None:
+            raise DeferredSpecConfigError(
+                f"{FLAG} deferred: the on-chip verify does not support SGLang's ReplaySSM ring or fused-accept "
+                "verify; set SGLANG_MAMBA_EXT_DEFERRED_VERIFY=one_layer"
+            )
+        st = self._state
+        self.calls += 1
+        return onchip_tree_verify(q, k, v, a, b, A_log, dt_bias, ssm_states, cache_indices, cache_steps,
+                                  retrieve_parent_token, st.max_depth, st.layout.per_head_gate, ssm_vk=st.layout.ssm_vk)
+
+
+def _run_onchip(backend, state: DeferredSpecState, run):
+    """``run()`` SGLang's verify with :class:`_OnChipDispatcher` as the backend's dispatcher
+    (and KDA's fused chain-verify kernel, which writes node states itself, off for the call).
+
+    Raises:
+        RuntimeError: SGLang's verify took a path that did not call ``target_verify`` once."""
+    real = backend.kernel_dispatcher
+    fused = getattr(backend, "_fused_chain_verify_fn", None)
+    proxy = _OnChipDispatcher(real, state)
+    backend.kernel_dispatcher = proxy
+    if fused is not None:
+        backend._fused_chain_verify_fn = None
+    try:
+        out = run()
+    finally:
+        backend.kernel_dispatcher = real
+        if fused is not None:
+            backend._fused_chain_verify_fn = fused
+    if proxy.calls != 1:
+        raise RuntimeError(f"{FLAG} deferred: on-chip verify expected one target_verify call, SGLang made {proxy.calls}")
+    return out
+
+
+def onchip_state(req_to_token_pool) -> Optional[DeferredSpecState]:
+    """The pool's DeferredSpecState if its verify runs on chip (the tiny backend asks)."""
+    state = _state_of(req_to_token_pool)
+    return state if state is not None and state.on_chip else None
+
+
 def _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b, run):
-    """Capture, then ``run()`` the backend's own verify; if the layout's verify kernel rolls
+    """Capture, then ``run()`` the backend's own verify — on chip through
+    :func:`_run_onchip` when the pool has no node-state buffer; if the layout's verify kernel rolls
     the main conv windows in place (SGLang's ``causal_conv1d_update``, which snapshot mode
     undoes in its commit scatter), the batch's windows of this layer are saved before and
     restored after, so the main conv state stays at the last committed token until replay."""
@@ -349,7 +414,10 @@ def _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b, run):
     rtp = backend.req_to_token_pool
     capture_verify_inputs(rtp, layer.layer_id, layer.conv_weights, layer.bias, layer.A_log, layer.dt_bias,
                           mixed_qkv, a, b)
-    if not _state_of(rtp).layout.verify_rolls_conv:
+    state = _state_of(rtp)
+    if state.on_chip:
+        run = (lambda inner: lambda: _run_onchip(backend, state, inner))(run)
+    if not state.layout.verify_rolls_conv:
         return run()
     bs = mixed_qkv.shape[0] // spec_info.draft_token_num
     # padding rows (-1) read and write back slot 0's own value: in deferred mode no main window
@@ -364,7 +432,8 @@ def _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b, run):
 
 def kda_target_verify_around(original, backend, layer, forward_batch, mixed_qkv, a, b):
     """AROUND ``KDAAttnBackend._forward_target_verify``: :func:`_verify_deferred` (capture,
-    SGLang's verify into the one-layer buffer, main conv windows restored)."""
+    SGLang's verify into the one-layer buffers or with its recurrence on chip, main conv
+    windows restored)."""
     if _state_of(getattr(backend, "req_to_token_pool", None)) is None:
         return original(backend, layer, forward_batch, mixed_qkv, a, b)
     return _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b,
@@ -374,8 +443,8 @@ def kda_target_verify_around(original, backend, layer, forward_batch, mixed_qkv,
 def gdn_forward_extend_around(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
     """AROUND ``GDNAttnBackend.forward_extend`` (its target verify lives there): for a
     target-verify batch in deferred mode, :func:`_verify_deferred` around SGLang's own
-    recurrent verify (one-layer buffer as its ``intermediate_ssm``); every other call is
-    SGLang's."""
+    verify (one-layer buffer as its ``intermediate_ssm``, or its recurrence on chip); every
+    other call is SGLang's."""
     if (_state_of(getattr(backend, "req_to_token_pool", None)) is None
             or not forward_batch.forward_mode.is_target_verify()):
         return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)

@@ -307,9 +307,11 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         afterwards (``spec_utils.commit_mamba_states_after_verify``). Under
         ``--mamba-spec-state-update deferred`` the intermediate buffers are the one-layer
         buffer and the raw inputs are first captured for replay
-        (``plugin/speculative/hooks.py::capture_verify_inputs``). Returns
-        ``[1, bs*T, HV, V]``."""
-        from sglang_mamba_ext.plugin.speculative.hooks import capture_verify_inputs
+        (``plugin/speculative/hooks.py::capture_verify_inputs``); where the pool has no
+        node-state SSM buffer (on-chip verify, ``speculative/verify_onchip.py``) the nodes'
+        conv windows are computed here and the recurrence runs in the on-chip Triton kernel.
+        Returns ``[1, bs*T, HV, V]``."""
+        from sglang_mamba_ext.plugin.speculative.hooks import capture_verify_inputs, onchip_state
 
         mixer = layer.mixer
         capture_verify_inputs(self.req_to_token_pool, layer.layer_id, mixer.conv_weight, mixer.conv_bias,
@@ -329,6 +331,10 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         ns_all = getattr(spec, "retrieve_next_sibling", None)
         chain = nt_all is None or int(getattr(spec, "topk", 1) or 1) <= 1
         out = mixed_qkv.new_zeros(N, s.num_v_heads, s.head_v_dim)
+        chip = onchip_state(self.req_to_token_pool)
+        if chip is not None:
+            return self._verify_onchip(mixer, chip, mixed_qkv, g, b, conv_pool, ssm_pool, inter_conv, slots, T,
+                                       None if chain else nt_all, None if chain else ns_all, out)
         for row in range(bs):
             slot = slots[row]
             if slot < 0:
@@ -352,4 +358,54 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
                 inter_conv[row, j] = new_conv[0].to(inter_conv.dtype)
                 inter_ssm[row, j] = new_ssm[0].to(inter_ssm.dtype)
                 out[t] = o[0].to(out.dtype)
+        return out.unsqueeze(0)
+
+    def _verify_onchip(self, mixer, state, mixed_qkv, g, beta, conv_pool, ssm_pool, inter_conv, slots, T, nt_all, ns_all,
+                       out) -> torch.Tensor:
+        """:meth:`_forward_target_verify` without a node-state buffer: every node's conv window
+        into ``inter_conv[row, j]`` (from its parent's), then one on-chip launch for the SSM
+        recurrence of all rows (``speculative/verify_onchip.py::onchip_tree_recurrence``)."""
+        from sglang_mamba_ext.speculative.verify_onchip import onchip_tree_recurrence
+
+        s = mixer.shape
+        bs = len(slots)
+        y_all = mixed_qkv.new_zeros(bs, T, s.conv_dim)
+        parents_all = torch.full((bs, T), -1, dtype=torch.int64)
+        dmax = 1
+        for row in range(bs):
+            slot = slots[row]
+            if slot < 0:
+                continue
+            parents = self.tree_parents(None if nt_all is None else nt_all[row].tolist(),
+                                        None if ns_all is None else ns_all[row].tolist(), T)
+            parents_all[row] = torch.tensor(parents)
+            for j in range(T):  # tree depth (root = 1): the on-chip path tables' width
+                d, a = 1, j
+                while parents[a] >= 0:
+                    d, a = d + 1, parents[a]
+                dmax = max(dmax, d)
+            done = [False] * T
+            for j0 in range(T):  # parents first (a node's parent may come later in the tree arrays)
+                chain = []
+                j = j0
+                while j >= 0 and not done[j]:
+                    chain.append(j)
+                    j = parents[j]
+                for j in reversed(chain):
+                    p = parents[j]
+                    conv0 = conv_pool[slot] if p < 0 else inter_conv[row, p]
+                    y, new_conv = mixer.conv(mixed_qkv[row * T + j][None, None, :], conv0[None])
+                    inter_conv[row, j] = new_conv[0].to(inter_conv.dtype)
+                    y_all[row, j] = y[0, 0]
+                    done[j] = True
+        q, k, v = mixer.split_qkv(y_all)
+        g = g.reshape(bs, T, s.num_v_heads, s.head_k_dim)
+        if state.layout.per_head_gate:
+            g = g[..., 0]
+        valid = torch.tensor([x >= 0 for x in slots])
+        o = onchip_tree_recurrence(q, k, v, g, beta.reshape(bs, T, s.num_v_heads), ssm_pool,
+                                   torch.tensor(slots).clamp(min=0), parents_all.to(q.device), dmax,
+                                   mixer.scale)
+        o = torch.where(valid[:, None, None, None], o, torch.zeros_like(o))
+        out.copy_(o.reshape(out.shape).to(out.dtype))
         return out.unsqueeze(0)

@@ -2,11 +2,17 @@
 K = V = 128, W = 4), torch + Triton only (no SGLang, no network), run as ``python -m
 sglang_mamba_ext.speculative.ops.gpu_check`` (``scripts/gpu_check.sh`` on a GPU machine):
 (1) correctness of the Triton replay against the torch reference and of the Triton tree verify
-(on-chip and buffered) against the torch tree recurrence, a few requests and layers; (2) time
-over all ``L = 20`` KDA layers, ``N = 32`` requests, a ``T = 63`` node tree and 4 committed
-tokens per request of ``verify`` (snapshot mode's buffered recurrence), ``replay`` (2
-launches), ``verify_onchip`` and ``verify_fused`` (the on-chip verify with the pending tokens
-folded into its state load); (3) ``torch.cuda.max_memory_allocated`` above the main pools
+(on-chip and buffered) against the torch tree recurrence, a few requests and layers, and of the
+glue's on-chip verify entry (``speculative/verify_onchip.py::onchip_tree_verify``: SGLang's
+``target_verify`` arguments, raw gates, states ``[slots, HV, V, K]``) at Kimi-Linear (KDA) and
+Qwen3-Next TP-2 (GDN, H = 8, HV = 16) per-rank shapes; (2) time over all ``L = 20`` KDA layers,
+``N = 32`` requests, a ``T = 63`` node tree and 4 committed tokens per request of ``verify``
+(snapshot mode's buffered recurrence, a buffer per layer), ``verify_one_layer`` (the deferred
+mode's one-layer node buffer reused by every layer, what the glue runs where the shapes do not
+fit on chip), ``replay`` (2 launches), ``verify_onchip`` (the kernel alone), ``verify_glue``
+(the glue's on-chip entry: gates, L2 norm, tree tables and the kernel, per layer) and
+``verify_fused`` (the on-chip verify with the pending tokens folded into its state load), with
+the line ``onchip_vs_one_layer=<verify_glue / verify_one_layer>``; (3) ``torch.cuda.max_memory_allocated`` above the main pools
 during one verify round, snapshot vs deferred (``docs/design.md``, "Deferred update"). Last
 lines ``memory_ratio=<snapshot/deferred>`` and ``replay_overhead=<replay/verify>`` (target:
 replay <= 2 % of verify). ``--tiny`` runs the same path at toy shapes on CPU with
@@ -123,6 +129,45 @@ def check_correctness(shape, dev, act_dtype, state_dtype, tol) -> float:
     return max(err_replay, err_verify)
 
 
+def check_glue_onchip(dev, tol, K=128, heads=((32, 32, "kda"), (8, 16, "gdn"))) -> float:
+    """Max abs error of the glue's on-chip verify entry against the torch tree recurrence at
+    Kimi-Linear (KDA, H = HV = 32) and Qwen3-Next TP 2 (GDN, H = 8, HV = 16) per-rank shapes
+    (K = V = 128; ``--tiny``: toy heads), 2 requests of a 37-node topk-4 tree, fp32."""
+    from sglang_mamba_ext.models.linear_attn import l2_normalize
+    from sglang_mamba_ext.speculative.tree import eagle_tree_parents
+    from sglang_mamba_ext.speculative.verify_onchip import onchip_tree_verify
+
+    err = 0.0
+    parents = eagle_tree_parents(4, 3)
+    N, T = 2, len(parents)
+    i0 = TreeIndex.build(DraftTree(torch.zeros(N, T, dtype=torch.long), torch.tensor([parents] * N)), 4)
+    idx = TreeIndex(*(x.to(dev) for x in (i0.parents, i0.depth, i0.path, i0.conv_src)))
+    for H, HV, gate in heads:
+        torch.manual_seed(3)
+        shape = LinearAttnShape(H, HV, K, K, 4)
+        m = GatedDeltaRuleMixer(8, shape, gate=gate).to(dev)
+        with torch.no_grad():
+            m.A_log.normal_(0, 0.5)
+            m.dt_bias.normal_()
+        q, k = torch.randn(1, N * T, H, K, device=dev), torch.randn(1, N * T, H, K, device=dev)
+        v = torch.randn(1, N * T, HV, K, device=dev)
+        a = torch.randn(N * T, HV * K if gate == "kda" else HV, device=dev)
+        b = torch.randn(1, N * T, HV, device=dev)
+        pool = torch.randn(4, HV, K, K, device=dev)  # SGLang's [slots, HV, V, K]
+        slots = torch.tensor([3, 1], device=dev)
+        with torch.no_grad():
+            o = onchip_tree_verify(q, k, v, a, b, m.A_log, m.dt_bias, pool, slots, T, idx.parents, 4,
+                                   per_head_gate=gate == "gdn")
+            g, beta = m.activate_gates(a.view(N, T, -1), b.view(N, T, HV))
+            o_ref = tree_recurrence(m, l2_normalize(q.view(N, T, H, K)), l2_normalize(k.view(N, T, H, K)),
+                                    v.view(N, T, HV, K), g, beta, pool[slots].transpose(-1, -2), idx,
+                                    OneLayerBuffer(N, T, shape, device=dev).ssm, torch.arange(N, device=dev))
+        err = max(err, (o.view(N, T, HV, K) - o_ref).abs().max().item())
+    print(f"correctness: glue on-chip verify (KDA/GDN heads {[h[:2] for h in heads]}, K=V={K}) vs torch "
+          f"max|err|={err:.2e}  (tol {tol})")
+    return err
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sglang_mamba_ext.speculative.ops.gpu_check")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (CPU + TRITON_INTERPRET=1)")
@@ -153,6 +198,8 @@ def main(argv=None) -> int:
     # activations: one-ulp flips of rounded activations give ~1e-2 differences in the state
     ok = check_correctness(shape, dev, torch.float32, torch.float32, 1e-4) < 1e-4
     ok &= check_correctness(shape, dev, act, sdt, 5e-2) < 5e-2
+    ok &= (check_glue_onchip(dev, 2e-3, 16, ((2, 2, "kda"), (1, 2, "gdn"))) if args.tiny
+           else check_glue_onchip(dev, 2e-3)) < 2e-3
 
     # main pools (both modes)
     mixers = make_layers(L, shape, dev)
@@ -212,8 +259,30 @@ def main(argv=None) -> int:
         del pending, conv_win
 
     onchip_ms = timed(verify_onchip, dev, iters)
+
     def_peak = (torch.cuda.max_memory_allocated() - base) if dev.type == "cuda" else \
         stash.nbytes() + L * N * T * per_tok * 2 + R * T * s.conv_dim * (s.conv_kernel - 1) * 2
+
+    # the glue's on-chip entry as SGLang's backends call it: raw gates, pre-norm q/k,
+    # states [slots, HV, V, K] (a transposed view of the same pool), tree tables per layer
+    from sglang_mamba_ext.speculative.verify_onchip import onchip_tree_verify
+
+    w_A = torch.randn(L, s.num_v_heads, device=dev) * 0.5
+    w_dt = torch.randn(L, s.num_v_heads * s.head_k_dim, device=dev)
+    q1, k1, v1 = q.reshape(1, N * T, s.num_k_heads, -1), k.reshape(1, N * T, s.num_k_heads, -1), v.reshape(1, N * T, s.num_v_heads, -1)
+    a1 = torch.randn(N * T, s.num_v_heads * s.head_k_dim, device=dev, dtype=act)
+    b1 = torch.randn(1, N * T, s.num_v_heads, device=dev, dtype=act)
+    temp_vk = temp.transpose(-1, -2)
+    par_dev = idx.parents
+
+    def verify_glue():
+        pending = torch.empty(L, N * T, per_tok, device=dev, dtype=act)
+        conv_win = torch.empty(R, T, s.conv_dim, s.conv_kernel - 1, device=dev, dtype=act)
+        for l in range(L):
+            onchip_tree_verify(q1, k1, v1, a1, b1, w_A[l], w_dt[l], temp_vk[l], slots, T, par_dev, 4, per_head_gate=False)
+        del pending, conv_win
+
+    glue_ms = timed(verify_glue, dev, iters)
 
     pq, pk, pv, pg, pb = verify_inputs(N, A, shape, dev, act)
     pc = torch.full((N,), A, device=dev)
@@ -224,12 +293,37 @@ def main(argv=None) -> int:
             tree_recurrence_triton(q, k, v, g, beta, tmp_pool[l], slots, idx, scale, pending=(pq, pk, pv, pg, pb, pc))
 
     fused_ms = timed(verify_fused, dev, iters)
+    tmp_pool = None
+
+    # ---- deferred mode, one_layer variant: one layer's node-state buffer reused by every layer
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+    one_ssm = torch.zeros(R, T, *s.temporal_state_shape, device=dev, dtype=sdt)
+
+    def verify_one_layer():
+        pending = torch.empty(L, N * T, per_tok, device=dev, dtype=act)
+        conv_win = torch.empty(R, T, s.conv_dim, s.conv_kernel - 1, device=dev, dtype=act)
+        for l in range(L):
+            tree_recurrence_triton(q, k, v, g, beta, temp[l], slots, idx, scale, node_states=one_ssm, rows=rows)
+        del pending, conv_win
+
+    one_layer_ms = timed(verify_one_layer, dev, iters)
+    one_peak = (torch.cuda.max_memory_allocated() - base) if dev.type == "cuda" else \
+        stash.nbytes() + one_ssm.numel() * one_ssm.element_size() + L * N * T * per_tok * 2 + R * T * s.conv_dim * (s.conv_kernel - 1) * 2
+    if dev.type == "cuda":
+        one_peak += stash.nbytes()  # allocated before the reset, alive during the round
 
     print(f"time: verify(snapshot, buffered)={verify_ms:.3f} ms  replay={replay_ms:.3f} ms  "
           f"verify_onchip={onchip_ms:.3f} ms  verify_onchip+fused_replay={fused_ms:.3f} ms")
     print(f"replay/verify_onchip={replay_ms / onchip_ms:.4f}  fused_replay_overhead={(fused_ms - onchip_ms) / verify_ms:.4f} "
           f"(of snapshot verify)  onchip/snapshot verify={onchip_ms / verify_ms:.3f}")
-    print(f"memory above pools: snapshot {snap_peak / 2**30:.3f} GiB, deferred {def_peak / 2**30:.3f} GiB")
+    print(f"time: verify_one_layer(deferred, one-layer node buffer)={one_layer_ms:.3f} ms  "
+          f"verify_glue(on-chip entry as the backends call it)={glue_ms:.3f} ms")
+    print(f"onchip_vs_one_layer={glue_ms / one_layer_ms:.3f} (kernel alone {onchip_ms / one_layer_ms:.3f})")
+    print(f"memory above pools: snapshot {snap_peak / 2**30:.3f} GiB, deferred {def_peak / 2**30:.3f} GiB "
+          f"(on chip; one_layer {one_peak / 2**30:.3f} GiB)")
     print(f"memory_ratio={snap_peak / max(def_peak, 1):.1f}")
     print(f"replay_overhead={replay_ms / verify_ms:.4f}")
     return 0 if ok else 1
