@@ -11,6 +11,8 @@ import pickle
 from array import array
 from typing import List, Optional
 
+import torch
+
 from sglang_mamba_ext.benchmarks.ours import build_req_pool, build_tree_cache
 from sglang_mamba_ext.benchmarks.scheduler import apply_plugin as apply_plugin_hooks
 from sglang_mamba_ext.testing import tiny_model_dir
@@ -85,3 +87,24 @@ def run_deferred_cow(pool, reqs):
         SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False), fb
     )
     return fb
+
+
+def small_cache_params(layout: str, layers):
+    """SGLang's cache params for 2 linear-attention heads, K = V = 8, conv width 4, fp32:
+    Kimi-Linear's shapes (``layout="kda"``: conv ``[W-1, dim]``) or Qwen3-Next's (``"gdn"``:
+    conv ``[dim, W-1]``), built by SGLang's own ``*StateShape.create`` (configs/mamba_utils.py)."""
+    from sglang.srt.configs.mamba_utils import (
+        KimiLinearCacheParams,
+        KimiLinearStateShape,
+        Mamba2CacheParams,
+        Mamba2StateDType,
+        Mamba2StateShape,
+    )
+
+    dtype = Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
+    if layout == "kda":
+        shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
+        return KimiLinearCacheParams(shape=shape, layers=list(layers), dtype=dtype)
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=2, head_dim=8,
+                                    state_size=8, conv_kernel=4)
+    return Mamba2CacheParams(shape=shape, layers=list(layers), dtype=dtype)

@@ -20,15 +20,9 @@ from unittest import mock
 import torch
 
 from conftest import SGLANG_INSTALLED, requires_sglang
+from sglang_glue_fixtures import small_cache_params
 
 if SGLANG_INSTALLED:
-    from sglang.srt.configs.mamba_utils import (
-        KimiLinearCacheParams,
-        KimiLinearStateShape,
-        Mamba2CacheParams,
-        Mamba2StateDType,
-        Mamba2StateShape,
-    )
     from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
     from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
     from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
@@ -57,14 +51,7 @@ LAYER_IDS = (1, 3)
 
 
 def _pool(layout):
-    dtype = Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
-    if layout == "kda":
-        shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
-        cp = KimiLinearCacheParams(shape=shape, layers=list(LAYER_IDS), dtype=dtype)
-    else:
-        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=2, head_dim=8,
-                                        state_size=8, conv_kernel=4)
-        cp = Mamba2CacheParams(shape=shape, layers=list(LAYER_IDS), dtype=dtype)
+    cp = small_cache_params(layout, LAYER_IDS)
     return MambaPool(size=8, spec_state_size=0, cache_params=cp, mamba_layer_ids=list(LAYER_IDS), device=DEV)
 
 

@@ -17,17 +17,11 @@ from unittest import mock
 import torch
 
 from conftest import SGLANG_INSTALLED, requires_sglang
+from sglang_glue_fixtures import small_cache_params
 
 # Skipped only where SGLang is not installed; an installed SGLang that fails to import
 # fails this module.
 if SGLANG_INSTALLED:
-    from sglang.srt.configs.mamba_utils import (
-        KimiLinearCacheParams,
-        KimiLinearStateShape,
-        Mamba2CacheParams,
-        Mamba2StateDType,
-        Mamba2StateShape,
-    )
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
     from sglang_mamba_ext.plugin.speculative import HOOK_TARGETS, hook_function, hooks
@@ -168,14 +162,7 @@ def _make_pool(deferred: bool, T=5, spec_state_size=3, layers=(1, 3), layout="kd
     """SGLang's MambaPool with 2 linear layers of H = HV = 2 heads, K = V = 8, W = 4, as
     Kimi-Linear (KDA: conv [W-1, dim]) or Qwen3-Next (GDN: conv [dim, W-1]) sizes it
     (``verify``: the deferred verify variant, ``auto`` = the on-chip rule: on chip here)."""
-    dtype = Mamba2StateDType(conv=torch.float32, temporal=torch.float32)
-    if layout == "kda":
-        shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
-        cp = KimiLinearCacheParams(shape=shape, layers=list(layers), dtype=dtype)
-    else:
-        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=2, head_dim=8,
-                                        state_size=8, conv_kernel=4)
-        cp = Mamba2CacheParams(shape=shape, layers=list(layers), dtype=dtype)
+    cp = small_cache_params(layout, layers)
     kw = dict(size=7, spec_state_size=spec_state_size, cache_params=cp, mamba_layer_ids=list(layers), device="cpu",
               speculative_num_draft_tokens=T, speculative_eagle_topk=2)
     pool = MambaPool.__new__(MambaPool)

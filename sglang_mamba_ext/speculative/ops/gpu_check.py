@@ -168,18 +168,28 @@ def check_glue_onchip(dev, tol, K=128, heads=((32, 32, "kda"), (8, 16, "gdn"))) 
     return err
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_mamba_ext.speculative.ops.gpu_check")
+def check_args(prog: str, argv, iters: int):
+    """The device checks' shared command line (``--tiny``, ``--state-dtype``, ``--iters``):
+    returns ``(args, device, state dtype)``, or None (after a message on stderr) where there
+    is no CUDA device and ``--tiny`` was not given."""
+    ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("--tiny", action="store_true", help="toy shapes (CPU + TRITON_INTERPRET=1)")
     ap.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32", help="SSM state dtype (SGLang default fp32)")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=iters)
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and not args.tiny:
         print("no CUDA device: run with --tiny (and TRITON_INTERPRET=1) to exercise the script on CPU", file=sys.stderr)
+        return None
+    return args, dev, torch.float32 if args.state_dtype == "fp32" else torch.bfloat16
+
+
+def main(argv=None) -> int:
+    parsed = check_args("python -m sglang_mamba_ext.speculative.ops.gpu_check", argv, iters=20)
+    if parsed is None:
         return 2
+    args, dev, sdt = parsed
     act = torch.bfloat16
-    sdt = torch.float32 if args.state_dtype == "fp32" else torch.bfloat16
     if args.tiny:
         shape, L, N, T, A, iters = LinearAttnShape(2, 2, 16, 16, 4), 2, 3, 9, 4, 2
     else:

@@ -21,14 +21,14 @@ without ``--tiny`` it exits with status 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
-import time
+from sglang_mamba_ext.speculative.ops.gpu_check import check_args
 from sglang_mamba_ext.speculative.ops.inchunk import plan_writes, write_checkpoints
 from sglang_mamba_ext.speculative.replay import ReplayWeights
 
@@ -142,17 +142,11 @@ def check_against_fla(shape, dev) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check")
-    ap.add_argument("--tiny", action="store_true", help="toy shapes (CPU + TRITON_INTERPRET=1)")
-    ap.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32", help="SSM state dtype (SGLang default fp32)")
-    ap.add_argument("--iters", type=int, default=10)
-    args = ap.parse_args(argv)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type != "cuda" and not args.tiny:
-        print("no CUDA device: run with --tiny (and TRITON_INTERPRET=1) to exercise the script on CPU", file=sys.stderr)
+    parsed = check_args("python -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check", argv, iters=10)
+    if parsed is None:
         return 2
+    args, dev, sdt = parsed
     act = torch.bfloat16
-    sdt = torch.float32 if args.state_dtype == "fp32" else torch.bfloat16
     if args.tiny:
         shape, L, N, P_in, P_end, iters = LinearAttnShape(2, 2, 8, 8, 4), 1, 2, 3, 8, 1
     else:
@@ -192,7 +186,7 @@ def main(argv=None) -> int:
     mixers = w.mixers
     fn = _fla_chunk(gate) if dev.type == "cuda" else None
     if fn is not None:
-        H, HV, K, V = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim
+        HV, K, V = s.num_v_heads, s.head_k_dim, s.head_v_dim
         Ts = N * saved
         q = F.normalize(torch.randn(1, Ts, HV, K, device=dev), dim=-1).to(act)
         k = F.normalize(torch.randn(1, Ts, HV, K, device=dev), dim=-1).to(act)
