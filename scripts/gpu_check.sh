@@ -19,7 +19,7 @@ cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -c "import sys, torch, triton
 if not torch.cuda.is_available():
-    sys.exit('gpu_check.sh: no CUDA device (torch ' + torch.__version__ + '); on CPU run: TRITON_INTERPRET=1 python -m sglang_mamba_ext.speculative.ops.gpu_check --tiny')
+    sys.exit('gpu_check.sh: no CUDA device (torch ' + torch.__version__ + '); on CPU run: TRITON_INTERPRET=1 python -m sglang_mamba_ext.speculative.ops.gpu_check --tiny (and ...ops.inchunk.gpu_check --tiny); CPU timings mean nothing')
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 if [ -n "${OUT:-}" ]; then
   timeout 290 "$py" -m sglang_mamba_ext.speculative.ops.gpu_check "$@" 2>&1 | tee "$OUT/gpu_check.txt"

@@ -19,7 +19,7 @@ cd "$root"
 model="${TINY_MODEL_DIR:-$root/.tiny_model}"
 if [ ! -f "$model/config.json" ]; then
   echo "[serve] building the tiny hybrid model in $model" >&2
-  "$vpy" scripts/make_tiny_model.py --out "$model"
+  "$vpy" scripts/make_tiny_model.py --out "$model" >&2
 fi
 # WARMUP_FILE= (set and empty) serves without the kda_cache warm-up.
 warm=(--warmups kda_cache --warmup-prompts-file "${WARMUP_FILE-$root/examples/warmup_prompts.jsonl}")

@@ -28,7 +28,7 @@ cd "$root"
 model="${TINY_MODEL_DIR:-$root/.tiny_model}"
 if [ ! -f "$model/config.json" ]; then
   echo "[serve-pd] building the tiny hybrid model in $model" >&2
-  "$vpy" scripts/make_tiny_model.py --out "$model"
+  "$vpy" scripts/make_tiny_model.py --out "$model" >&2
 fi
 host="${HOST:-127.0.0.1}"
 port="${PORT:-30000}"
@@ -37,6 +37,15 @@ dport="${DECODE_PORT:-$((port + 2))}"
 bport="${BOOTSTRAP_PORT:-$((port + 3))}"
 timeout="${START_TIMEOUT:-600}"
 logs="${LOG_DIR:-$(mktemp -d -t serve_cpu_pd.XXXXXX)}"
+# A taken port would leave a server hung in its shutdown and the health probe talking to the
+# other listener: refuse before starting anything.
+for p in "$port" "$pport" "$dport" "$bport"; do
+  if ! "$vpy" -c "import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))" \
+      "$([ "$p" = "$port" ] && echo "$host" || echo 127.0.0.1)" "$p" 2>/dev/null; then
+    echo "[serve-pd] error: port $p is already in use; choose free ones with PORT (router; the servers take PORT+1..PORT+3) or PREFILL_PORT / DECODE_PORT / BOOTSTRAP_PORT" >&2
+    exit 1
+  fi
+done
 mkdir -p "$logs"
 echo "[serve-pd] logs in $logs" >&2
 warm=(--warmups kda_cache --warmup-prompts-file "${WARMUP_FILE-$root/examples/warmup_prompts.jsonl}")

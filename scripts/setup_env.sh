@@ -3,8 +3,10 @@
 # torch 2.14.1, sglang 0.5.23 and this package (editable, with its [test] extra, which also
 # registers the SGLang plugin entry point), and the Debian libraries mooncake's transfer
 # engine loads (libibverbs1, libnl-3-200, libnl-route-3-200: prefill/decode disaggregation,
-# installed with apt-get as root or through passwordless sudo; otherwise it stops naming them). Safe to run again: it installs only what is
-# missing or at the wrong version. Prints the python to use on its last line.
+# installed with apt-get as root or through passwordless sudo; otherwise it warns, naming them,
+# and goes on: only PD needs them, and its tests are skipped without them). Safe to run again:
+# it installs only what is missing or at the wrong version. Prints the python to use on its
+# last line.
 #
 # Environment: PYTHON (interpreter to build the venv from, default python3),
 #              VENV (venv directory, default ./.venv).
@@ -34,7 +36,6 @@ eps = md.entry_points(group="sglang.srt.plugins")
 if not any(ep.value.startswith("sglang_mamba_ext.") for ep in eps):
     sys.exit(1)
 import sglang_mamba_ext
-import mooncake.engine  # loads libibverbs / libnl (system libraries, below)
 PY
 }
 
@@ -45,27 +46,28 @@ deb_pkgs=(libibverbs1 libnl-3-200 libnl-route-3-200)
 missing_libs() {
   local lib
   for lib in "${sys_libs[@]}"; do
-    ldconfig -p 2>/dev/null | grep -q "$lib" || echo "$lib"
+    # ldconfig lives in sbin, which a non-root PATH may lack
+    PATH="$PATH:/usr/sbin:/sbin" ldconfig -p 2>/dev/null | grep -q "$lib" || echo "$lib"
   done
 }
 if [ -n "$(missing_libs)" ]; then
-  echo "[setup] installing Debian packages ${deb_pkgs[*]} (mooncake's transfer engine needs them)" >&2
   if [ "$(id -u)" -eq 0 ]; then apt_get=(apt-get)
   elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then apt_get=(sudo -n apt-get)
   else apt_get=()
   fi
   if [ "${#apt_get[@]}" -eq 0 ] || ! command -v apt-get >/dev/null; then
-    echo "[setup] error: missing system libraries: $(missing_libs | tr '\n' ' ')" >&2
-    echo "[setup] install the Debian/Ubuntu packages ${deb_pkgs[*]} (as root: apt-get install -y ${deb_pkgs[*]}), then run this again" >&2
-    exit 1
-  fi
-  { "${apt_get[@]}" install -y -q "${deb_pkgs[@]}" || { "${apt_get[@]}" update -q && "${apt_get[@]}" install -y -q "${deb_pkgs[@]}"; }; } >&2 || {
-    echo "[setup] error: apt-get could not install ${deb_pkgs[*]}; install them, then run this again" >&2
-    exit 1
-  }
-  if [ -n "$(missing_libs)" ]; then
-    echo "[setup] error: still missing after apt-get: $(missing_libs | tr '\n' ' ')" >&2
-    exit 1
+    echo "[setup] warning: missing system libraries $(missing_libs | tr '\n' ' ')(mooncake's transfer engine, needed only for prefill/decode disaggregation; its tests will be skipped): as root, apt-get install -y ${deb_pkgs[*]}" >&2
+  else
+    echo "[setup] installing Debian packages ${deb_pkgs[*]} (mooncake's transfer engine needs them)" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    { "${apt_get[@]}" install -y -q "${deb_pkgs[@]}" 2>/dev/null || { "${apt_get[@]}" update -q && "${apt_get[@]}" install -y -q "${deb_pkgs[@]}"; }; } >&2 || {
+      echo "[setup] error: apt-get could not install ${deb_pkgs[*]}; install them, then run this again" >&2
+      exit 1
+    }
+    if [ -n "$(missing_libs)" ]; then
+      echo "[setup] error: still missing after apt-get: $(missing_libs | tr '\n' ' ')" >&2
+      exit 1
+    fi
   fi
 fi
 
@@ -76,5 +78,9 @@ if ! check; then
   "$vpy" -m pip install -q "torch==2.14.1" >&2
   "$vpy" -m pip install -q -e ".[test]" >&2
   check || { echo "[setup] installation incomplete: see the pip output above" >&2; exit 1; }
+fi
+if [ -z "$(missing_libs)" ] && ! "$vpy" -c "import mooncake.engine" 2>/dev/null; then
+  echo "[setup] error: mooncake's transfer engine does not load (python -c 'import mooncake.engine' in $venv)" >&2
+  exit 1
 fi
 echo "$vpy"

@@ -149,8 +149,8 @@ class TestInchunkHookKda(unittest.TestCase):
 
         ins = self._inputs()
         for layer, (mq, a, b) in zip(self.layers, ins):
-            self.assertEqual(ic.forward_extend_around(sglang_forward, self.backend, layer, self.fb, mq, a, b,
-                                                      linear_attn_output=None), "out")
+            self.assertIsNone(ic.forward_extend_before(self.backend, layer, self.fb, mq, a, b, linear_attn_output=None))
+            self.assertEqual(sglang_forward(self.backend, layer, self.fb, mq, a, b, linear_attn_output=None), "out")
         self.assertEqual(calls, [(1, {"linear_attn_output": None}), (3, {"linear_attn_output": None})])
         starts = [0, 20, 29]
         for l, (m, (mq, a, b)) in enumerate(zip(self.mixers, ins)):
@@ -181,9 +181,7 @@ class TestInchunkHookKda(unittest.TestCase):
         self.assertFalse(hasattr(self.backend, ic.WRITER_ATTR))
         before = self.pool.mamba_cache.temporal.clone()
         mq, a, b = self._inputs()[0]
-        calls = []
-        ic.forward_extend_around(lambda *a_, **k: calls.append(1), self.backend, self.layers[0], self.fb, mq, a, b)
-        self.assertEqual(calls, [1])
+        self.assertIsNone(ic.forward_extend_before(self.backend, self.layers[0], self.fb, mq, a, b))
         torch.testing.assert_close(self.pool.mamba_cache.temporal, before, rtol=0, atol=0)
 
     def test_refusals_keep_the_grid(self):
@@ -219,7 +217,7 @@ class TestInchunkHookKda(unittest.TestCase):
         self.layers[0].lower_bound = -5.0
         mq, a, b = self._inputs()[0]
         with self.assertRaisesRegex(RuntimeError, "safe gate"):
-            ic.forward_extend_around(lambda *a_, **k: None, self.backend, self.layers[0], self.fb, mq, a, b)
+            ic.forward_extend_before(self.backend, self.layers[0], self.fb, mq, a, b)
 
 
 class TestInchunkHookGdn(TestInchunkHookKda):
@@ -235,7 +233,17 @@ class TestHookTargets(unittest.TestCase):
             mod, cls, attr = target.rsplit(".", 2)
             self.assertTrue(callable(getattr(getattr(importlib.import_module(mod), cls), attr)), target)
             self.assertTrue(callable(getattr(ic, name)))
-            self.assertIn(kind, ("AFTER", "AROUND"))
+            self.assertIn(kind, ("AFTER", "BEFORE"))
+
+    def test_one_around_hook_per_target(self):
+        """With the deferred verify's hooks, no SGLang target gets two AROUND hooks (SGLang's
+        HookRegistry warns at every start-up then)."""
+        from collections import Counter
+
+        from sglang_mamba_ext.plugin.speculative import HOOK_TARGETS as SPEC_TARGETS
+
+        arounds = Counter(t for t, kind, _ in [*ic.HOOK_TARGETS, *SPEC_TARGETS] if kind == "AROUND")
+        self.assertEqual([t for t, n in arounds.items() if n > 1], [])
 
 
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, "InchunkHook", skip=_CAN_TRITON)

@@ -12,7 +12,7 @@ rounds a branch point down to the grid and has no prompt-end checkpoint. Under
   no KDA safe gate, ``lower_bound``, which the kernel does not implement; the class does not
   override ``forward_extend``), it sets the pool's ``prefix_checkpoint_writer`` so that the
   core plans exact positions (``MambaRadixReqToTokenPool._plan_prefix_checkpoints``);
-- AROUND ``forward_extend`` (:func:`forward_extend_around`): for an extend batch with planned
+- BEFORE ``forward_extend`` (:func:`forward_extend_before`): for an extend batch with planned
   checkpoints (``MambaRadixReqToTokenPool.prefix_checkpoint_plan``), *before* SGLang's forward
   advances the rows' working slots, the in-chunk writer
   (:func:`sglang_mamba_ext.speculative.ops.inchunk.write_checkpoints`, Triton) writes each
@@ -48,8 +48,8 @@ GDN_BACKEND = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
 HOOK_TARGETS = [
     (KDA_BACKEND + ".__init__", "AFTER", "backend_init_after"),
     (GDN_BACKEND + ".__init__", "AFTER", "backend_init_after"),
-    (KDA_BACKEND + ".forward_extend", "AROUND", "forward_extend_around"),
-    (GDN_BACKEND + ".forward_extend", "AROUND", "forward_extend_around"),
+    (KDA_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
+    (GDN_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
 ]
 #: Attribute set on a backend the plugin writes checkpoints for: its layout name.
 WRITER_ATTR = "_mamba_radix_inchunk_layout"
@@ -70,7 +70,7 @@ def _layout_name(backend) -> Optional[str]:
 
     for cls, name in ((KDAAttnBackend, "kda"), (GDNAttnBackend, "gdn")):
         if isinstance(backend, cls):
-            # a subclass with its own forward_extend would bypass forward_extend_around
+            # a subclass with its own forward_extend would bypass forward_extend_before
             return name if type(backend).forward_extend is cls.forward_extend else None
     return None
 
@@ -223,11 +223,13 @@ def _plan_for(backend, forward_batch) -> Dict[int, List[Tuple[int, int]]]:
     return plan
 
 
-def forward_extend_around(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
-    """AROUND SGLang's KDA / GDN ``forward_extend``: the planned prefix checkpoints inside this
-    extend (:func:`write_layer_checkpoints`), then SGLang's forward unchanged."""
+def forward_extend_before(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs) -> None:
+    """BEFORE SGLang's KDA / GDN ``forward_extend``: the planned prefix checkpoints inside this
+    extend (:func:`write_layer_checkpoints`); SGLang's forward then runs unchanged with the
+    same arguments (a BEFORE hook, so it chains with the deferred verify's AROUND hook on
+    ``GDNAttnBackend.forward_extend`` without SGLang's multiple-AROUND warning)."""
     if getattr(backend, WRITER_ATTR, None) is not None:
         plan = _plan_for(backend, forward_batch)
         if plan:
             write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, plan)
-    return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    return None
