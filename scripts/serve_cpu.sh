@@ -13,14 +13,7 @@
 # stops at once with exit status 2 and a last line "sglang serve: error: ...".
 # Stop the server with Ctrl-C.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-vpy="$("$root/scripts/setup_env.sh" | tail -n 1)"
-cd "$root"
-model="${TINY_MODEL_DIR:-$root/.tiny_model}"
-if [ ! -f "$model/config.json" ]; then
-  echo "[serve] building the tiny hybrid model in $model" >&2
-  "$vpy" scripts/make_tiny_model.py --out "$model" >&2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/tiny_env.sh"
 # WARMUP_FILE= (set and empty) serves without the kda_cache warm-up.
 warm=(--warmups kda_cache --warmup-prompts-file "${WARMUP_FILE-$root/examples/warmup_prompts.jsonl}")
 [ -z "${WARMUP_FILE-x}" ] && warm=()

@@ -22,14 +22,7 @@
 # SIGTERM stops all of them; if one of them exits, the others are stopped too and the exit
 # status is non-zero. Logs: LOG_DIR (default a new temporary directory, printed on stderr).
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-vpy="$("$root/scripts/setup_env.sh" | tail -n 1)"
-cd "$root"
-model="${TINY_MODEL_DIR:-$root/.tiny_model}"
-if [ ! -f "$model/config.json" ]; then
-  echo "[serve-pd] building the tiny hybrid model in $model" >&2
-  "$vpy" scripts/make_tiny_model.py --out "$model" >&2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/tiny_env.sh"
 host="${HOST:-127.0.0.1}"
 port="${PORT:-30000}"
 pport="${PREFILL_PORT:-$((port + 1))}"
