@@ -31,8 +31,13 @@ def main(argv=None) -> int:
     parser.add_argument("--linear-gate", choices=["kda", "gdn"], default="kda",
                         help="decay gate of the linear layers: kda (per key channel, default) or gdn "
                              "(per value head)")
+    parser.add_argument("--linear-kernels", choices=["tiny", "sglang"], default="tiny",
+                        help="who serves the linear layers: tiny (the plugin's torch backend, float32, "
+                             "default) or sglang (SGLang's own GDN/KDA backend by --linear-gate, "
+                             "float16; on CPU under Triton's interpreter)")
     args = parser.parse_args(argv)
-    out = build_tiny_model(args.out, seed=args.seed, config_overrides={"linear_gate": args.linear_gate})
+    out = build_tiny_model(args.out, seed=args.seed, config_overrides={"linear_gate": args.linear_gate},
+                           linear_kernels=args.linear_kernels)
     print(f"wrote tiny hybrid model to {out}")
     if args.draft_out:
         draft = build_tiny_draft(args.draft_out, out)

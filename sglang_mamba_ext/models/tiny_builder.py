@@ -138,14 +138,24 @@ def _init_weights(model: TinyHybridReference, generator: torch.Generator) -> Non
                 raise AssertionError(f"no init rule for {name}")
 
 
-def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dict] = None) -> str:
+def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dict] = None,
+                     linear_kernels: str = "tiny") -> str:
     """Write a complete tiny model directory (see module docstring); returns ``out_dir``.
 
     Args:
         out_dir: created if missing; existing files of the same names are overwritten.
         seed: weights seed (the tokenizer does not depend on it).
         config_overrides: optional changes to :data:`DEFAULT_CONFIG`.
+        linear_kernels: ``"tiny"`` (architecture ``TinyHybridForCausalLM``, the plugin's torch
+            backend; ``torch_dtype`` float32) or ``"sglang"`` (``TinyHybridGDNForCausalLM`` /
+            ``TinyHybridKDAForCausalLM`` by ``linear_gate``: SGLang's own backend;
+            ``torch_dtype`` float16). Same weights either way.
+
+    Raises:
+        ValueError: an unknown ``linear_kernels``.
     """
+    if linear_kernels not in ("tiny", "sglang"):
+        raise ValueError(f"linear_kernels must be 'tiny' or 'sglang', got {linear_kernels!r}")
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
@@ -172,11 +182,14 @@ def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dic
         state.pop("lm_head.weight")
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
 
+    arch = ARCHITECTURE
+    if linear_kernels == "sglang":
+        arch = "TinyHybridGDNForCausalLM" if config.linear_gate == "gdn" else "TinyHybridKDAForCausalLM"
     config_json = dict(
         cfg,
-        architectures=[ARCHITECTURE],
+        architectures=[arch],
         model_type=config.model_type,
-        torch_dtype="float32",
+        torch_dtype="float16" if linear_kernels == "sglang" else "float32",
         vocab_size=vocab_size,
         bos_token_id=ids[BOS],
         eos_token_id=ids[EOS],

@@ -290,6 +290,17 @@ def backend_writes_track_states(hf_config) -> bool:
     return bool(getattr(backend_cls, "writes_mamba_track_states", False))
 
 
+def _sglang_kernels_interpreted(hf_config) -> bool:
+    """The tiny model served by SGLang's own GDN / KDA backend with their Triton kernels under
+    Triton's interpreter (``plugin/triton_interpret.py``): SGLang's extra_buffer tracking then
+    runs on CPU too, although SGLang's platform check allows it only on GPUs."""
+    from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
+    from sglang_mamba_ext.plugin.triton_interpret import interpreting
+
+    archs = getattr(hf_config, "architectures", None) or []
+    return any(a in SGLANG_KERNEL_ARCHITECTURES for a in archs) and interpreting()
+
+
 def _ours(server_args_or_view) -> bool:
     return getattr(server_args_or_view, "radix_cache_backend", None) == S.BACKEND_NAME
 
@@ -298,7 +309,7 @@ def validate_mamba_extra_buffer_around(original, view, hf_config, *args, **kwarg
     """AROUND hook on ``arg_groups.mamba_hook.validate_mamba_extra_buffer``."""
     if not _ours(view):
         return original(view, hf_config, *args, **kwargs)
-    if backend_writes_track_states(hf_config):
+    if backend_writes_track_states(hf_config) or _sglang_kernels_interpreted(hf_config):
         interval = view.mamba_track_interval
         drafts = getattr(view, "speculative_num_draft_tokens", None)
         if drafts is not None and interval < drafts:

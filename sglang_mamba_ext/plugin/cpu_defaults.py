@@ -20,6 +20,9 @@ default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serv
 - with ``--speculative-algorithm`` on a host without CUDA: ``--disable-overlap-schedule`` and
   the environment of :func:`cpu_spec_env` (Triton interpreter, no ``torch.compile``, the
   plugin's CPU routing of the speculative path, ``plugin/speculative/cpu_routing.py``).
+- with the tiny model served by SGLang's own GDN / KDA backends (``--linear-kernels sglang`` of
+  ``scripts/make_tiny_model.py``) on a host without CUDA: ``TRITON_INTERPRET=1``, so that their
+  Triton kernels run under Triton's interpreter (``plugin/triton_interpret.py``).
 - with more than one rank (``--tp`` / ``--dp`` / ``--pp-size`` > 1): the environment of
   :func:`multi_rank_env` (one CPU core list per rank, PyNccl off).
 
@@ -84,6 +87,19 @@ def local_model_config(model_path: Optional[str]) -> dict:
 def is_tiny_model(argv: Sequence[str]) -> bool:
     """Whether ``--model-path`` in argv is the project's tiny hybrid model."""
     return local_model_config(_flag_value(argv, "--model-path")).get("model_type") == TINY_MODEL_TYPE
+
+
+def sglang_kernels_without_cuda(argv: Sequence[str]) -> bool:
+    """Whether argv serves the tiny model with SGLang's own linear-attention backends
+    (``TinyHybridGDNForCausalLM`` / ``TinyHybridKDAForCausalLM``) on ``--device cpu`` on a host
+    without CUDA: their Triton kernels then run under Triton's interpreter."""
+    import torch
+
+    from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
+
+    archs = local_model_config(_flag_value(argv, "--model-path")).get("architectures") or []
+    return (_active(argv) and is_tiny_model(argv) and any(a in SGLANG_KERNEL_ARCHITECTURES for a in archs)
+            and not torch.cuda.is_available())
 
 
 def _checkpoint_dtype(model_path: Optional[str]) -> Optional[str]:
@@ -212,13 +228,20 @@ def _before_prepare_server_args(argv, *args, **kwargs):
     early_model_checks(argv or [])
     new_argv, added = cpu_default_args(argv)
     if _active(new_argv) and CONV_DTYPE_ENV not in os.environ:
-        os.environ[CONV_DTYPE_ENV] = "float32"  # inherited by the scheduler processes
-        added.append(f"{CONV_DTYPE_ENV}=float32")
+        # inherited by the scheduler processes. SGLang's own GDN/KDA backends write the conv
+        # window from the model's activations in place, so there it must be the model's dtype.
+        conv = "float16" if sglang_kernels_without_cuda(new_argv) else "float32"
+        os.environ[CONV_DTYPE_ENV] = conv
+        added.append(f"{CONV_DTYPE_ENV}={conv}")
     if _active(new_argv):
         for name, value in multi_rank_env(new_argv):
             if name not in os.environ:
                 os.environ[name] = value
                 added.append(f"{name}={value}")
+    if sglang_kernels_without_cuda(new_argv) and "TRITON_INTERPRET" not in os.environ:
+        # SGLang's GDN / KDA Triton kernels, interpreted (plugin/triton_interpret.py)
+        os.environ["TRITON_INTERPRET"] = "1"
+        added.append("TRITON_INTERPRET=1")
     if speculating_without_cuda(new_argv):
         for name, value in cpu_spec_env():
             if name not in os.environ:

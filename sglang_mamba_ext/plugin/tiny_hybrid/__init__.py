@@ -21,6 +21,12 @@ ARCHITECTURE = "TinyHybridForCausalLM"
 DRAFT_MODEL_TYPE = "tiny_hybrid_draft"
 DRAFT_ARCHITECTURE = "TinyHybridDraftForCausalLM"
 BACKEND_CLASS = "sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend"
+#: The tiny model with SGLang's own linear-attention backends (``--linear-kernels sglang`` of
+#: ``scripts/make_tiny_model.py``): architecture -> SGLang backend class.
+SGLANG_KERNEL_ARCHITECTURES = {
+    "TinyHybridGDNForCausalLM": "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend",
+    "TinyHybridKDAForCausalLM": "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend",
+}
 _EXTERNAL_PKG_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 _REGISTRY_MODULE = "sglang.srt.models.registry"
 #: Where SGLang's model loader resolves a config's architectures to a model class.
@@ -70,10 +76,36 @@ def register_tiny_hybrid() -> None:
                 arch_names=[ARCHITECTURE],
                 uses_mamba_radix_cache=True,
                 support_mamba_cache=True,
+                config_predicate=_archs_predicate([ARCHITECTURE, DRAFT_ARCHITECTURE], default=True),
             )
         )
+    for arch, backend in SGLANG_KERNEL_ARCHITECTURES.items():
+        if get_linear_attn_spec_by_arch(arch) is None:
+            register_linear_attn_model(
+                LinearAttnModelSpec(
+                    config_class=TinyHybridSGLangConfig,
+                    backend_class_name=backend,
+                    arch_names=[arch],
+                    uses_mamba_radix_cache=True,
+                    support_mamba_cache=True,
+                    support_mamba_cache_extra_buffer=True,
+                    config_predicate=_archs_predicate([arch]),
+                )
+            )
     HookRegistry.register(GET_MODEL_ARCHITECTURE, get_model_architecture_before, HookType.BEFORE)
     _registered = True
+
+
+def _archs_predicate(archs, default: bool = False):
+    """``config_predicate`` of a ``LinearAttnModelSpec``: SGLang's attention registry picks the
+    linear backend by config class (``get_linear_attn_config``), and the tiny model's variants
+    share one config class, so each spec also matches on ``config.architectures``."""
+
+    def predicate(config) -> bool:
+        names = getattr(config, "architectures", None) or []
+        return any(a in archs for a in names) if names else default
+
+    return predicate
 
 
 def get_model_architecture_before(model_config, *args, **kwargs) -> None:
@@ -87,7 +119,8 @@ def get_model_architecture_before(model_config, *args, **kwargs) -> None:
     the first architecture it does not know), and the variable is restored right after.
     """
     archs = getattr(getattr(model_config, "hf_config", None), "architectures", None) or []
-    if ARCHITECTURE not in archs and DRAFT_ARCHITECTURE not in archs:
+    ours = {ARCHITECTURE, DRAFT_ARCHITECTURE, *SGLANG_KERNEL_ARCHITECTURES}
+    if not ours.intersection(archs):
         return None
     if _REGISTRY_MODULE not in sys.modules and not os.environ.get(_EXTERNAL_PKG_ENV):
         os.environ[_EXTERNAL_PKG_ENV] = __name__
@@ -105,4 +138,9 @@ def get_model_architecture_before(model_config, *args, **kwargs) -> None:
         from sglang_mamba_ext.plugin.tiny_hybrid.draft_model import TinyHybridDraftForCausalLM
 
         ModelRegistry.models[DRAFT_ARCHITECTURE] = TinyHybridDraftForCausalLM
+    for arch in SGLANG_KERNEL_ARCHITECTURES:
+        if arch in archs and arch not in ModelRegistry.models:
+            from sglang_mamba_ext.plugin.tiny_hybrid.model import TinyHybridSGLangKernelsForCausalLM
+
+            ModelRegistry.models[arch] = TinyHybridSGLangKernelsForCausalLM
     return None

@@ -26,10 +26,17 @@ class TinyHybridSGLangConfig(TinyHybridConfig):
     ``mamba_chunk_size`` (tokens): the grid SGLang's extra_buffer tracking places prefill
     checkpoints on (``runtime_context.mamba_cache_chunk_size``; 64 = FLA's chunk for GPU
     kernels). The torch backend can stop at any token, so the tiny model uses a small grid:
-    a prefill chunk that is a multiple of 8 tokens is checkpointed at its end.
+    a prefill chunk that is a multiple of 8 tokens is checkpointed at its end. Served with
+    SGLang's own GDN / KDA backends (``TinyHybridGDNForCausalLM`` / ``TinyHybridKDAForCausalLM``)
+    it is their kernels' chunk, 64.
     """
 
-    mamba_chunk_size = 8
+    @property
+    def mamba_chunk_size(self) -> int:
+        from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
+
+        archs = getattr(self, "architectures", None) or []
+        return 64 if any(a in SGLANG_KERNEL_ARCHITECTURES for a in archs) else 8
 
     @property
     def mamba2_cache_params(self) -> Mamba2CacheParams:

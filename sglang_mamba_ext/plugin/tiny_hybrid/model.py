@@ -179,3 +179,34 @@ def copy_weights(module: nn.Module, weights: Iterable[Tuple[str, torch.Tensor]],
 
 
 EntryClass = TinyHybridForCausalLM
+
+
+class TinyHybridSGLangKernelsForCausalLM(TinyHybridForCausalLM):
+    """The tiny hybrid model with its linear layers served by SGLang's own linear-attention
+    backends (``architectures: ["TinyHybridGDNForCausalLM"]`` -> ``GDNAttnBackend``,
+    ``["TinyHybridKDAForCausalLM"]`` -> ``KDAAttnBackend``; ``--linear-kernels sglang`` of
+    ``scripts/make_tiny_model.py``). Same weights and math as :class:`TinyHybridForCausalLM`;
+    each linear core is a plain ``RadixLinearAttention`` carrying what SGLang's backends read
+    from a Qwen3-Next / Kimi-Linear layer: the conv taps ``conv_weights`` ``[conv_dim, W]``,
+    ``bias``, ``activation="silu"``, ``A_log`` (GDN ``[HV]``; KDA viewed ``[1, 1, HV, 1]``) and
+    ``dt_bias``. On a host without CUDA SGLang's Triton kernels run under Triton's interpreter
+    (``plugin/triton_interpret.py``; serve in float16: the interpreter's bfloat16 is wrong and
+    SGLang's chunked GDN kernel refuses float32)."""
+
+    def __init__(self, config: TinyHybridConfig, quant_config=None, prefix: str = "") -> None:
+        super().__init__(config, quant_config, prefix)
+        from sglang_mamba_ext.plugin.triton_interpret import install_interpreter_shims
+
+        install_interpreter_shims()
+        for layer in self.model.layers:
+            if not layer.is_linear:
+                continue
+            m = layer.linear_attn
+            s = m.shape
+            kda = m.gate == "kda"
+            core = RadixLinearAttention(
+                layer.layer_id, s.num_k_heads, s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_k_dim,
+                s.head_v_dim, conv_weights=m.conv_weight, bias=m.conv_bias, activation="silu",
+                A_log=m.A_log.view(1, 1, -1, 1) if kda else m.A_log, dt_bias=m.dt_bias,
+            )
+            self.attn_cores[str(layer.layer_id)] = core
