@@ -85,6 +85,45 @@ class TestCpuDefaults(unittest.TestCase):
         self.assertEqual(self._env_after_hook("TinyHybridForCausalLM"), (None, "float32"))
 
 
+class TestStartupChecks(unittest.TestCase):
+    """``plugin/early_checks.py`` refuses, like argparse, what cannot run on a host without CUDA."""
+
+    def _check(self, argv_extra, env):
+        from sglang_mamba_ext.plugin.early_checks import early_model_checks
+
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump({"model_type": "tiny_hybrid", "architectures": ["TinyHybridGDNForCausalLM"],
+                           "linear_gate": "gdn"}, f)
+            with mock.patch.dict(os.environ, env), mock.patch("torch.cuda.is_available", return_value=False):
+                for k in ("TRITON_INTERPRET", "SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS"):
+                    if k not in env:
+                        os.environ.pop(k, None)
+                early_model_checks(["--model-path", tmp, "--device", "cpu", *argv_extra])
+
+    def test_interpreter_off_refused(self):
+        from sglang_mamba_ext.plugin.startup_errors import FlagError
+
+        for env, now in (({"TRITON_INTERPRET": "0"}, "'0'"), ({"SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS": "1"}, "unset")):
+            with self.subTest(env=env), self.assertRaises(FlagError) as cm:
+                self._check([], env)
+            self.assertEqual(str(cm.exception), (
+                "--model-path: TinyHybridGDNForCausalLM runs SGLang's own Triton kernels, which need CUDA or, on "
+                f"this host without CUDA, Triton's interpreter: set TRITON_INTERPRET=1 (now {now}), or serve a "
+                "model built without --linear-kernels sglang"))
+        self._check([], {})  # the CPU defaults will set it
+        self._check([], {"TRITON_INTERPRET": "1"})
+
+    def test_dtype_other_than_float16_refused(self):
+        from sglang_mamba_ext.plugin.startup_errors import FlagError
+
+        for dtype in ("bfloat16", "float32"):
+            with self.subTest(dtype=dtype), self.assertRaisesRegex(FlagError, f"^--dtype {dtype}: .* use --dtype "
+                                                                               "float16 or leave --dtype out$"):
+                self._check(["--dtype", dtype], {})
+        self._check(["--dtype", "float16"], {})
+
+
 @unittest.skipUnless(SGLANG_INSTALLED and (_IN_INTERP or torch.cuda.is_available()),
                      "needs SGLang and TRITON_INTERPRET=1 (run by TestUnderTritonInterpreter) or CUDA")
 class TestSGLangGDNKernelInterpreted(unittest.TestCase):
