@@ -327,7 +327,7 @@ def validate_mamba_extra_buffer_around(original, view, hf_config, *args, **kwarg
     except AssertionError as exc:
         raise FlagError(
             f"{ENABLE_FLAG} tracks SSM checkpoints with SGLang's extra_buffer pipeline "
-            f"(--mamba-radix-cache-strategy extra_buffer), which SGLang refuses here: {exc}. "
+            f"(--mamba-radix-cache-strategy extra_buffer), which SGLang refuses here: {str(exc).rstrip('.')}. "
             "Pass --mamba-radix-cache-strategy no_buffer to cache without ping-pong checkpoints."
         ) from exc
 

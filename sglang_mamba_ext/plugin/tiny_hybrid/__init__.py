@@ -68,12 +68,13 @@ def register_tiny_hybrid() -> None:
 
     AutoConfig.register(MODEL_TYPE, TinyHybridSGLangConfig, exist_ok=True)
     AutoConfig.register(DRAFT_MODEL_TYPE, TinyHybridDraftConfig, exist_ok=True)
-    # (architecture, backend, predicate architectures, match configs without any, extra_buffer
-    # declared): the torch backend writes its own track checkpoints (args.py lets extra_buffer
-    # through for it); SGLang's backends declare it as Qwen3-Next / Kimi-Linear do.
-    specs = [(ARCHITECTURE, BACKEND_CLASS, [ARCHITECTURE, DRAFT_ARCHITECTURE], True, False)]
-    specs += [(arch, backend, [arch], False, True) for arch, backend in SGLANG_KERNEL_ARCHITECTURES.items()]
-    for arch, backend, predicate_archs, default, extra_buffer in specs:
+    # (architecture, backend, predicate architectures, match configs without any). None
+    # declares extra_buffer support: without --enable-mamba-radix SGLang serves them with
+    # no_buffer on CPU (its extra_buffer path needs a GPU platform); under the flag the plugin's
+    # own check lets its ping-pong tracking through (args.py::validate_mamba_extra_buffer_around).
+    specs = [(ARCHITECTURE, BACKEND_CLASS, [ARCHITECTURE, DRAFT_ARCHITECTURE], True)]
+    specs += [(arch, backend, [arch], False) for arch, backend in SGLANG_KERNEL_ARCHITECTURES.items()]
+    for arch, backend, predicate_archs, default in specs:
         if get_linear_attn_spec_by_arch(arch) is None:
             register_linear_attn_model(
                 LinearAttnModelSpec(
@@ -82,7 +83,6 @@ def register_tiny_hybrid() -> None:
                     arch_names=[arch],
                     uses_mamba_radix_cache=True,
                     support_mamba_cache=True,
-                    support_mamba_cache_extra_buffer=extra_buffer,
                     config_predicate=_archs_predicate(predicate_archs, default=default),
                 )
             )
