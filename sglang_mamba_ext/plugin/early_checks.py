@@ -31,6 +31,7 @@ def _check_tiny(cfg: dict, argv: Sequence[str]) -> None:
     if gate not in GATES:
         raise FlagError(f"--model-path: config.json has linear_gate={gate!r}; use one of {GATES} "
                         "(scripts/make_tiny_model.py --linear-gate)")
+    _check_sglang_kernels(cfg, argv)
     tp = _int_flag(argv, "--tp", "--tp-size", "--tensor-parallel-size")
     if _flag_value(argv, "--enable-dp-attention") is not None:
         tp //= max(1, _int_flag(argv, "--dp", "--dp-size", "--data-parallel-size"))
@@ -40,6 +41,33 @@ def _check_tiny(cfg: dict, argv: Sequence[str]) -> None:
             ok = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
             raise FlagError(f"--tp {tp}: the tiny model's {name}={n} is not divisible by it; use --tp {ok} "
                             "(attention and linear-attention heads are split evenly over the ranks)")
+
+
+def _check_sglang_kernels(cfg: dict, argv: Sequence[str]) -> None:
+    """The tiny model built with ``--linear-kernels sglang`` on a host without CUDA: SGLang's
+    Triton kernels must run under Triton's interpreter, in float16 (``plugin/triton_interpret.py``)."""
+    import os
+
+    import torch
+
+    from sglang_mamba_ext.plugin.cpu_defaults import DISABLE_ENV
+    from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
+
+    archs = [a for a in (cfg.get("architectures") or []) if a in SGLANG_KERNEL_ARCHITECTURES]
+    if not archs or torch.cuda.is_available():
+        return
+    interp = os.environ.get("TRITON_INTERPRET")
+    defaults_off = os.environ.get(DISABLE_ENV, "0") not in ("", "0")
+    if (interp is not None and interp != "1") or (interp is None and defaults_off):
+        raise FlagError(f"--model-path: {archs[0]} runs SGLang's own Triton kernels, which need CUDA or, on this host "
+                        f"without CUDA, Triton's interpreter: set TRITON_INTERPRET=1 (now "
+                        f"{'unset' if interp is None else repr(interp)}), or serve a model built without "
+                        "--linear-kernels sglang")
+    dtype = _flag_value(argv, "--dtype")
+    if dtype not in (None, "", "auto", "half", "float16"):
+        raise FlagError(f"--dtype {dtype}: {archs[0]} on CPU runs SGLang's kernels under Triton's interpreter, "
+                        "which needs float16 (its bfloat16 is wrong; SGLang's chunked GDN kernel refuses float32); "
+                        "use --dtype float16 or leave --dtype out")
 
 
 def _check_deferred(argv: Sequence[str]) -> None:

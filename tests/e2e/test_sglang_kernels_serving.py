@@ -1,0 +1,128 @@
+"""End to end (issue 16, item 1): exact prefix checkpoints with SGLang's OWN linear-attention
+backend in serving.
+
+The tiny model is built with ``--linear-kernels sglang`` (``TinyHybridGDNForCausalLM``): its
+linear layers go through SGLang's ``GDNAttnBackend`` — SGLang's chunked Gated-DeltaNet Triton
+kernels, causal-conv kernels and packed decode kernel, run on CPU under Triton's interpreter
+(``plugin/triton_interpret.py``), float16. Those kernels keep states only on their 64-token
+chunk grid; the plugin's in-chunk writer (``plugin/inchunk_checkpoints.py``) writes the
+planned checkpoints before SGLang's forward, so hits are exact:
+
+- a resent prompt of 100 tokens hits 99 (SGLang's grid would give 64);
+- a sibling branching at token 41 of an earlier request hits 41 (the grid would give 0);
+- a follow-up turn hits the finished request's state, ``len + outputs - 1``;
+
+with ``--chunked-prefill-size 64``, so the planned checkpoints fall in either chunk of a
+prompt. Every output equals the same prompt run cold (no hit; another ``cache_salt``), and the
+served log-probabilities match the plain-torch reference model within float16 error. The
+server then survives SGLang's strict leak and tree checks when idle.
+"""
+
+import os
+import random
+import tempfile
+import unittest
+
+import pytest
+import torch
+from server_util import CHECKED_ENV, Server, idle_and_checked
+
+from sglang_mamba_ext.models.tiny_builder import build_tiny_model
+from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+VOCAB_LO, VOCAB_HI = 3, 200
+NEW = 5
+#: float16 serving vs the float32 reference (log-probabilities, nats)
+REF_ATOL = 5e-2
+#: a hit vs the cold run of the same prompt, both float16
+HIT_ATOL = 2e-2
+
+
+class TestSGLangGDNBackendServing(unittest.TestCase):
+    GATE = "gdn"
+    BACKEND = "GDNAttnBackend"
+    SEED = 16
+
+    @classmethod
+    def setUpClass(cls):
+        tmp = tempfile.TemporaryDirectory(prefix="sglang-kernels-e2e-")
+        cls.addClassCleanup(tmp.cleanup)
+        cls.model = build_tiny_model(os.path.join(tmp.name, "model"), seed=0,
+                                     config_overrides={"linear_gate": cls.GATE}, linear_kernels="sglang")
+        cls.ref = TinyHybridReference.from_pretrained(cls.model)
+        args = ["--device", "cpu", "--enable-mamba-radix", "--chunked-prefill-size", "64"]
+        cls.server = Server(cls.model, args, os.path.join(tmp.name, "server.log"), env=dict(CHECKED_ENV))
+        cls.addClassCleanup(cls.server.stop)
+        cls.server.wait_healthy()
+        cls.rng = random.Random(cls.SEED)
+        cls.salt = 0
+
+    def tokens(self, n):
+        return [self.rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+    def gen(self, ids, cold=False):
+        """Greedy ``NEW`` tokens; ``cold``: in a fresh ``cache_salt`` (nothing to hit).
+        Returns ``(output_ids, cached_tokens, logprobs)``."""
+        extra = {"return_logprob": True}
+        if cold:
+            type(self).salt += 1
+            extra["cache_salt"] = f"cold-{self.salt}"
+        r = self.server.generate(input_ids=ids, max_new_tokens=NEW, **extra)
+        meta = r["meta_info"]
+        if cold:
+            self.assertEqual(meta["cached_tokens"], 0)
+        return r["output_ids"], meta["cached_tokens"], [lp[0] for lp in meta["output_token_logprobs"]]
+
+    def assert_same(self, got, cold):
+        self.assertEqual(got[0], cold[0])
+        torch.testing.assert_close(torch.tensor(got[2]), torch.tensor(cold[2]), rtol=0, atol=HIT_ATOL)
+
+    def assert_reference(self, ids, out, logprobs):
+        """The served tokens' log-probabilities under the float32 reference model."""
+        logits, _ = self.ref.forward_tokens(list(ids) + list(out[:-1]))
+        lp = torch.log_softmax(logits[len(ids) - 1:], dim=-1)
+        want = lp[torch.arange(len(out)), torch.tensor(out)]
+        torch.testing.assert_close(torch.tensor(logprobs), want, rtol=0, atol=REF_ATOL)
+
+    def test_0_backend_is_sglangs(self):
+        log = self.server.log_text()
+        self.assertIn(f"mamba-radix: exact prefix checkpoints with {self.BACKEND} (in-chunk Triton writer)", log)
+        self.assertIn("type=TinyHybridSGLangKernelsForCausalLM", log)
+
+    def test_resend_hits_len_minus_1(self):
+        p = self.tokens(100)
+        first = self.gen(p)
+        self.assertEqual(first[1], 0)
+        self.assert_reference(p, first[0], first[2])
+        again = self.gen(p)
+        self.assertEqual(again[1], len(p) - 1)  # 99; SGLang's 64-token grid: 64
+        self.assert_same(again, first)
+
+    def test_branch_point_hits_exactly(self):
+        a = self.tokens(90)
+        self.gen(a)
+        b = a[:41] + self.tokens(20)
+        self.assertEqual(self.gen(b)[1], 0)  # plants the branch checkpoint at 41
+        c = a[:41] + self.tokens(17)
+        hit = self.gen(c)
+        self.assertEqual(hit[1], 41)  # SGLang's grid: 0
+        self.assert_same(hit, self.gen(c, cold=True))
+
+    def test_follow_up_turn_hits_finished_state(self):
+        p = self.tokens(50)
+        out, cached, _ = self.gen(p)
+        self.assertEqual(cached, 0)
+        turn = p + out + self.tokens(12)
+        hit = self.gen(turn)
+        self.assertEqual(hit[1], len(p) + NEW - 1)
+        self.assert_same(hit, self.gen(turn, cold=True))
+
+    def test_z_idle_checks(self):
+        load = idle_and_checked(self.server)
+        self.assertEqual(load["num_running_reqs"], 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
