@@ -23,9 +23,7 @@ from sglang.srt.configs.mamba_utils import (
 from sglang.srt.runtime_context import linear_attn_tp_size
 
 from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig
-
-#: The tiny model's architecture served by SGLang's ``KDAAttnBackend`` (``plugin/tiny_hybrid``).
-KDA_SGLANG_ARCHITECTURE = "TinyHybridKDAForCausalLM"
+from sglang_mamba_ext.plugin.tiny_hybrid import KDA_SGLANG_ARCHITECTURE
 
 
 class TinyHybridSGLangConfig(TinyHybridConfig):
