@@ -197,8 +197,9 @@ class TinyHybridSGLangKernelsForCausalLM(TinyHybridForCausalLM):
     from a Qwen3-Next / Kimi-Linear layer: the conv taps ``conv_weights`` ``[conv_dim, W]``,
     ``bias``, ``activation="silu"``, ``A_log`` (GDN ``[HV]``; KDA viewed ``[1, 1, HV, 1]``) and
     ``dt_bias``. On a host without CUDA SGLang's Triton kernels run under Triton's interpreter
-    (``plugin/triton_interpret.py``; serve in float16: the interpreter's bfloat16 is wrong and
-    SGLang's chunked GDN kernel refuses float32)."""
+    (``plugin/triton_interpret.py``; serve in float16, the dtype checked in serving: SGLang's
+    chunked GDN kernel refuses float32). The KDA variant needs Kimi-Linear's head layout (equal
+    key/value heads and dims; ``config.TinyHybridSGLangConfig.mamba2_cache_params``)."""
 
     def __init__(self, config: TinyHybridConfig, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config, prefix)
