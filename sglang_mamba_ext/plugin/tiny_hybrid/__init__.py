@@ -71,18 +71,12 @@ def register_tiny_hybrid() -> None:
 
     AutoConfig.register(MODEL_TYPE, TinyHybridSGLangConfig, exist_ok=True)
     AutoConfig.register(DRAFT_MODEL_TYPE, TinyHybridDraftConfig, exist_ok=True)
-    if get_linear_attn_spec_by_arch(ARCHITECTURE) is None:
-        register_linear_attn_model(
-            LinearAttnModelSpec(
-                config_class=TinyHybridSGLangConfig,
-                backend_class_name=BACKEND_CLASS,
-                arch_names=[ARCHITECTURE],
-                uses_mamba_radix_cache=True,
-                support_mamba_cache=True,
-                config_predicate=_archs_predicate([ARCHITECTURE, DRAFT_ARCHITECTURE], default=True),
-            )
-        )
-    for arch, backend in SGLANG_KERNEL_ARCHITECTURES.items():
+    # (architecture, backend, predicate architectures, match configs without any, extra_buffer
+    # declared): the torch backend writes its own track checkpoints (args.py lets extra_buffer
+    # through for it); SGLang's backends declare it as Qwen3-Next / Kimi-Linear do.
+    specs = [(ARCHITECTURE, BACKEND_CLASS, [ARCHITECTURE, DRAFT_ARCHITECTURE], True, False)]
+    specs += [(arch, backend, [arch], False, True) for arch, backend in SGLANG_KERNEL_ARCHITECTURES.items()]
+    for arch, backend, predicate_archs, default, extra_buffer in specs:
         if get_linear_attn_spec_by_arch(arch) is None:
             register_linear_attn_model(
                 LinearAttnModelSpec(
@@ -91,8 +85,8 @@ def register_tiny_hybrid() -> None:
                     arch_names=[arch],
                     uses_mamba_radix_cache=True,
                     support_mamba_cache=True,
-                    support_mamba_cache_extra_buffer=True,
-                    config_predicate=_archs_predicate([arch]),
+                    support_mamba_cache_extra_buffer=extra_buffer,
+                    config_predicate=_archs_predicate(predicate_archs, default=default),
                 )
             )
     HookRegistry.register(GET_MODEL_ARCHITECTURE, get_model_architecture_before, HookType.BEFORE)
