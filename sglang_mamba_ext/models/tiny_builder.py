@@ -64,6 +64,17 @@ DEFAULT_CONFIG: Dict = dict(
     tie_word_embeddings=False,
 )
 
+#: Linear-layer head layout of the KDA variant served by SGLang's own ``KDAAttnBackend``
+#: (``linear_kernels="sglang"``, ``linear_gate="kda"``): SGLang's KDA pool is Kimi-Linear's
+#: (``srt/configs/mamba_utils.py::KimiLinearStateShape``: one head count and one head size for
+#: q, k and v), so key and value heads and dims are equal here.
+KDA_SGLANG_LINEAR_HEADS: Dict = dict(
+    linear_num_key_heads=4,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A hybrid language model mixes full attention
 layers with linear attention layers; the linear layers keep a fixed-size state per request
@@ -149,13 +160,18 @@ def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dic
         linear_kernels: ``"tiny"`` (architecture ``TinyHybridForCausalLM``, the plugin's torch
             backend; ``torch_dtype`` float32) or ``"sglang"`` (``TinyHybridGDNForCausalLM`` /
             ``TinyHybridKDAForCausalLM`` by ``linear_gate``: SGLang's own backend;
-            ``torch_dtype`` float16). Same weights either way.
+            ``torch_dtype`` float16). Same weights either way for the same config; with
+            ``"sglang"`` and the KDA gate the linear heads default to
+            :data:`KDA_SGLANG_LINEAR_HEADS` (``config_overrides`` still win).
 
     Raises:
-        ValueError: an unknown ``linear_kernels``.
+        ValueError: an unknown ``linear_kernels``, or a KDA/sglang config whose linear key and
+            value heads or head dims differ (SGLang's KDA backend needs them equal).
     """
     if linear_kernels not in ("tiny", "sglang"):
         raise ValueError(f"linear_kernels must be 'tiny' or 'sglang', got {linear_kernels!r}")
+    overrides = dict(config_overrides or {})
+    kda_sglang = linear_kernels == "sglang" and overrides.get("linear_gate", "kda") == "kda"  # TinyHybridConfig default
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
@@ -165,7 +181,11 @@ def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dic
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
     cfg = dict(DEFAULT_CONFIG)
-    cfg.update(config_overrides or {})
+    if kda_sglang:
+        cfg.update(KDA_SGLANG_LINEAR_HEADS)
+    cfg.update(overrides)
+    if kda_sglang:
+        check_kda_sglang_heads(cfg)
     config = TinyHybridConfig(
         vocab_size=vocab_size,
         bos_token_id=ids[BOS],
@@ -217,6 +237,24 @@ def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dic
         {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]},
     )
     return out_dir
+
+
+def check_kda_sglang_heads(cfg: Dict) -> None:
+    """Refuse a linear-head layout SGLang's KDA backend cannot serve: it sizes its pool as
+    Kimi-Linear does (conv ``[W-1, 3*HV*V]``, state ``[HV, V, V]``) and splits ``mixed_qkv`` with
+    one head count and size for q, k and v.
+
+    Raises:
+        ValueError: ``linear_num_key_heads != linear_num_value_heads`` or
+            ``linear_key_head_dim != linear_value_head_dim`` (names the keys to change)."""
+    bad = [(a, b) for a, b in (("linear_num_key_heads", "linear_num_value_heads"),
+                               ("linear_key_head_dim", "linear_value_head_dim")) if cfg[a] != cfg[b]]
+    if bad:
+        raise ValueError(
+            "KDA model for SGLang's KDA backend (linear_kernels='sglang'): "
+            + ", ".join(f"{a}={cfg[a]} != {b}={cfg[b]}" for a, b in bad)
+            + " (SGLang's Kimi-Linear pool layout needs them equal)"
+        )
 
 
 def _write_json(path: str, obj) -> None:

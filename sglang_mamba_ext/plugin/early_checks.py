@@ -32,6 +32,7 @@ def _check_tiny(cfg: dict, argv: Sequence[str]) -> None:
         raise FlagError(f"--model-path: config.json has linear_gate={gate!r}; use one of {GATES} "
                         "(scripts/make_tiny_model.py --linear-gate)")
     _check_sglang_kernels(cfg, argv)
+    _check_kda_heads(cfg)
     tp = _int_flag(argv, "--tp", "--tp-size", "--tensor-parallel-size")
     if _flag_value(argv, "--enable-dp-attention") is not None:
         tp //= max(1, _int_flag(argv, "--dp", "--dp-size", "--data-parallel-size"))
@@ -41,6 +42,21 @@ def _check_tiny(cfg: dict, argv: Sequence[str]) -> None:
             ok = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
             raise FlagError(f"--tp {tp}: the tiny model's {name}={n} is not divisible by it; use --tp {ok} "
                             "(attention and linear-attention heads are split evenly over the ranks)")
+
+
+def _check_kda_heads(cfg: dict) -> None:
+    """``TinyHybridKDAForCausalLM`` (SGLang's KDA backend) needs equal linear key/value heads
+    and head dims (Kimi-Linear's pool layout; ``models/tiny_builder.py::check_kda_sglang_heads``)."""
+    from sglang_mamba_ext.models.tiny_builder import DEFAULT_CONFIG, check_kda_sglang_heads
+    from sglang_mamba_ext.plugin.tiny_hybrid import KDA_SGLANG_ARCHITECTURE
+
+    if KDA_SGLANG_ARCHITECTURE not in (cfg.get("architectures") or []):
+        return
+    try:
+        check_kda_sglang_heads(dict(DEFAULT_CONFIG, **cfg))
+    except ValueError as e:
+        raise FlagError(f"--model-path: {e}; rebuild it with scripts/make_tiny_model.py --linear-gate kda "
+                        "--linear-kernels sglang") from None
 
 
 def _check_sglang_kernels(cfg: dict, argv: Sequence[str]) -> None:

@@ -1,7 +1,7 @@
 """Run SGLang's own Triton linear-attention kernels under Triton's CPU interpreter
 (``TRITON_INTERPRET=1``, triton 3.8), for the tiny model served with SGLang's GDN / KDA
 backends on a host without CUDA (``TinyHybridSGLangKernelsForCausalLM``; ``docs/design.md``,
-"Tiny hybrid model"). Three things stop those kernels there, each fixed in-process:
+"Tiny hybrid model"). Five things stop those kernels there, each fixed in-process:
 
 1. **Module-level aliases of ``triton.language`` builtins** (``exp = tl.exp`` in
    ``sglang/kernels/ops/attention/fla/op.py``, imported by name into other kernel modules):
@@ -13,11 +13,23 @@ backends on a host without CUDA (``TinyHybridSGLangKernelsForCausalLM``; ``docs/
    driver, which does not exist; under the interpreter the first config is used.
 3. **fla's device context** (``sglang/kernels/ops/attention/fla/utils.py::custom_device_ctx``)
    calls ``torch.cpu.device``, which torch lacks; a null context on CPU.
+4. **libdevice calls** (``libdevice.exp`` in ``fla/kda.py::kda_gate_chunk_cumsum_vector_kernel``):
+   ``triton.language.extra.libdevice`` holds compile-time stubs that return None under the
+   interpreter. A module-level ``libdevice`` in an imported SGLang kernel module is replaced by
+   :class:`InterpretedLibdevice`, which forwards the names ``tl`` / ``tl.math`` also define
+   (``exp``, ``log``, ``sqrt``, ``div_rn``, ...) and raises ``AttributeError`` for the others.
+5. **bfloat16 dot operands** (``fla/chunk_intra.py``: KDA's inter-sub-chunk products cast
+   their operands ``.to(tl.bfloat16)`` before ``tl.dot``): the interpreter keeps bfloat16 values
+   as their raw 16-bit patterns (``uint16``) and its ``create_dot`` multiplies those integers,
+   so the result is garbage (NaN downstream). ``InterpreterBuilder.create_dot`` is wrapped to
+   widen bfloat16 operands to float32 first (exact: every bfloat16 is a float32).
 
 :func:`install_interpreter_shims` does nothing when CUDA is available or ``TRITON_INTERPRET``
 is not ``1`` (then SGLang's kernels compile as usual). Only the plugin's own model class calls
-it, so no other launch is touched. Known limit of the interpreter: bfloat16 tensors give wrong
-results in SGLang's chunked kernels (serve the tiny model in float16).
+it, so no other launch is touched. Item 5 was the cause of the wrong bfloat16 results seen in
+SGLang's chunked kernels (1e9-sized GDN outputs; with it, SGLang's chunked GDN kernel on bfloat16
+inputs agrees with fla's naive recurrence to bfloat16 precision, about 1e-2); the tiny model is
+still served in float16, the dtype checked in serving.
 """
 
 from __future__ import annotations
@@ -88,8 +100,64 @@ def fix_builtin_aliases() -> int:
     return n
 
 
+class InterpretedLibdevice:
+    """Stand-in for ``triton.language.extra.libdevice`` inside interpreted kernels (item 4):
+    ``name`` -> a call-time forwarder to ``tl.math.name`` (or ``tl.name``)."""
+
+    def __getattr__(self, name: str):
+        import triton.language as tl
+
+        for home in (tl.math, tl):
+            if callable(getattr(home, name, None)):
+                return _forwarder(home, name)
+        raise AttributeError(
+            f"libdevice.{name} has no triton.language equivalent for the Triton interpreter"
+        )
+
+
+def fix_libdevice_modules() -> int:
+    """Replace module-level references to ``triton.language.extra.libdevice`` in imported
+    SGLang kernel modules by :class:`InterpretedLibdevice` (item 4 above); returns how many."""
+    from triton.language.extra import libdevice
+
+    shim = InterpretedLibdevice()
+    n = 0
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith(_PACKAGES):
+            continue
+        for attr, value in list(vars(mod).items()):
+            if value is libdevice:
+                setattr(mod, attr, shim)
+                n += 1
+    return n
+
+
+def fix_bf16_dot() -> None:
+    """Wrap Triton's ``InterpreterBuilder.create_dot`` so bfloat16 operands are widened to
+    float32 before the product (item 5 above)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original = ti.InterpreterBuilder.create_dot
+    if getattr(original, "_mamba_ext_bf16", False):
+        return
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = h.data.astype(np.uint16).astype(np.uint32) << 16  # bf16 = high half of fp32
+        return ti.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        return original(self, widen(a), widen(b), d, *args, **kwargs)
+
+    create_dot._mamba_ext_bf16 = True
+    ti.InterpreterBuilder.create_dot = create_dot
+
+
 def install_interpreter_shims() -> bool:
-    """Apply the three fixes of this module once per process when :func:`interpreting`;
+    """Apply the five fixes of this module once per process when :func:`interpreting`;
     returns whether they are in place.
 
     Raises:
@@ -132,6 +200,9 @@ def install_interpreter_shims() -> bool:
 
     fla_utils.custom_device_ctx = device_ctx
     n = fix_builtin_aliases()
-    logger.info("Triton interpreter shims for SGLang's linear-attention kernels: %d builtin aliases", n)
+    m = fix_libdevice_modules()
+    fix_bf16_dot()
+    logger.info("Triton interpreter shims for SGLang's linear-attention kernels: %d builtin aliases, "
+                "%d libdevice modules", n, m)
     _installed = True
     return True

@@ -21,11 +21,14 @@ ARCHITECTURE = "TinyHybridForCausalLM"
 DRAFT_MODEL_TYPE = "tiny_hybrid_draft"
 DRAFT_ARCHITECTURE = "TinyHybridDraftForCausalLM"
 BACKEND_CLASS = "sglang_mamba_ext.plugin.tiny_hybrid.backend.TinyHybridLinearAttnBackend"
+#: The tiny model served by SGLang's KDA backend (Kimi-Linear's pool layout there:
+#: ``config.TinyHybridSGLangConfig.mamba2_cache_params``).
+KDA_SGLANG_ARCHITECTURE = "TinyHybridKDAForCausalLM"
 #: The tiny model with SGLang's own linear-attention backends (``--linear-kernels sglang`` of
 #: ``scripts/make_tiny_model.py``): architecture -> SGLang backend class.
 SGLANG_KERNEL_ARCHITECTURES = {
     "TinyHybridGDNForCausalLM": "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend",
-    "TinyHybridKDAForCausalLM": "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend",
+    KDA_SGLANG_ARCHITECTURE: "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend",
 }
 _EXTERNAL_PKG_ENV = "SGLANG_EXTERNAL_MODEL_PACKAGE"
 _REGISTRY_MODULE = "sglang.srt.models.registry"

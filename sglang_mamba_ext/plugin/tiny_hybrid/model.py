@@ -119,6 +119,7 @@ class TinyHybridForCausalLM(nn.Module):
                 # raw gates, as SGLang's KDA/GDN layers hand them to their backends; the
                 # backend activates them (mixer.activate_gates)
                 mixed_qkv, g_raw, b_raw = mixer.project_raw(x)
+                g_raw, b_raw = self.linear_gate_inputs(forward_batch, mixer, g_raw, b_raw)
                 o = core(forward_batch, mixed_qkv, g_raw, b_raw)
                 y = mixer.finish(o.reshape(T, s.num_v_heads, s.head_v_dim), x)
                 if self.tp_size > 1:  # out_proj is row parallel
@@ -135,6 +136,12 @@ class TinyHybridForCausalLM(nn.Module):
             h = layer.mlp_block(h + y)
         h = self.model.norm(h)
         return self.logits_processor(input_ids, h, self.lm_head, forward_batch)
+
+    def linear_gate_inputs(self, forward_batch, mixer: GatedDeltaRuleMixer, g_raw: torch.Tensor,
+                           b_raw: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The raw gates as this model's linear backend takes them: unchanged (``g_raw``
+        ``[T, gate_dim]``, ``b_raw`` ``[T, HV]``) for the tiny backend."""
+        return g_raw, b_raw
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into parameters of the same name (:func:`copy_weights`;
@@ -190,8 +197,9 @@ class TinyHybridSGLangKernelsForCausalLM(TinyHybridForCausalLM):
     from a Qwen3-Next / Kimi-Linear layer: the conv taps ``conv_weights`` ``[conv_dim, W]``,
     ``bias``, ``activation="silu"``, ``A_log`` (GDN ``[HV]``; KDA viewed ``[1, 1, HV, 1]``) and
     ``dt_bias``. On a host without CUDA SGLang's Triton kernels run under Triton's interpreter
-    (``plugin/triton_interpret.py``; serve in float16: the interpreter's bfloat16 is wrong and
-    SGLang's chunked GDN kernel refuses float32)."""
+    (``plugin/triton_interpret.py``; serve in float16, the dtype checked in serving: SGLang's
+    chunked GDN kernel refuses float32). The KDA variant needs Kimi-Linear's head layout (equal
+    key/value heads and dims; ``config.TinyHybridSGLangConfig.mamba2_cache_params``)."""
 
     def __init__(self, config: TinyHybridConfig, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config, prefix)
@@ -210,3 +218,24 @@ class TinyHybridSGLangKernelsForCausalLM(TinyHybridForCausalLM):
                 A_log=m.A_log.view(1, 1, -1, 1) if kda else m.A_log, dt_bias=m.dt_bias,
             )
             self.attn_cores[str(layer.layer_id)] = core
+
+    def linear_gate_inputs(self, forward_batch, mixer: GatedDeltaRuleMixer, g_raw: torch.Tensor,
+                           b_raw: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Raw gates shaped as SGLang's KDA backend takes them from Kimi-Linear
+        (``srt/models/kimi_linear.py``, ``KimiDeltaAttention.forward``): ``a`` ``[1, T, HV, K]``
+        in an extend, ``[T, HV*K]`` in a decode or target verify; ``b`` ``[1, T, HV]`` always.
+        GDN: unchanged (``a`` ``[T, HV]``, ``b`` ``[T, HV]``, as Qwen3-Next hands them)."""
+        if mixer.gate != "kda":
+            return g_raw, b_raw
+        mode = getattr(forward_batch, "logical_forward_mode", None) or forward_batch.forward_mode
+        if not mode.is_decode() and not mode.is_target_verify():
+            g_raw = g_raw.unflatten(-1, (mixer.shape.num_v_heads, mixer.shape.head_k_dim)).unsqueeze(0)
+        return g_raw, b_raw.unsqueeze(0)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """:meth:`TinyHybridForCausalLM.load_weights`, then the KDA cores' ``A_log`` views
+        ``[1, 1, HV, 1]`` are taken again from the loaded parameters."""
+        super().load_weights(weights)
+        for layer in self.model.layers:
+            if layer.is_linear and layer.linear_attn.gate == "kda":
+                self.attn_cores[str(layer.layer_id)].A_log = layer.linear_attn.A_log.view(1, 1, -1, 1)
