@@ -82,7 +82,8 @@ def _check_sglang_kernels(cfg: dict, argv: Sequence[str]) -> None:
     dtype = _flag_value(argv, "--dtype")
     if dtype not in (None, "", "auto", "half", "float16"):
         raise FlagError(f"--dtype {dtype}: {archs[0]} on CPU runs SGLang's kernels under Triton's interpreter, "
-                        "which needs float16 (its bfloat16 is wrong; SGLang's chunked GDN kernel refuses float32); "
+                        "served in float16 only (the CPU defaults' float16 conv window must match the model's dtype; "
+                        "bfloat16 is untried there; SGLang's chunked GDN kernel refuses float32); "
                         "use --dtype float16 or leave --dtype out")
 
 

@@ -1,10 +1,11 @@
 """End to end (issue 16, item 1): exact prefix checkpoints with SGLang's OWN linear-attention
 backend in serving.
 
-The tiny model is built with ``--linear-kernels sglang`` (``TinyHybridGDNForCausalLM``): its
-linear layers go through SGLang's ``GDNAttnBackend`` — SGLang's chunked Gated-DeltaNet Triton
-kernels, causal-conv kernels and packed decode kernel, run on CPU under Triton's interpreter
-(``plugin/triton_interpret.py``), float16. Those kernels keep states only on their 64-token
+The tiny model is built with ``--linear-kernels sglang``: with ``--linear-gate gdn``
+(``TinyHybridGDNForCausalLM``) its linear layers go through SGLang's ``GDNAttnBackend`` —
+SGLang's chunked Gated-DeltaNet Triton kernels, causal-conv kernels and packed decode kernel —,
+with ``kda`` (``TinyHybridKDAForCausalLM``, Kimi-Linear's pool layout) through its
+``KDAAttnBackend``; on CPU under Triton's interpreter (``plugin/triton_interpret.py``), float16. Those kernels keep states only on their 64-token
 chunk grid; the plugin's in-chunk writer (``plugin/inchunk_checkpoints.py``) writes the
 planned checkpoints before SGLang's forward, so hits are exact:
 
@@ -122,6 +123,14 @@ class TestSGLangGDNBackendServing(unittest.TestCase):
     def test_z_idle_checks(self):
         load = idle_and_checked(self.server)
         self.assertEqual(load["num_running_reqs"], 0)
+
+
+class TestSGLangKDABackendServing(TestSGLangGDNBackendServing):
+    GATE = "kda"
+    BACKEND = "KDAAttnBackend"
+    #: seed of the prompts: the reference's smallest top-2 log-prob gap over them is 0.02
+    #: (some seeds give ~1e-3 near-ties that float16 may flip)
+    SEED = 20
 
 
 if __name__ == "__main__":
