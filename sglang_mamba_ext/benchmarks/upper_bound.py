@@ -18,11 +18,13 @@ states, by a relaxation whose optimum is computed exactly.
    all are prefixes of ``q``'s sequence; a copy-on-write copy has the same ``s``).
 3. Requests run one at a time, in rid order (the benchmark's replay). Every cached state
    holds its own SSM slot; the pool has ``C`` slots (``--max-mamba-cache-size``, the
-   padding slot 0 on top), so at most ``C`` states are cached *between* two requests. While
-   request ``t`` runs it holds a working slot of its own (copy-on-write: a forward never
-   writes a slot the tree owns), so at most ``C - 1`` states cached before ``t`` started
-   are still cached when it finishes -- unless ``t`` passes them (their sequence is a prefix
-   of ``t``'s), as ``t`` may then have written them anew.
+   padding slot 0 on top), so at most ``C`` states are cached *between* two requests.
+   Request ``t`` gets a working slot of its own while the tree still holds every cached
+   state, including the one ``t`` hits (copy-on-write, ``docs/design.md``: the source stays
+   locked in the tree, a forward never writes a slot the tree owns). So the states cached
+   before ``t`` and still cached after it number at most ``C - 1``, and at most ``C - 2``
+   when ``t`` hits -- not counting those ``t`` passes (their sequence is a prefix of
+   ``t``'s), as ``t`` may have written them anew.
 
 **Relaxation.** Let ``pass(s) = {q : s is a prefix of tokens_q + output_q}`` and, for a
 request ``r`` hitting state ``s`` of depth ``d``, ``g = max{q in pass(s), q < r}``
@@ -33,7 +35,9 @@ none did in between. So it occupied one slot at every *between point* ``g, ..., 
 (after request ``t``, before ``t + 1``) and through every *run* ``g + 1, ..., r - 1``. Two
 requests ``r1 < r2`` hitting the same sequence ``s`` have disjoint spans (``r1`` passes
 ``s``, so ``r2``'s span starts at ``r1`` or later), so the spans covering one point are
-distinct states: at most ``C`` per between point, ``C - 1`` per run. The relaxation drops
+distinct states: at most ``C`` per between point and ``C - 1`` over the between point
+before a request's match (its working slot is taken then; the span of its own hit ends
+there, the others crossing it go on through its run). The relaxation drops
 everything else (where states may be planted, KV, the prefill that writes a state):
 request ``r`` may hit any depth ``d <= len - 1`` of its capped prompt at the price of one
 slot over ``[g_r(d), r)``, ``g_r(d) = max{q < r : lcp(tokens_q + output_q, tokens_r[:-1])
@@ -45,8 +49,8 @@ off a compressed trie of every full sequence (:func:`candidates`).
 
 **Program** (:func:`upper_bound`): maximise ``sum_r sum_k d_k y[r,k]`` subject to
 ``sum_k y[r,k] <= 1`` per request and the slot counts above. It is a min-cost flow: ``C``
-units flow along the timeline (``F_{t-1} -> A_t`` between points, capacity ``C``; ``A_t ->
-F_t`` runs, flow at least 1: the running request's own slot), and a request's candidate
+units flow along the timeline (``F_{t-1} -> A_t`` between points, capacity ``C``, flow at
+least 1: the slot ``t``'s working state will take; ``A_t -> F_t`` runs), and a request's candidate
 ``k`` is a detour ``F_{g_k} -> R_r -> A_r`` (``R_r -> A_r`` capacity 1: one hit per
 request) earning ``d_k``. A detour crosses exactly the points its state occupies. The
 constraint matrix is a network matrix (totally unimodular), so the LP optimum is integral:
@@ -179,9 +183,9 @@ def upper_bound(
         cost.append(c)
 
     for t in range(n):
-        arc(2 * t, 2 * t + 1, 1, slots, 0)  # run t: >= 1 unit is t's working slot
+        arc(2 * t, 2 * t + 1, 0, slots, 0)  # run t
         if t + 1 < n:
-            arc(2 * t + 1, 2 * t + 2, 0, slots, 0)  # between point t
+            arc(2 * t + 1, 2 * t + 2, 1, slots, 0)  # between point t: >= 1 unit is t + 1's working slot
     cand_cols = []
     for j, r in enumerate(req_rows):
         rnode = 2 * n + j
