@@ -356,9 +356,9 @@ class UpstreamDriversTest(TraceDriverCase):
         self.assertEqual(
             lines[-2],
             "mamba_size=6 against upstream best of all (upstream-xbuf), ours -, offline bound -: "
-            "hit_ratio=nan recompute_ratio=nan oracle_ratio=nan",
+            "hit_ratio=nan recompute_ratio=nan oracle_ratio=nan upper_bound_ratio=nan",
         )
-        self.assertEqual(lines[-1], "hit_ratio=nan oracle_ratio=nan")
+        self.assertEqual(lines[-1], "hit_ratio=nan oracle_ratio=nan upper_bound_ratio=nan")
         self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
         self.assertFalse(any(l.startswith("chat") for l in lines))
 
@@ -531,11 +531,11 @@ class ChatWorkloadTest(unittest.TestCase):
 class MainChatTest(unittest.TestCase):
     def test_last_line_is_ours_over_extra_buffer_and_over_the_bound(self):
         """``--workload chat`` (no trace needed): the last line holds ours' best hit rate
-        over SGLang's best (extra_buffer included) and over the best oracle row, at the
-        last ``--mamba-sizes``, as :func:`run_config` measures them."""
+        over SGLang's best (extra_buffer included), over the best oracle row and over the
+        upper bound, at the last ``--mamba-sizes``, as :func:`run_config` measures them."""
         from sglang_mamba_ext.benchmarks.chat_workload import chat_workload
 
-        names = ["upstream-nobuf", "upstream-xbuf", "ours-branch-recompute", "oracle-belady"]
+        names = ["upstream-nobuf", "upstream-xbuf", "ours-branch-recompute", "oracle-belady", "upper-bound-lp"]
         argv = ["--workload", "chat", "--limit", "80", "--mamba-sizes", "12,6"]
         for n in names:
             argv += ["--only", n]
@@ -549,9 +549,13 @@ class MainChatTest(unittest.TestCase):
         ours = by["ours-branch-recompute"].hit_rate
         up = max(by["upstream-nobuf"].hit_rate, by["upstream-xbuf"].hit_rate)
         self.assertEqual(
-            lines[-1], f"hit_ratio={ours / up:.4f} oracle_ratio={ours / by['oracle-belady'].hit_rate:.4f}"
+            lines[-1],
+            f"hit_ratio={ours / up:.4f} oracle_ratio={ours / by['oracle-belady'].hit_rate:.4f} "
+            f"upper_bound_ratio={ours / by['upper-bound-lp'].hit_rate:.4f}",
         )
         self.assertGreaterEqual(by["oracle-belady"].matched_tokens, by["ours-branch-recompute"].matched_tokens)
+        self.assertGreaterEqual(by["upper-bound-lp"].matched_tokens, by["oracle-belady"].matched_tokens)
+        self.assertTrue(any(l.startswith("upper-bound-lp ") and " n/a " in l for l in lines))
         sharer = [l for l in lines if l.startswith("[chat] mamba_size=6 first turn of the 2nd")]
         self.assertEqual(len(sharer), 1)
         self.assertIn("oracle-belady ", sharer[0])

@@ -5,9 +5,10 @@
   trace, both under the same SGLang scheduler functions; last line
   ``speedup=... hit_ratio=...``.
 - ``python -m sglang_mamba_ext.benchmarks.hit_rate``: usable hit rate and recomputed prefill
-  of SGLang's mamba strategies vs this cache's variants and an offline bound (:mod:`.oracle`),
-  on the shared trace and a chat-shaped synthetic workload (:mod:`.chat_workload`); last
-  line ``hit_ratio=... oracle_ratio=...``.
+  of SGLang's mamba strategies vs this cache's variants, an offline bound (:mod:`.oracle`)
+  and a provable upper bound (:mod:`.upper_bound`), on the shared trace and a chat-shaped
+  synthetic workload (:mod:`.chat_workload`); last line
+  ``hit_ratio=... oracle_ratio=... upper_bound_ratio=...``.
 - ``python -m sglang_mamba_ext.benchmarks.serving_cpu``: the CPU server with
   ``--enable-mamba-radix`` vs ``--disable-radix-cache``; last line
   ``prefill_tokens_saved=... ttft_ratio=...``.

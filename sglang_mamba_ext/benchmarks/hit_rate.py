@@ -22,11 +22,12 @@ The closing lines compare, per SSM pool size, the best variant of each side (bes
 highest hit rate; recompute of that same variant) against SGLang's best of its no_buffer
 variants (what it serves on CPU) and of all its variants (``--upstream-best-of``, default
 ``all``: extra_buffer included), the latter with ``oracle_ratio``: ours' best hit rate over
-the *offline bound*, the best of the oracle rows. The very last line is the shared trace's
-(the chat workload's with ``--workload chat``) at the last size of ``--mamba-sizes``
-(default 16 slots)::
+the *offline bound*, the best of the oracle rows, and ``upper_bound_ratio``: ours' best hit
+rate over the *upper bound* (the ``upper-bound-lp`` row). The very last line is the shared
+trace's (the chat workload's with ``--workload chat``) at the last size of
+``--mamba-sizes`` (default 16 slots)::
 
-    hit_ratio=<ours best / upstream best of all> oracle_ratio=<ours best / offline bound>
+    hit_ratio=<ours best / upstream best of all> oracle_ratio=<ours best / offline bound> upper_bound_ratio=<ours best / upper bound>
 
 Offline bound (:mod:`.oracle`): the same cache, the same checkpoint placement, but eviction
 victims chosen with the trace's future through the core's victim-priority seam
@@ -41,6 +42,11 @@ checkpoints. So the bound is the best of these offline
 rules, not a proof of optimality: it is an upper bound only for victim rules that see no
 further than these (an online policy could beat it on some trace; ``oracle_ratio`` would
 then exceed 1).
+
+Upper bound (:mod:`.upper_bound`, row ``upper-bound-lp``): a min-cost-flow linear program
+over a relaxation of every run of the cache with that many SSM slots -- any eviction policy,
+states planted at any depth of a sequence some earlier request computed, KV unlimited --
+solved exactly (HiGHS). No run of this cache hits more; ``upper_bound_ratio <= 1`` always.
 
 Op sequence per request (one at a time, rid order): match, lock, alloc_mamba,
 alloc_kv(extend), after_prefill, alloc_kv(decode, one call), after_decode, finish,
@@ -84,6 +90,9 @@ Variants (``--only`` names; see VARIANTS below):
   shadowing shallower ones; the same weighted by the tokens a miss recomputes per request
   of distance; Belady counting every request that extends a state as a use. Not a
   server's policy: they read the workload's future.
+* ``upper-bound-lp``: not a cache: the per-request hits of one optimal solution of the
+  upper-bound program (:class:`.upper_bound.UpperBoundDriver`); its ``sec`` column is the
+  time to build and solve it; KV ceiling n/a.
 
 Usage (``scripts/bench_hit_rate.py`` takes the same arguments):
     python -m sglang_mamba_ext.benchmarks.hit_rate
@@ -261,13 +270,25 @@ def _oracle(name: str, **kw) -> Callable[..., CacheDriver]:
     return factory
 
 
+def _bound(name: str = "upper-bound-lp") -> Callable[..., CacheDriver]:
+    """The factory of the upper-bound row: ``upper_bound.UpperBoundDriver(kv_size,
+    mamba_size, records)`` (it solves the program for the whole trace when built)."""
+
+    def factory(kv_size: int, mamba_size: int, records: Sequence[TraceRecord]) -> CacheDriver:
+        from sglang_mamba_ext.benchmarks.upper_bound import UpperBoundDriver
+
+        return UpperBoundDriver(kv_size, mamba_size, records, name=name)
+
+    return factory
+
+
 #: upstream variants SGLang can serve on a CPU device (no_buffer); see the docstring.
 NO_BUFFER_VARIANTS = ("upstream-nobuf", "upstream-nobuf-ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    side: str  # "upstream", "ours" or "oracle" (its factory also takes the records)
+    side: str  # "upstream", "ours", "oracle" or "bound" (the last two's factory also takes the records)
     factory: Callable[..., CacheDriver]
     doc: str
 
@@ -319,6 +340,11 @@ VARIANTS: dict[str, Variant] = {
         "oracle",
         _oracle("oracle-belady-naive", shadowing=False),
         "MambaRadixCache, branch-point checkpoints, offline Belady victims (every extension a use)",
+    ),
+    "upper-bound-lp": Variant(
+        "bound",
+        _bound(),
+        "upper bound on any eviction and placement of states (min-cost-flow LP, .upper_bound)",
     ),
 }
 
@@ -391,6 +417,15 @@ def oracle_ratio(results: Sequence[HitResult]) -> tuple[float, str]:
     return (ours.hit_rate / bound.hit_rate if bound.hit_rate > 0 else math.inf), bound.name
 
 
+def upper_bound_ratio(results: Sequence[HitResult]) -> float:
+    """Ours' best hit rate over the ``"bound"`` row's (:mod:`.upper_bound`); NaN without
+    an ours or a bound row."""
+    ours, bound = best_of(results, "ours"), best_of(results, "bound")
+    if ours is None or bound is None:
+        return math.nan
+    return ours.hit_rate / bound.hit_rate if bound.hit_rate > 0 else math.inf
+
+
 def _fmt_ratio(x: float) -> str:
     return "nan" if math.isnan(x) else f"{x:.4f}"
 
@@ -447,7 +482,7 @@ def run_config(
     for name in names:
         v = VARIANTS[name]
         try:
-            if v.side == "oracle":
+            if v.side in ("oracle", "bound"):
                 driver = v.factory(kv_size, mamba_size, records)
             else:
                 driver = v.factory(kv_size, mamba_size)
@@ -458,6 +493,8 @@ def run_config(
             print(driver.describe(), flush=True)
         res = run_hit_trace(driver, records, side=v.side)
         res.name = name
+        if v.side == "bound":
+            res.seconds += driver.bound.seconds  # building and solving the program
         if verbose:
             print(f"[{name}] leak_check={'ok' if res.leak_ok else 'LEAK'} {res.leak_details}")
         results.append(res)
@@ -509,7 +546,7 @@ def print_sharers(records: Sequence[TraceRecord], per_size: dict[int, list[HitRe
 
 def summary_lines(label: str, per_size: dict[int, list[HitResult]], best_of_set: str) -> list[str]:
     """Per SSM pool size: ours best against upstream best of both sets, and (main set,
-    ``best_of_set``) against the offline bound."""
+    ``best_of_set``) against the offline bound and the upper bound."""
     lines = []
     other = "no_buffer" if best_of_set == "all" else "all"
     for m, results in per_size.items():
@@ -524,7 +561,7 @@ def summary_lines(label: str, per_size: dict[int, list[HitResult]], best_of_set:
         lines.append(
             f"{label}mamba_size={m} against upstream best of {best_of_set} ({u}), ours {o}, "
             f"offline bound {bound}: hit_ratio={_fmt_ratio(h)} recompute_ratio={_fmt_ratio(rr)} "
-            f"oracle_ratio={_fmt_ratio(orat)}"
+            f"oracle_ratio={_fmt_ratio(orat)} upper_bound_ratio={_fmt_ratio(upper_bound_ratio(results))}"
         )
     return lines
 
@@ -574,7 +611,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     last = per_size[args.mamba_sizes[-1]]
     h, _, _, _ = comparison(_counted(last, args.upstream_best_of))
     orat, _ = oracle_ratio(last)
-    print(f"hit_ratio={_fmt_ratio(h)} oracle_ratio={_fmt_ratio(orat)}")
+    print(
+        f"hit_ratio={_fmt_ratio(h)} oracle_ratio={_fmt_ratio(orat)} "
+        f"upper_bound_ratio={_fmt_ratio(upper_bound_ratio(last))}"
+    )
     return 1 if leak else 0
 
 

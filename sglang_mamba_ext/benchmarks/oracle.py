@@ -38,7 +38,8 @@ the best of these offline rules as its *offline bound* for the fixed placement: 
 of optimality, a reference that knows every future match. An online policy can come out
 ahead of one rule on a given workload (the naive rule loses to ``ours-branch-recompute``
 on the shared trace at 16 slots), and could in principle beat all of them
-(``oracle_ratio > 1``).
+(``oracle_ratio > 1``; the adaptive policy does at 16 slots). A provable upper bound, over
+every eviction policy and placement, is :mod:`.upper_bound`'s (``upper_bound_ratio``).
 
 The trie and the rules are plain Python; the driver builds the plugin cache as
 :mod:`.ours` does.
