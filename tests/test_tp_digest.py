@@ -3,18 +3,11 @@ same cache operations; the digests agree, and a planted divergence (one rank evi
 the other keeps) stops both ranks with :class:`TPCacheDivergence` naming the part."""
 
 import os
-import socket
 import unittest
 
 import torch.multiprocessing as mp
 
 from conftest import requires_sglang
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, plant: bool, results) -> None:
@@ -44,7 +37,9 @@ def _rank(rank: int, port: int, plant: bool, results) -> None:
 
 
 def _run(plant: bool):
-    port = _free_port()
+    from sglang_mamba_ext.testing.server import free_port
+
+    port = free_port()
     with mp.Manager() as m:
         results = m.dict()
         mp.spawn(_rank, args=(port, plant, results), nprocs=2, join=True)

@@ -8,6 +8,7 @@ scheduler and detokenizer children rename themselves, so killing by name misses 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,8 +20,28 @@ from typing import Dict, Optional, Sequence
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+#: Ports handed out by :func:`free_port`: under SGLang's own pick for ports bound later
+#: (``get_free_port_below_ephemeral``, 22000-29999) and under the kernel's ephemeral range
+#: (32768+), so neither a connection's local port nor a port SGLang picks for itself can take
+#: one between the pick and the server's bind (a 60 s start-up window on a loaded machine).
+PORT_RANGE = (12000, 21999)
+
+#: Log lines that mean the server could not bind its HTTP port (it does not always exit:
+#: uvicorn's shutdown can hang for minutes).
+BIND_FAILURES = ("address already in use", "error while attempting to bind")
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+    """A TCP port free on 127.0.0.1 and 0.0.0.0 right now, from :data:`PORT_RANGE`
+    (falls back to one the kernel picks when 64 random tries there are taken)."""
+    for port in random.sample(range(PORT_RANGE[0], PORT_RANGE[1] + 1), 64):
+        try:
+            for host in ("0.0.0.0", "127.0.0.1"):
+                with socket.socket() as s:
+                    s.bind((host, port))
+            return port
+        except OSError:
+            continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -87,7 +108,24 @@ class ServerProcess:
             *self.flags,
         ]
 
-    def start(self) -> "ServerProcess":
+    def start(self, bind_attempts: int = 3) -> "ServerProcess":
+        """Launch the server and wait for ``/health``. If its HTTP port was taken meanwhile
+        (the log says so), it is stopped and relaunched on a fresh port, up to
+        ``bind_attempts`` launches; ``port``/``base_url`` then name the new port and the log
+        keeps every attempt."""
+        for attempt in range(bind_attempts):
+            if attempt:
+                self.port = free_port()
+                self.base_url = f"http://127.0.0.1:{self.port}"
+            if self._launch(append_log=attempt > 0):
+                return self
+        raise RuntimeError(f"server could not bind a port in {bind_attempts} launches:\n{self.log_tail()}")
+
+    def _launch(self, append_log: bool) -> bool:
+        """One launch; True once healthy, False when the port was taken (server stopped).
+
+        Raises:
+            RuntimeError: the server exited or was not healthy in time."""
         import requests
 
         env = dict(os.environ)
@@ -99,23 +137,37 @@ class ServerProcess:
             else:
                 env[key] = value
         t0 = time.time()
-        with open(self.log_path, "w") as log:
+        with open(self.log_path, "a" if append_log else "w") as log:
+            if append_log:
+                log.write(f"\n[sglang-mamba-ext test harness] port taken; relaunching on {self.port}\n")
+                log.flush()
+            start_at = log.tell()
             self.proc = subprocess.Popen(
                 self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         deadline = t0 + self.start_timeout_s
         while time.time() < deadline:
+            if self._bind_failed(start_at):
+                self.stop()
+                return False
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(self.base_url + "/health", timeout=5).status_code == 200:
                     self.startup_s = time.time() - t0
-                    return self
+                    return True
             except requests.RequestException:
                 pass
             time.sleep(1)
         self.stop()
         raise RuntimeError(f"server not healthy after {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def _bind_failed(self, start_at: int) -> bool:
+        """This launch's log (from byte ``start_at``) says the HTTP port could not be bound."""
+        with open(self.log_path, errors="replace") as f:
+            f.seek(start_at)
+            text = f.read().lower()
+        return any(line in text for line in BIND_FAILURES) and str(self.port) in text
 
     def stop(self) -> None:
         """Kill the server's process group (SIGTERM, then SIGKILL); idempotent."""

@@ -1,0 +1,98 @@
+"""The e2e harness's server launcher (``sglang_mamba_ext/testing/server.py``): ports come
+from outside the kernel's ephemeral range and SGLang's own range, and a server whose HTTP
+port was taken between the pick and its bind is relaunched on a fresh port (CI once lost a
+whole PD class to this: uvicorn logged the bind error and hung in shutdown for minutes).
+
+The "server" here is a stand-in process, not SGLang: its first launch prints uvicorn's bind
+error and hangs; later launches answer ``/health``."""
+
+import os
+import socket
+import sys
+import tempfile
+import unittest
+
+from sglang_mamba_ext.testing.server import PORT_RANGE, ServerProcess, free_port
+
+FAKE = r'''
+import http.server, os, sys, time
+port = int(sys.argv[1]); marker = sys.argv[2]; fail_first = sys.argv[3] == "1"
+if fail_first and not os.path.exists(marker):
+    open(marker, "w").close()
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+          "address already in use", flush=True)
+    time.sleep(600)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+class FakeServer(ServerProcess):
+    def __init__(self, marker: str, fail_first: bool, log_path: str):
+        super().__init__("unused", start_timeout_s=60, log_path=log_path)
+        self.marker, self.fail_first = marker, fail_first
+        self.launched_ports = []
+
+    def command(self):
+        self.launched_ports.append(self.port)
+        return [sys.executable, "-c", FAKE, str(self.port), self.marker, "1" if self.fail_first else "0"]
+
+
+class TestServerLauncher(unittest.TestCase):
+    def test_free_port_is_outside_ephemeral_and_sglang_ranges(self):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+        for _ in range(20):
+            port = free_port()
+            self.assertGreaterEqual(port, PORT_RANGE[0])
+            self.assertLessEqual(port, PORT_RANGE[1])
+            self.assertLess(port, min(22000, ephemeral_low))
+            with socket.socket() as s:  # and it really is free
+                s.bind(("127.0.0.1", port))
+
+    def _run(self, fail_first: bool):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        server = FakeServer(os.path.join(tmp.name, "marker"), fail_first, os.path.join(tmp.name, "log"))
+        self.addCleanup(server.stop)
+        server.start()
+        self.assertTrue(server.healthy(timeout=10))
+        return server
+
+    def test_taken_port_relaunches_on_a_fresh_port(self):
+        server = self._run(fail_first=True)
+        self.assertEqual(len(server.launched_ports), 2)
+        first, second = server.launched_ports
+        self.assertNotEqual(first, second)
+        self.assertEqual(server.port, second)
+        self.assertEqual(server.base_url, f"http://127.0.0.1:{second}")
+        log = server.log_text()
+        self.assertIn(f"('127.0.0.1', {first}): address already in use", log)  # the first attempt kept
+        self.assertIn(f"relaunching on {second}", log)
+
+    def test_healthy_first_launch_is_not_relaunched(self):
+        server = self._run(fail_first=False)
+        self.assertEqual(len(server.launched_ports), 1)
+
+    def test_every_launch_taken_raises_with_the_log(self):
+        class AlwaysTaken(FakeServer):
+            def command(self):
+                os.path.exists(self.marker) and os.remove(self.marker)
+                return super().command()
+
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        server = AlwaysTaken(os.path.join(tmp.name, "marker"), True, os.path.join(tmp.name, "log"))
+        self.addCleanup(server.stop)
+        with self.assertRaisesRegex(RuntimeError, "could not bind a port in 2 launches"):
+            server.start(bind_attempts=2)
+        self.assertEqual(len(server.launched_ports), 2)
+        self.assertFalse(server.alive())
+
+
+if __name__ == "__main__":
+    unittest.main()
