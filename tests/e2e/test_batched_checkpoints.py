@@ -45,6 +45,10 @@ class _BatchedCheckpoints(unittest.TestCase):
     CHUNK = 64
     MAMBA_SLOTS = 48
     SEED = 11
+    #: batch shapes (prompt lengths) of ``test_a``: one to four requests, 26-145 tokens, so
+    #: prompts and continuations end inside, at and past the 64-token chunk
+    SHAPES = ((97, 46), (73, 128, 73), (123, 80, 145, 76), (30, 54, 66, 93), (28, 89, 57),
+              (122, 26, 52), (95, 142, 96, 131), (35, 38, 36), (44, 37))
 
     @classmethod
     def setUpClass(cls):
@@ -129,9 +133,7 @@ class _BatchedCheckpoints(unittest.TestCase):
 
     # -- tests -----------------------------------------------------------------------
     def test_a_batches_resend_and_continue_exactly(self):
-        shapes = [(97, 46), (73, 128, 73), (123, 80, 145, 76), (30, 54, 66, 93), (28, 89, 57),
-                  (122, 26, 52), (95, 142, 96, 131), (35, 38, 36), (44, 37)]
-        for lens in shapes:
+        for lens in self.SHAPES:
             with self.subTest(lens=lens):
                 new = [self.new_tokens_on_grid(n, self.rng.choice([1, 2, 5])) for n in lens]
                 self.check_batch(list(lens), new)
@@ -182,6 +184,7 @@ class TestBatchedCheckpointsPaged(_BatchedCheckpoints):
 
     __test__ = True
     PAGE = 16
+    SHAPES = _BatchedCheckpoints.SHAPES[:5]  # the page floor is what differs; fewer shapes
 
 
 class TestBatchedCheckpointsPage4(_BatchedCheckpoints):
@@ -192,3 +195,4 @@ class TestBatchedCheckpointsPage4(_BatchedCheckpoints):
 
     __test__ = True
     PAGE = 4
+    SHAPES = _BatchedCheckpoints.SHAPES[:5]

@@ -222,8 +222,9 @@ class TestSpecDeferredTopk1(_SpecCase, unittest.TestCase):
     def test_followup_after_a_cut_round_reuses_the_whole_turn(self):
         # Find a turn whose last round accepted drafts past max_new_tokens (greedy: the
         # same prompts always give the same rounds); the replay is cut at the last emitted
-        # token, so the next turn reuses the whole turn.
-        for start in range(100, 290, 19):
+        # token, so the next turn reuses the whole turn. With the tiny model (seed 0) the
+        # prompt starting at 233 is such a turn; the others are tried if it is not.
+        for start in [233] + [s for s in range(100, 290, 19) if s != 233]:
             p = list(range(start, start + 21))
             first = self._gen(p, n=13)
             out, mi = first["output_ids"], first["meta_info"]
