@@ -65,6 +65,17 @@ class TestRegistration(unittest.TestCase):
             self.assertEqual(get_linear_attn_spec(cfg).backend_class_name, backend, arch)
             self.assertEqual(cfg.mamba_chunk_size, chunk, arch)
 
+    def test_direct_construction_keeps_the_base_defaults(self):
+        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig
+        from sglang_mamba_ext.plugin.tiny_hybrid.config import TinyHybridSGLangConfig
+
+        base, sg = TinyHybridConfig(), TinyHybridSGLangConfig()
+        for field in ("hidden_size", "layer_types", "linear_num_value_heads", "linear_gate", "vocab_size"):
+            self.assertEqual(getattr(sg, field), getattr(base, field), field)
+        self.assertEqual(TinyHybridSGLangConfig(hidden_size=32, linear_gate="gdn").hidden_size, 32)
+        with self.assertRaisesRegex(ValueError, "linear_gate"):
+            TinyHybridSGLangConfig(linear_gate="mamba")
+
 
 class TestCpuDefaults(unittest.TestCase):
     def _env_after_hook(self, arch):

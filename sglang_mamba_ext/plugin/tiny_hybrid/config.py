@@ -41,6 +41,12 @@ class TinyHybridSGLangConfig(TinyHybridConfig):
     it is their kernels' chunk, 64.
     """
 
+    def __init__(self, **kwargs) -> None:
+        # Spelled out: without an ``__init__`` of its own, transformers 5 builds one for the
+        # subclass that skips :class:`TinyHybridConfig`'s defaults (``hidden_size`` etc.
+        # were missing from ``TinyHybridSGLangConfig()``; ``from_pretrained`` was unaffected).
+        super().__init__(**kwargs)
+
     @property
     def mamba_chunk_size(self) -> int:
         from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
