@@ -1,5 +1,5 @@
 """The e2e harness's server launcher (``sglang_mamba_ext/testing/server.py``): ports come
-from outside the kernel's ephemeral range and SGLang's own range, and a server whose HTTP
+from outside the kernel's ephemeral range, SGLang's own range and Mooncake's, and a server whose HTTP
 port was taken between the pick and its bind is relaunched on a fresh port (CI once lost a
 whole PD class to this: uvicorn logged the bind error and hung in shutdown for minutes).
 
@@ -12,7 +12,7 @@ import sys
 import tempfile
 import unittest
 
-from sglang_mamba_ext.testing.server import PORT_RANGE, ServerProcess, free_port
+from sglang_mamba_ext.testing.server import PORT_RANGES, ServerProcess, free_port
 
 FAKE = r'''
 import http.server, os, sys, time
@@ -43,14 +43,14 @@ class FakeServer(ServerProcess):
 
 
 class TestServerLauncher(unittest.TestCase):
-    def test_free_port_is_outside_ephemeral_and_sglang_ranges(self):
+    def test_free_port_is_outside_ephemeral_sglang_and_mooncake_ranges(self):
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral_low = int(f.read().split()[0])
         for _ in range(20):
             port = free_port()
-            self.assertGreaterEqual(port, PORT_RANGE[0])
-            self.assertLessEqual(port, PORT_RANGE[1])
-            self.assertLess(port, min(22000, ephemeral_low))
+            self.assertTrue(any(lo <= port <= hi for lo, hi in PORT_RANGES), port)
+            self.assertLess(port, min(22000, ephemeral_low))  # SGLang's own pick starts at 22000
+            self.assertFalse(15000 <= port <= 17000, port)  # Mooncake's ports
             with socket.socket() as s:  # and it really is free
                 s.bind(("127.0.0.1", port))
 

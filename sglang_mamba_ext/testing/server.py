@@ -21,10 +21,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 #: Ports handed out by :func:`free_port`: under SGLang's own pick for ports bound later
-#: (``get_free_port_below_ephemeral``, 22000-29999) and under the kernel's ephemeral range
-#: (32768+), so neither a connection's local port nor a port SGLang picks for itself can take
-#: one between the pick and the server's bind (a 60 s start-up window on a loaded machine).
-PORT_RANGE = (12000, 21999)
+#: (``get_free_port_below_ephemeral``, 22000-29999), under the kernel's ephemeral range
+#: (32768+), and around Mooncake's RPC/TCP ports (15000-17000, seen listening in the PD
+#: servers), so no port the servers pick for themselves can take one between the pick and
+#: the server's bind (a 60 s start-up window on a loaded machine).
+PORT_RANGES = ((12000, 14999), (17001, 21999))
 
 #: Log lines that mean the server could not bind its HTTP port (it does not always exit:
 #: uvicorn's shutdown can hang for minutes).
@@ -32,9 +33,10 @@ BIND_FAILURES = ("address already in use", "error while attempting to bind")
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 and 0.0.0.0 right now, from :data:`PORT_RANGE`
+    """A TCP port free on 127.0.0.1 and 0.0.0.0 right now, from :data:`PORT_RANGES`
     (falls back to one the kernel picks when 64 random tries there are taken)."""
-    for port in random.sample(range(PORT_RANGE[0], PORT_RANGE[1] + 1), 64):
+    candidates = [p for lo, hi in PORT_RANGES for p in range(lo, hi + 1)]
+    for port in random.sample(candidates, 64):
         try:
             for host in ("0.0.0.0", "127.0.0.1"):
                 with socket.socket() as s:
