@@ -6,6 +6,7 @@ left on the shared path (its prompt's ``len - 1`` checkpoint or its finish state
 ``sglang_router`` is not installed (``scripts/setup_env.sh`` installs it).
 """
 
+import concurrent.futures
 import importlib.util
 import os
 import signal
@@ -49,7 +50,9 @@ class TestRouterReplicas(unittest.TestCase):
         cls.replicas = [Server(model, flags, os.path.join(tmp.name, f"r{i}.log"), env=CHECKED_ENV) for i in (0, 1)]
         for r in cls.replicas:
             cls.addClassCleanup(r.stop)
-            r.wait_healthy()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
+            for started in [pool.submit(r.wait_healthy) for r in cls.replicas]:
+                started.result()
         port = free_port()
         cls.url = f"http://127.0.0.1:{port}"
         log = open(os.path.join(tmp.name, "router.log"), "w")
