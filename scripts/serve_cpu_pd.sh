@@ -16,8 +16,10 @@
 # PREFILL_PORT / DECODE_PORT / BOOTSTRAP_PORT (defaults PORT+1, PORT+2, PORT+3; the servers
 # listen on 127.0.0.1), TINY_MODEL_DIR, WARMUP_FILE (as in serve_cpu.sh; set and empty: no
 # warm-up), START_TIMEOUT (seconds, default 600), PREFILL_ARGS / DECODE_ARGS (extra arguments
-# for one server only, split on spaces, e.g. PREFILL_ARGS="--tp 2"). Extra arguments reach
-# both servers.
+# for one server only, split on spaces, e.g. PREFILL_ARGS="--tp 2"), ROUTER (`rust`, the
+# default: sglang-router's gateway; `mini`: its Python --mini-lb, which forwards request bodies
+# as sent, so `cache_salt` reaches the servers; the Rust one drops it: README, "Tenant
+# isolation"). Extra arguments reach both servers.
 # When all three answer, prints one line `router: http://HOST:PORT` on stdout. Ctrl-C or
 # SIGTERM stops all of them; if one of them exits, the others are stopped too and the exit
 # status is non-zero. Logs: LOG_DIR (default a new temporary directory, printed on stderr).
@@ -29,6 +31,11 @@ pport="${PREFILL_PORT:-$((port + 1))}"
 dport="${DECODE_PORT:-$((port + 2))}"
 bport="${BOOTSTRAP_PORT:-$((port + 3))}"
 timeout="${START_TIMEOUT:-600}"
+case "${ROUTER:-rust}" in
+  rust) router_mode=(); ready=/readiness ;;
+  mini) router_mode=(--mini-lb); ready=/health ;;
+  *) echo "[serve-pd] error: ROUTER=${ROUTER} is not one of: rust, mini" >&2; exit 2 ;;
+esac
 logs="${LOG_DIR:-$(mktemp -d -t serve_cpu_pd.XXXXXX)}"
 # A taken port would leave a server hung in its shutdown and the health probe talking to the
 # other listener: refuse before starting anything.
@@ -100,11 +107,15 @@ wait_ready() {  # name, url (a health endpoint)
 }
 wait_ready prefill "http://127.0.0.1:$pport/health"
 wait_ready decode "http://127.0.0.1:$dport/health"
-start router "$vpy" -m sglang_router.launch_router --pd-disaggregation \
+start router "$vpy" -m sglang_router.launch_router --pd-disaggregation "${router_mode[@]}" \
   --prefill "http://127.0.0.1:$pport" "$bport" --decode "http://127.0.0.1:$dport" \
   --host "$host" --port "$port"
-# /readiness: 200 once the router has admitted a healthy prefill and decode worker.
-wait_ready router "http://$host:$port/readiness"
+# Rust /readiness: 200 once the router has admitted a healthy prefill and decode worker
+# (--mini-lb has no admission: its /health answers once it listens).
+wait_ready router "http://$host:$port$ready"
+if [ "${ROUTER:-rust}" = rust ]; then
+  echo "[serve-pd] note: sglang-router drops cache_salt from requests; for tenant isolation use extra_key on /generate, or ROUTER=mini" >&2
+fi
 echo "router: http://$host:$port"
 # Serve until a signal arrives or one of the three exits.
 set +e

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import tiny_model_dir
+from isolation import check_isolation, check_warm_prompt_not_shared, fresh_prompt
 from server_util import CHECKED_ENV, Server, idle_and_checked, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -200,6 +201,22 @@ class TestProductLaunch(_Base):
         self.assertIsInstance(body["choices"][0]["message"]["content"], str)
         self.assertEqual(body["usage"]["completion_tokens"], 8)
         self.assertEqual(body["usage"]["prompt_tokens"], len(self.chat_ids(messages)))
+
+    def test_d_tenant_isolation(self):
+        """Issue 23: ``cache_salt`` and SGLang's ``extra_key`` each keep tenants apart
+        exactly; the namespace-less warm-up serves only requests without a namespace."""
+        for field in ("cache_salt", "extra_key"):
+            def send(ids, ns, field=field):
+                extra = {field: ns} if ns is not None else {}
+                out = self.server.generate(input_ids=ids, max_new_tokens=2, **extra)
+                return out["meta_info"]["cached_tokens"]
+
+            with self.subTest(field=field):
+                check_isolation(self, send)
+        warm = self.tok.encode(POLICY)
+        suffix = fresh_prompt(6)
+        check_warm_prompt_not_shared(self, send, warm, suffix,
+                                     warm_hit(warm + suffix, warm, self.ref.generate_greedy(warm, 1)[0]))
 
     def test_z_disconnect_and_abort_then_idle_leak_check(self):
         import requests

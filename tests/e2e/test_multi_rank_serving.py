@@ -23,6 +23,7 @@ import unittest
 import pytest
 import requests
 
+from isolation import check_isolation, check_warm_prompt_not_shared
 from server_util import CHECKED_ENV, start_tiny_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -58,6 +59,12 @@ class _Ranks(unittest.TestCase):
         self.assertEqual(r["output_ids"], self.ref.generate_greedy(ids, n), f"prompt of {len(ids)}")
         return r
 
+    def cached(self, ids, salt, **extra):
+        """``cached_tokens`` of a 2-token greedy request in namespace ``salt`` (a ``cache_salt``)."""
+        if salt is not None:
+            extra["cache_salt"] = salt
+        return self.gen(ids, 2, **extra)["meta_info"]["cached_tokens"]
+
     def loads(self):
         r = requests.get(self.server.base_url + "/v1/loads", params={"include": "core"}, timeout=60)
         r.raise_for_status()
@@ -85,6 +92,10 @@ class TestTP2(_Ranks):
     FLAGS = ["--tp", "2", "--max-total-tokens", "640", "--max-mamba-cache-size", "16", "--max-running-requests", "3",
              "--chunked-prefill-size", "32", "--mamba-track-interval", "16"]
     ENV = DIGEST_ENV
+
+    def test_isolation_between_tenants(self):
+        """Issue 23: ``cache_salt`` keeps tenants apart on every rank (digest check on)."""
+        check_isolation(self, self.cached)
 
     def test_workload_with_hits_and_eviction(self):
         prompts = [_ids(s, n) for s, n in ((1, 45), (50, 70), (100, 23), (150, 90), (200, 37), (250, 61))]
@@ -122,6 +133,21 @@ class TestDP2Warm(_Ranks):
         self.assertIn("on 2 data-parallel rank(s)", self.server.log_text())
         self.idle_checked()
 
+    def test_isolation_between_tenants(self):
+        """Issue 23: ``cache_salt`` keeps tenants apart on each DP rank; the unsalted warm-up
+        serves only unsalted requests (SGLang's rule)."""
+        warm = self.WARM[0]
+        first = self.ref.generate_greedy(warm, 1)[0]
+        for rank in (0, 1):
+            def send(ids, salt, rank=rank):
+                return self.cached(ids, salt, routed_dp_rank=rank)
+
+            with self.subTest(rank=rank):
+                check_isolation(self, send)
+                suffix = [t for t in (31 + rank, 32, 33) if t != first]  # not the warm-up's own next token
+                check_warm_prompt_not_shared(self, send, warm, suffix, len(warm))
+        self.idle_checked()
+
 
 class TestTP2DP2Attention(_Ranks):
     """``--tp 2 --dp 2 --enable-dp-attention``: one rank per attention-DP group; a request on
@@ -138,6 +164,13 @@ class TestTP2DP2Attention(_Ranks):
             self.assertEqual(first["meta_info"]["cached_tokens"], 0)  # the other group's cache is not shared
             again = self.gen(p, routed_dp_rank=rank)
             self.assertEqual(again["meta_info"]["cached_tokens"], len(p) - 1)
+        self.idle_checked()
+
+    def test_isolation_between_tenants(self):
+        """Issue 23: ``cache_salt`` keeps tenants apart in each attention-DP group."""
+        for rank in (0, 1):
+            with self.subTest(rank=rank):
+                check_isolation(self, lambda ids, salt, rank=rank: self.cached(ids, salt, routed_dp_rank=rank))
         self.idle_checked()
 
 

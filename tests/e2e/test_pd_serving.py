@@ -31,6 +31,7 @@ import unittest
 import pytest
 import requests
 
+from isolation import check_isolation, check_warm_prompt_not_shared
 from server_util import CHECKED_ENV, Server, common_prefix, idle_and_checked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -78,7 +79,7 @@ class TestPrefillDecodeServing(unittest.TestCase):
         with open(warm, "w") as f:
             f.write(json.dumps({"input_ids": WARM}) + "\n")
         bootstrap = free_port()
-        pd = ["--device", "cpu", "--disaggregation-transfer-backend", "mooncake_tcp",
+        pd = ["--device", "cpu", "--disaggregation-transfer-backend", "mooncake_tcp", "--enable-cache-report",
               "--max-total-tokens", "4096", "--max-running-requests", "4"]
         cls.prefill = Server(model, [*pd, "--enable-mamba-radix", "--max-mamba-cache-size", "32",
                                      "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
@@ -92,29 +93,44 @@ class TestPrefillDecodeServing(unittest.TestCase):
         with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
             for started in [pool.submit(s.wait_healthy) for s in (cls.prefill, cls.decode)]:
                 started.result()
+        from transformers import AutoTokenizer
+
+        cls.tok = AutoTokenizer.from_pretrained(model)
+        # sglang-router (Rust) as serve_cpu_pd.sh starts it, and sglang-router's own Python
+        # mini load balancer (--mini-lb, ROUTER=mini there) in front of the same pair: the
+        # Rust router re-serializes requests without cache_salt, the mini one forwards them as sent.
+        cls.url = cls._router(tmp.name, "router", ["--pd-disaggregation"], bootstrap, "/readiness")
+        cls.mini_url = cls._router(tmp.name, "mini-lb", ["--pd-disaggregation", "--mini-lb"], bootstrap, "/health")
+
+    @classmethod
+    def _router(cls, tmp, name, mode, bootstrap, ready_path):
+        """Start a router in front of the pair; returns its URL once ``ready_path`` answers 200."""
+        from sglang_mamba_ext.testing.server import free_port
+
         port = free_port()
-        cls.url = f"http://127.0.0.1:{port}"
-        log = open(os.path.join(tmp.name, "router.log"), "w")
+        url = f"http://127.0.0.1:{port}"
+        log = open(os.path.join(tmp, f"{name}.log"), "w")
         cls.addClassCleanup(log.close)
-        cls.router = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
-             "--port", str(port), "--prefill", cls.prefill.base_url, str(bootstrap), "--decode", cls.decode.base_url],
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", *mode, "--host", "127.0.0.1",
+             "--port", str(port), "--prometheus-port", str(free_port()),
+             "--prefill", cls.prefill.base_url, str(bootstrap), "--decode", cls.decode.base_url],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        cls.addClassCleanup(lambda: os.killpg(cls.router.pid, signal.SIGKILL) if cls.router.poll() is None else None)
+        cls.addClassCleanup(lambda: os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None)
         deadline = time.time() + 120
-        while True:  # /readiness: 200 once a healthy prefill and decode worker are admitted
+        while True:  # Rust /readiness: 200 once a healthy prefill and decode worker are admitted
             try:
-                if requests.get(cls.url + "/readiness", timeout=5).status_code == 200:
-                    break
+                if requests.get(url + ready_path, timeout=5).status_code == 200:
+                    return url
             except requests.RequestException:
                 pass
-            if time.time() > deadline or cls.router.poll() is not None:
-                raise RuntimeError("sglang-router did not become ready")
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"{name} did not become ready")
             time.sleep(1)
 
-    def post(self, ids, n=NEW, timeout=300, **extra):
-        return requests.post(self.url + "/generate", timeout=timeout, json={
+    def post(self, ids, n=NEW, timeout=300, url=None, **extra):
+        return requests.post((url or self.url) + "/generate", timeout=timeout, json={
             "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
             **extra})
 
@@ -168,6 +184,47 @@ class TestPrefillDecodeServing(unittest.TestCase):
         prompts = [_ids(40 + 13 * k, 20 + 9 * k) for k in range(3)]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             list(pool.map(self.gen, prompts))
+
+    def cached(self, ids, ns, field, url):
+        """``cached_tokens`` (the prefill server's hit) of a 2-token request through ``url``
+        with namespace ``ns`` in body field ``field``."""
+        r = self.post(ids, 2, url=url, **({field: ns} if ns is not None else {}))
+        r.raise_for_status()
+        out = r.json()
+        self.assertEqual(out["output_ids"], self.ref.generate_greedy(ids, 2))
+        return out["meta_info"]["cached_tokens"]
+
+    def test_2a_isolation_through_sglang_router_by_extra_key(self):
+        """Issue 23: sglang-router (Rust) forwards SGLang's ``extra_key`` on ``/generate``
+        (``cache_salt`` it drops: ``tests/test_router_forwarding.py``), and the prefill
+        server keeps its tenants apart exactly."""
+        check_isolation(self, lambda ids, ns: self.cached(ids, ns, "extra_key", self.url))
+
+    def test_2b_isolation_through_mini_lb_by_cache_salt(self):
+        """Issue 23: through sglang-router's ``--mini-lb`` the body reaches both servers as
+        sent, so ``cache_salt`` keeps tenants apart exactly on ``/generate`` and
+        ``/v1/chat/completions``, and the unsalted warm-up serves only unsalted requests."""
+        send = lambda ids, ns: self.cached(ids, ns, "cache_salt", self.mini_url)  # noqa: E731
+        check_isolation(self, send)
+        first = self.ref.generate_greedy(WARM, 1)[0]
+        check_warm_prompt_not_shared(self, send, WARM, [t for t in (21, 22, 23) if t != first], len(WARM))
+
+        messages = [{"role": "system", "content": "PD tenant check. Reply briefly."},
+                    {"role": "user", "content": "Which river is longest?"}]
+        chat = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        length = len(chat["input_ids"] if hasattr(chat, "keys") else chat)
+
+        def chat_send(msgs, salt):
+            body = {"model": "tiny", "messages": msgs, "max_tokens": 2, "temperature": 0}
+            if salt is not None:
+                body["cache_salt"] = salt
+            r = requests.post(self.mini_url + "/v1/chat/completions", json=body, timeout=300)
+            self.assertEqual(r.status_code, 200, r.text)
+            usage = r.json()["usage"]
+            self.assertEqual(usage["prompt_tokens"], length)
+            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # None when 0
+
+        check_isolation(self, chat_send, messages, length, unsalted=False)
 
     def test_3_client_aborts_leave_no_leak(self):
         # Clients that give up while their request is being prefilled, transferred or decoded

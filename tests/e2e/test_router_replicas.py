@@ -89,6 +89,28 @@ class TestRouterReplicas(unittest.TestCase):
         self.assertEqual(out["output_ids"], self.ref.generate_greedy(ids, n))
         return ids, out
 
+    def test_isolation_between_tenants_by_extra_key(self):
+        """Issue 23: tenants in SGLang's ``extra_key`` (which sglang-router forwards; it drops
+        ``cache_salt``: ``tests/test_router_forwarding.py``) are kept apart exactly. The
+        cache-aware policy routes by text, so both tenants' requests reach the same replica."""
+        import uuid
+
+        from isolation import check_isolation
+
+        text = f"Tenant check {uuid.uuid4().hex}: list three rivers. "
+
+        def send(t, ns):
+            body = {"text": t, "sampling_params": {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}}
+            if ns is not None:
+                body["extra_key"] = ns
+            r = requests.post(self.url + "/generate", timeout=300, json=body)
+            r.raise_for_status()
+            out = r.json()
+            self.assertEqual(out["output_ids"], self.ref.generate_greedy(self.tok.encode(t), 2))
+            return out["meta_info"]["cached_tokens"]
+
+        check_isolation(self, send, text, len(self.tok.encode(text)))
+
     def test_turns_hit_on_their_replica(self):
         firsts = [self.gen(s + "User: hello?") for s in SYSTEMS]  # interleaved conversations
         for (ids1, out1), system in zip(firsts, SYSTEMS):
