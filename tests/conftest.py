@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import time
 import unittest
 
 import pytest
@@ -57,6 +59,39 @@ def requires_sglang(obj):
 
 
 # -- pytest hooks and fixtures -------------------------------------------------------------
+
+_PROGRESS = {"t0": time.time(), "cls": None, "reporter": None, "capture": None}
+
+
+def progress(message: str) -> None:
+    """One line ``[tests +MM:SS] message`` on the terminal, also under ``-q`` and output
+    capture (pytest's terminal reporter): which class runs, which server starts and when it
+    is ready, so a person can follow a long run (``scripts/run_tests.sh``)."""
+    elapsed = int(time.time() - _PROGRESS["t0"])
+    line = f"[tests +{elapsed // 60:02d}:{elapsed % 60:02d}] {message}"
+    reporter, capture = _PROGRESS["reporter"], _PROGRESS["capture"]
+    if reporter is None or capture is None:
+        print(line, file=sys.stderr, flush=True)
+        return
+    with capture.global_and_fixture_disabled():  # output capture would swallow it
+        if getattr(reporter._tw, "width_of_current_line", 0):  # after -q's dots
+            reporter.write("\n")
+        reporter.write_line(line)
+
+
+def pytest_sessionstart(session):
+    _PROGRESS["t0"] = time.time()
+    _PROGRESS["reporter"] = session.config.pluginmanager.get_plugin("terminalreporter")
+    _PROGRESS["capture"] = session.config.pluginmanager.get_plugin("capturemanager")
+
+
+def pytest_runtest_setup(item):
+    """Name each test class as it starts (its servers start in its ``setUpClass``)."""
+    cls = getattr(item, "cls", None)
+    if cls is not None and cls is not _PROGRESS["cls"]:
+        _PROGRESS["cls"] = cls
+        progress(f"{os.path.relpath(str(item.fspath), REPO)}::{cls.__name__}")
+
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,7 @@ the server on a leak, and the check that a server went idle and survived them.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Dict, List, Optional
 
@@ -32,7 +33,13 @@ class Server(ServerProcess):
         super().__init__(model_dir, args, env=env, start_timeout_s=START_TIMEOUT_S, log_path=log_path)
 
     def wait_healthy(self) -> None:
+        from conftest import progress
+
+        name = os.path.splitext(os.path.basename(self.log_path))[0]
+        progress(f"  server {name}: starting ({' '.join(self.flags)[:120]})")
+        t0 = time.time()
         self.start()
+        progress(f"  server {name}: ready in {time.time() - t0:.0f} s")
 
 
 def idle_and_checked(server: ServerProcess, settle_s: float = 3.0, timeout_s: float = 120) -> dict:

@@ -21,7 +21,6 @@ from conftest import tiny_model_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-START_TIMEOUT_S = 240
 NEW_TOKENS = 24
 
 # The flags CPU serving with SGLang's own cache needs (docs: CPU_SERVING.md).
@@ -59,14 +58,11 @@ class _ServerCase(unittest.TestCase):
         cls.ref = TinyHybridReference.from_pretrained(cls.model_dir)
         cls.tok = AutoTokenizer.from_pretrained(cls.model_dir)
 
-        from sglang_mamba_ext.testing.server import ServerProcess
+        from server_util import Server
 
-        cls.server = ServerProcess(
-            cls.model_dir, cls.FLAGS, env=cls.ENV, start_timeout_s=START_TIMEOUT_S,
-            log_path=os.path.join(tmp.name, "server.log"),
-        )
+        cls.server = Server(cls.model_dir, cls.FLAGS, os.path.join(tmp.name, "server.log"), env=cls.ENV)
         cls.addClassCleanup(cls.server.stop)
-        cls.server.start()
+        cls.server.wait_healthy()
         cls.base_url = cls.server.base_url
         cls.startup_s = cls.server.startup_s
 
