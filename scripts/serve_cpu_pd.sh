@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prefill/decode disaggregation on CPU (README.md, "Prefill/decode disaggregation"): a prefill
+# Prefill/decode disaggregation on CPU (docs/serving.md, "Prefill/decode disaggregation"): a prefill
 # server with this plugin's cache, a decode server and sglang-router in PD mode in front, all
 # serving the tiny hybrid model. Does its own set-up like serve_cpu.sh: ./.venv
 # (scripts/setup_env.sh, which also installs mooncake's non-CUDA transfer engine and the Debian
@@ -8,7 +8,7 @@
 #   prefill: sglang.launch_server --device cpu --enable-mamba-radix --disaggregation-mode prefill
 #            --disaggregation-transfer-backend mooncake_tcp --warmups kda_cache ...
 #   decode:  sglang.launch_server --device cpu --disaggregation-mode decode
-#            --disaggregation-transfer-backend mooncake_tcp   (no plugin flag: see README)
+#            --disaggregation-transfer-backend mooncake_tcp   (no plugin flag: see docs/serving.md)
 #   router:  sglang_router.launch_router --pd-disaggregation --prefill URL BOOTSTRAP --decode URL
 #
 # KV and SSM state travel from prefill to decode over mooncake's TCP transport.
@@ -18,8 +18,8 @@
 # warm-up), START_TIMEOUT (seconds, default 600), PREFILL_ARGS / DECODE_ARGS (extra arguments
 # for one server only, split on spaces, e.g. PREFILL_ARGS="--tp 2"), ROUTER (`rust`, the
 # default: sglang-router's gateway; `mini`: its Python --mini-lb, which forwards request bodies
-# as sent, so `cache_salt` reaches the servers; the Rust one drops it: README, "Tenant
-# isolation"). Extra arguments reach both servers.
+# as sent, so `cache_salt` reaches the servers; the Rust one drops it: docs/serving.md,
+# "Tenant isolation"). Extra arguments reach both servers.
 # When all three answer, prints one line `router: http://HOST:PORT` on stdout. Ctrl-C or
 # SIGTERM stops all of them; if one of them exits, the others are stopped too and the exit
 # status is non-zero. Logs: LOG_DIR (default a new temporary directory, printed on stderr).

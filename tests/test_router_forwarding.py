@@ -7,7 +7,7 @@ server), in PD mode and in regular mode alike. ``extra_key`` (SGLang's other cac
 survives on ``/generate``. sglang-router's ``--mini-lb`` (Python, PD only) forwards the body as
 sent. No SGLang server here: the router fronts capture workers (a few HTTP endpoints that record
 what reaches them), so the test takes seconds. When a router release keeps ``cache_salt``, the
-first assertion fails: then README's "Tenant isolation" table changes.
+first assertion fails: then the "Tenant isolation" table of docs/serving.md changes.
 """
 
 import json

@@ -44,7 +44,7 @@ TRACE_PATH = os.environ.get(TRACE_ENV) or os.path.normpath(
 # sha256 of the gzip file's bytes, as given in ../shared/bench/README.md.
 TRACE_SHA256 = "53e130852c0eef6ec9a2e1ecddc3dd613ff3752cd4a576c6abdb8dbcd50e21f0"
 
-# Pool sizes the README's reference numbers were measured with.
+# Pool sizes the reference numbers in docs/benchmarks.md were measured with.
 DEFAULT_KV_SIZE = 200_000  # KV slots (tokens); slot 0 is reserved and not counted
 DEFAULT_MAMBA_SIZE = 64  # SSM (mamba) slots
 
