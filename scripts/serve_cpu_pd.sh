@@ -114,7 +114,9 @@ start router "$vpy" -m sglang_router.launch_router --pd-disaggregation "${router
 # (--mini-lb has no admission: its /health answers once it listens).
 wait_ready router "http://$host:$port$ready"
 if [ "${ROUTER:-rust}" = rust ]; then
-  echo "[serve-pd] note: sglang-router drops cache_salt from requests; for tenant isolation use extra_key on /generate, or ROUTER=mini" >&2
+  echo "[serve-pd] note: sglang-router drops cache_salt from /generate and chat requests (extra_key too on chat); for tenant isolation use extra_key on /generate, /v1/completions, or ROUTER=mini (docs/serving.md, Tenant isolation)" >&2
+else
+  echo "[serve-pd] note: --mini-lb forwards request bodies as sent (cache_salt kept); it picks the one prefill/decode pair, no cache-aware routing" >&2
 fi
 echo "router: http://$host:$port"
 # Serve until a signal arrives or one of the three exits.

@@ -4,7 +4,7 @@ The cause of the cross-tenant hits through ``scripts/serve_cpu_pd.sh``: the rout
 ``/generate`` and ``/v1/chat/completions`` into typed requests that have no ``cache_salt``
 field and re-serializes them, so the salt never reaches the prefill server (nor the decode
 server), in PD mode and in regular mode alike. ``extra_key`` (SGLang's other cache namespace)
-survives on ``/generate``. sglang-router's ``--mini-lb`` (Python, PD only) forwards the body as
+survives on ``/generate`` (not on chat); ``/v1/completions`` keeps both fields. sglang-router's ``--mini-lb`` (Python, PD only) forwards the body as
 sent. No SGLang server here: the router fronts capture workers (a few HTTP endpoints that record
 what reaches them), so the test takes seconds. When a router release keeps ``cache_salt``, the
 first assertion fails: then the "Tenant isolation" table of docs/serving.md changes.
@@ -29,6 +29,8 @@ GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}, "c
             "extra_key": "ns-a"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "tenant-b",
         "extra_key": "ns-b"}
+COMPLETION = {"model": "tiny", "prompt": "hi", "cache_salt": "tenant-c", "extra_key": "ns-c"}
+SENT = {"/generate": GENERATE, "/v1/chat/completions": CHAT, "/v1/completions": COMPLETION}
 
 
 class CaptureWorker:
@@ -57,6 +59,10 @@ class CaptureWorker:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 worker.bodies.append((self.path, body))
+                if self.path == "/v1/completions":
+                    return self._json({"id": "x", "object": "text_completion", "created": 0, "model": "tiny",
+                                       "choices": [{"index": 0, "text": "x", "finish_reason": "stop"}],
+                                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
                 if "chat" in self.path:
                     return self._json({"id": "x", "object": "chat.completion", "created": 0, "model": "tiny",
                                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
@@ -111,22 +117,28 @@ class TestRouterForwarding(unittest.TestCase):
             self.assertLess(time.time(), deadline, "router admitted no worker")
             time.sleep(0.5)
 
+    def send_all(self, url, proc):
+        for path, body in SENT.items():
+            self.post_until_admitted(url, proc, path, body)
+
     def check_forwarded(self, bodies):
-        """What reached a worker: ``cache_salt`` nowhere; ``extra_key`` on ``/generate`` only."""
+        """What reached a worker: on ``/generate`` ``extra_key`` only, on chat neither field,
+        on ``/v1/completions`` both."""
         by_path = dict(bodies)
-        self.assertEqual(set(by_path), {"/generate", "/v1/chat/completions"})
-        for path, body in bodies:
-            self.assertNotIn("cache_salt", body, path)
+        self.assertEqual(set(by_path), set(SENT))
+        self.assertNotIn("cache_salt", by_path["/generate"])
         self.assertEqual(by_path["/generate"]["extra_key"], "ns-a")
         self.assertEqual(by_path["/generate"]["input_ids"], [5, 6, 7])
+        self.assertNotIn("cache_salt", by_path["/v1/chat/completions"])
         self.assertNotIn("extra_key", by_path["/v1/chat/completions"])
         self.assertEqual(by_path["/v1/chat/completions"]["messages"], CHAT["messages"])
+        self.assertEqual(by_path["/v1/completions"]["cache_salt"], "tenant-c")
+        self.assertEqual(by_path["/v1/completions"]["extra_key"], "ns-c")
 
     def test_regular_mode_drops_cache_salt(self):
         (w,) = self.workers(1)
         url, proc = self.start_router(["--worker-urls", w.url])
-        self.post_until_admitted(url, proc, "/generate", GENERATE)
-        self.post_until_admitted(url, proc, "/v1/chat/completions", CHAT)
+        self.send_all(url, proc)
         self.check_forwarded(w.bodies)
 
     def test_pd_mode_drops_cache_salt_mini_lb_keeps_it(self):
@@ -137,14 +149,14 @@ class TestRouterForwarding(unittest.TestCase):
         mini, mini_proc = self.start_router(["--pd-disaggregation", "--mini-lb", "--prefill", prefill.url,
                                              bootstrap, "--decode", decode.url])
         for u, p in ((url, proc), (mini, mini_proc)):
-            self.post_until_admitted(u, p, "/generate", GENERATE)
-            self.post_until_admitted(u, p, "/v1/chat/completions", CHAT)
-        # the Rust router's two requests reached each side first, then the mini one's
+            self.send_all(u, p)
+        # the Rust router's three requests reached each side first, then the mini one's
+        n = len(SENT)
         for side in (prefill, decode):
-            self.assertEqual(len(side.bodies), 4)
-            self.check_forwarded(side.bodies[:2])
-            for (path, body), sent in zip(side.bodies[2:], (GENERATE, CHAT)):
-                self.assertEqual(body["cache_salt"], sent["cache_salt"], path)
+            self.assertEqual(len(side.bodies), 2 * n)
+            self.check_forwarded(side.bodies[:n])
+            for path, body in side.bodies[n:]:
+                self.assertEqual(body["cache_salt"], SENT[path]["cache_salt"], path)
                 self.assertEqual(body["bootstrap_port"], int(bootstrap), path)
 
 

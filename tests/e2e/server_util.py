@@ -36,7 +36,8 @@ class Server(ServerProcess):
         from conftest import progress
 
         name = os.path.splitext(os.path.basename(self.log_path))[0]
-        progress(f"  server {name}: starting ({' '.join(self.flags)[:120]})")
+        flags = " ".join(self.flags)
+        progress(f"  server {name}: starting ({flags if len(flags) <= 120 else '...' + flags[-117:]})")
         t0 = time.time()
         self.start()
         progress(f"  server {name}: ready in {time.time() - t0:.0f} s")

@@ -218,6 +218,24 @@ class TestProductLaunch(_Base):
         check_warm_prompt_not_shared(self, send, warm, suffix,
                                      warm_hit(warm + suffix, warm, self.ref.generate_greedy(warm, 1)[0]))
 
+    def test_e_soak_with_random_endings(self):
+        """Issue 23, item 4: concurrent clients with random endings (served, disconnected,
+        stream cut, aborted) for ``SOAK_SECONDS``; then every slot back (SGLang's strict idle
+        checks), nothing held, and resident memory flat (within 10 % + 64 MB of its level
+        after the first tenth of the run)."""
+        from conftest import progress
+        from soak import soak, soak_seconds
+
+        figures = soak(self.server.base_url, [self.server.proc.pid], soak_seconds(),
+                       abort_url=self.server.base_url)
+        progress(f"  soak, single server: {figures}")
+        self.assertEqual(figures["errors"], 0, figures)
+        for ending in ("served", "disconnected", "stream_cut", "aborted"):
+            self.assertGreater(figures[ending], 0, figures)
+        load = idle_and_checked(self.server)
+        self.assertEqual(load["num_used_tokens"], 0)
+        self.assertLessEqual(figures["rss_end_mb"], figures["rss_start_mb"] * 1.1 + 64, figures)
+
     def test_z_disconnect_and_abort_then_idle_leak_check(self):
         import requests
 

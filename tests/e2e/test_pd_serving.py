@@ -18,21 +18,17 @@ decode server holds them whole, so the transfer must put each rank's slices at t
 """
 
 import concurrent.futures
-import importlib.util
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 import unittest
 
 import pytest
 import requests
 
 from isolation import check_isolation, check_warm_prompt_not_shared
-from server_util import CHECKED_ENV, Server, common_prefix, idle_and_checked
+from pd_util import skip_without_pd, start_pd_pair, start_router
+from server_util import CHECKED_ENV, common_prefix, idle_and_checked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -47,19 +43,7 @@ def _ids(start, n):
 WARM = _ids(300, 40)  # the kda_cache warm-up prompt of the prefill server
 
 
-def _have_mooncake() -> bool:
-    try:
-        import mooncake.engine  # noqa: F401  (loads libibverbs / libnl)
-    except Exception:
-        return False
-    return True
-
-
-_SKIP = unittest.skipUnless(importlib.util.find_spec("sglang_router") and _have_mooncake(),
-                            "sglang-router or mooncake-transfer-engine-non-cuda is not installed")
-
-
-@_SKIP
+@skip_without_pd
 class TestPrefillDecodeServing(unittest.TestCase):
     """One prefill (``--tp 2``) + decode (``--tp 1``) + router set for the class."""
 
@@ -69,7 +53,6 @@ class TestPrefillDecodeServing(unittest.TestCase):
     def setUpClass(cls):
         from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
         from sglang_mamba_ext.testing import tiny_model_dir
-        from sglang_mamba_ext.testing.server import free_port
 
         tmp = tempfile.TemporaryDirectory()
         cls.addClassCleanup(tmp.cleanup)
@@ -78,56 +61,19 @@ class TestPrefillDecodeServing(unittest.TestCase):
         warm = os.path.join(tmp.name, "warm.jsonl")
         with open(warm, "w") as f:
             f.write(json.dumps({"input_ids": WARM}) + "\n")
-        bootstrap = free_port()
-        pd = ["--device", "cpu", "--disaggregation-transfer-backend", "mooncake_tcp", "--enable-cache-report",
-              "--max-total-tokens", "4096", "--max-running-requests", "4"]
-        cls.prefill = Server(model, [*pd, "--enable-mamba-radix", "--max-mamba-cache-size", "32",
-                                     "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                                     str(bootstrap), "--warmups", "kda_cache", "--warmup-prompts-file", warm,
-                                     *cls.PREFILL_FLAGS],
-                             os.path.join(tmp.name, "prefill.log"), env=CHECKED_ENV)
-        cls.decode = Server(model, [*pd, "--disaggregation-mode", "decode"],
-                            os.path.join(tmp.name, "decode.log"), env=CHECKED_ENV)
-        for s in (cls.prefill, cls.decode):
-            cls.addClassCleanup(s.stop)
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
-            for started in [pool.submit(s.wait_healthy) for s in (cls.prefill, cls.decode)]:
-                started.result()
+        bootstrap = start_pd_pair(
+            cls, model, tmp.name,
+            ["--max-mamba-cache-size", "32", "--warmups", "kda_cache", "--warmup-prompts-file", warm,
+             *cls.PREFILL_FLAGS], [], env=CHECKED_ENV)
         from transformers import AutoTokenizer
 
         cls.tok = AutoTokenizer.from_pretrained(model)
         # sglang-router (Rust) as serve_cpu_pd.sh starts it, and sglang-router's own Python
         # mini load balancer (--mini-lb, ROUTER=mini there) in front of the same pair: the
         # Rust router re-serializes requests without cache_salt, the mini one forwards them as sent.
-        cls.url = cls._router(tmp.name, "router", ["--pd-disaggregation"], bootstrap, "/readiness")
-        cls.mini_url = cls._router(tmp.name, "mini-lb", ["--pd-disaggregation", "--mini-lb"], bootstrap, "/health")
-
-    @classmethod
-    def _router(cls, tmp, name, mode, bootstrap, ready_path):
-        """Start a router in front of the pair; returns its URL once ``ready_path`` answers 200."""
-        from sglang_mamba_ext.testing.server import free_port
-
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = open(os.path.join(tmp, f"{name}.log"), "w")
-        cls.addClassCleanup(log.close)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", *mode, "--host", "127.0.0.1",
-             "--port", str(port), "--prometheus-port", str(free_port()),
-             "--prefill", cls.prefill.base_url, str(bootstrap), "--decode", cls.decode.base_url],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        cls.addClassCleanup(lambda: os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None)
-        deadline = time.time() + 120
-        while True:  # Rust /readiness: 200 once a healthy prefill and decode worker are admitted
-            try:
-                if requests.get(url + ready_path, timeout=5).status_code == 200:
-                    return url
-            except requests.RequestException:
-                pass
-            if time.time() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"{name} did not become ready")
-            time.sleep(1)
+        cls.url = start_router(cls, tmp.name, "router", ["--pd-disaggregation"], bootstrap, "/readiness")
+        cls.mini_url = start_router(cls, tmp.name, "mini-lb", ["--pd-disaggregation", "--mini-lb"], bootstrap,
+                                    "/health")
 
     def post(self, ids, n=NEW, timeout=300, url=None, **extra):
         return requests.post((url or self.url) + "/generate", timeout=timeout, json={
@@ -163,6 +109,11 @@ class TestPrefillDecodeServing(unittest.TestCase):
         suffix = [t for t in (11, 12, 13, 14) if t != first][:3]
         out = self.gen(WARM + suffix)
         self.assertEqual(out["meta_info"]["cached_tokens"], len(WARM))
+        # Issue 23: a salted request (through --mini-lb, which keeps cache_salt) does not
+        # reuse the unsalted warm-up; checked here, before later tests' states can evict it
+        # (32 SSM slots).
+        check_warm_prompt_not_shared(self, lambda ids, ns: self.cached(ids, ns, "cache_salt", self.mini_url),
+                                     WARM, [t for t in (21, 22, 23) if t != first], len(WARM))
 
     def test_2_turns_equal_single_server_and_hit_on_prefill(self):
         ids1 = _ids(1, 45)
@@ -194,20 +145,31 @@ class TestPrefillDecodeServing(unittest.TestCase):
         self.assertEqual(out["output_ids"], self.ref.generate_greedy(ids, 2))
         return out["meta_info"]["cached_tokens"]
 
-    def test_2a_isolation_through_sglang_router_by_extra_key(self):
+    def test_2a_isolation_through_sglang_router(self):
         """Issue 23: sglang-router (Rust) forwards SGLang's ``extra_key`` on ``/generate``
-        (``cache_salt`` it drops: ``tests/test_router_forwarding.py``), and the prefill
-        server keeps its tenants apart exactly."""
+        and ``cache_salt`` on ``/v1/completions`` (``cache_salt`` on ``/generate`` it drops:
+        ``tests/test_router_forwarding.py``), and the prefill server keeps tenants apart exactly."""
         check_isolation(self, lambda ids, ns: self.cached(ids, ns, "extra_key", self.url))
+
+        text = "Completions tenant check: name three lakes and one river. "
+
+        def complete(prompt, salt):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            if salt is not None:
+                body["cache_salt"] = salt
+            r = requests.post(self.url + "/v1/completions", json=body, timeout=300)
+            self.assertEqual(r.status_code, 200, r.text)
+            usage = r.json()["usage"]
+            self.assertEqual(usage["prompt_tokens"], len(self.tok.encode(text)))
+            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # None when 0
+
+        check_isolation(self, complete, text, len(self.tok.encode(text)))
 
     def test_2b_isolation_through_mini_lb_by_cache_salt(self):
         """Issue 23: through sglang-router's ``--mini-lb`` the body reaches both servers as
         sent, so ``cache_salt`` keeps tenants apart exactly on ``/generate`` and
-        ``/v1/chat/completions``, and the unsalted warm-up serves only unsalted requests."""
-        send = lambda ids, ns: self.cached(ids, ns, "cache_salt", self.mini_url)  # noqa: E731
-        check_isolation(self, send)
-        first = self.ref.generate_greedy(WARM, 1)[0]
-        check_warm_prompt_not_shared(self, send, WARM, [t for t in (21, 22, 23) if t != first], len(WARM))
+        ``/v1/chat/completions`` (the warm-up rule: ``test_1``)."""
+        check_isolation(self, lambda ids, ns: self.cached(ids, ns, "cache_salt", self.mini_url))
 
         messages = [{"role": "system", "content": "PD tenant check. Reply briefly."},
                     {"role": "user", "content": "Which river is longest?"}]
