@@ -7,8 +7,8 @@ exactly through the router:
 1. a transfer failure: requests whose bootstrap cannot complete, sent straight to each server
    (to the decode server with the bootstrap address of a port where nothing listens; to the
    prefill server with a bootstrap room no decode server ever claims);
-2. the decode server killed while a request is in flight, then started again on its port;
-3. the prefill server killed while a request is in flight, then started again on its ports;
+2. the decode server killed while it decodes a request, then started again on its port;
+3. the prefill server killed while it prefills a request, then started again on its ports;
 4. a soak through the router (``soak.py``): clients with random endings, then idle checks and
    flat resident memory.
 
@@ -77,7 +77,8 @@ class TestPrefillDecodeFaults(unittest.TestCase):
         cls.addClassCleanup(tmp.cleanup)
         model = tiny_model_dir()
         cls.ref = TinyHybridReference.from_pretrained(model)
-        cls.bootstrap = start_pd_pair(cls, model, tmp.name, ["--max-mamba-cache-size", "32"], [], env=FAULT_ENV)
+        cls.bootstrap = start_pd_pair(cls, model, tmp.name, ["--max-mamba-cache-size", "32", "--chunked-prefill-size", "64"],
+                                      [], env=FAULT_ENV)
         # health checks every 2 s and a 5 s open circuit: a restarted server is admitted again soon
         cls.url = start_router(cls, tmp.name, "router", ["--pd-disaggregation"], cls.bootstrap, "/readiness",
                                ["--health-check-interval-secs", "2", "--cb-timeout-duration-secs", "5"])
@@ -106,10 +107,12 @@ class TestPrefillDecodeFaults(unittest.TestCase):
         out = fn()
         return out, time.time() - t0
 
-    def in_flight_then_kill(self, server, ids, n, after_s):
-        """Send ``ids`` through the router, SIGKILL ``server`` ``after_s`` seconds later;
-        returns (the client's answer or exception, seconds from the kill to it)."""
+    def in_flight_then_kill(self, server, ids, n, busy):
+        """Send ``ids`` through the router, SIGKILL ``server`` as soon as ``busy(marker)`` is
+        true (``marker``: the length of the server's log before the send); returns (the
+        client's answer or exception, seconds from the kill to it)."""
         result = {}
+        marker = len(server.log_text())
 
         def client():
             try:
@@ -120,7 +123,10 @@ class TestPrefillDecodeFaults(unittest.TestCase):
 
         t = threading.Thread(target=client)
         t.start()
-        time.sleep(after_s)
+        deadline = time.time() + 60
+        while not busy(marker):
+            self.assertTrue(t.is_alive() and time.time() < deadline, f"the request never showed on {server.base_url}")
+            time.sleep(0.01)
         killed_at = time.time()
         server.stop()
         t.join(ERROR_WITHIN_S + 30)
@@ -156,7 +162,8 @@ class TestPrefillDecodeFaults(unittest.TestCase):
         self.served_exactly(_ids(13, 30))
 
     def test_2_decode_killed_mid_request(self):
-        answer, took = self.in_flight_then_kill(self.decode, _ids(21, 300), 64, after_s=1.0)
+        answer, took = self.in_flight_then_kill(  # killed while decoding
+            self.decode, _ids(21, 300), 512, lambda _: self.decode.loads()["num_running_reqs"] > 0)
         self.assertTrue(isinstance(answer, Exception) or failed(answer), getattr(answer, "text", answer))
         self.assertLess(took, ERROR_WITHIN_S)
         report(f"decode server killed: client answer {describe(answer)} {took:.1f} s after the kill")
@@ -167,7 +174,10 @@ class TestPrefillDecodeFaults(unittest.TestCase):
         idle_and_checked(self.decode)
 
     def test_3_prefill_killed_mid_request(self):
-        answer, took = self.in_flight_then_kill(self.prefill, _ids(31, 300), 64, after_s=0.3)
+        # killed while prefilling: the first of its 64-token chunks logged (the prefill server's
+        # /v1/loads does not count a request in prefill)
+        answer, took = self.in_flight_then_kill(
+            self.prefill, _ids(31, 2000), 64, lambda at: "Prefill batch" in self.prefill.log_text()[at:])
         self.assertTrue(isinstance(answer, Exception) or failed(answer), getattr(answer, "text", answer))
         self.assertLess(took, ERROR_WITHIN_S)
         report(f"prefill server killed: client answer {describe(answer)} {took:.1f} s after the kill")
