@@ -66,3 +66,32 @@ def check_warm_prompt_not_shared(case, send: Callable[[List[int], Optional[str]]
     a, _ = tenants()
     case.assertEqual(send(warm + suffix, a), 0, "a salted request must not reuse the unsalted warm-up")
     case.assertEqual(send(warm + suffix, None), unsalted_hit, "an unsalted request hits the warm-up")
+
+
+def openai_sender(case, url: str, path: str, length: int) -> Callable:
+    """``send(prompt, salt) -> cached_tokens`` for SGLang's OpenAI endpoints at ``url``:
+    ``path`` ``/v1/chat/completions`` (``prompt``: the messages) or ``/v1/completions`` (text),
+    2 greedy tokens, ``cache_salt`` when ``salt`` is not None. Asserts HTTP 200 and
+    ``length`` prompt tokens; the cached tokens come from ``usage.prompt_tokens_details``
+    (the server needs ``--enable-cache-report``)."""
+    import requests
+
+    key = "messages" if path.endswith("chat/completions") else "prompt"
+
+    def send(prompt, salt):
+        body = {"model": "tiny", key: prompt, "max_tokens": 2, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        r = requests.post(url + path, json=body, timeout=300)
+        case.assertEqual(r.status_code, 200, r.text)
+        usage = r.json()["usage"]
+        case.assertEqual(usage["prompt_tokens"], length)
+        return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # None when 0
+
+    return send
+
+
+def chat_length(tok, messages) -> int:
+    """Prompt tokens of ``messages`` under the tokenizer's chat template (generation prompt on)."""
+    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)

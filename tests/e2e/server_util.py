@@ -89,10 +89,9 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def start_tiny_server(cls, flags: List[str], env: Optional[Dict[str, str]] = None) -> None:
-    """For a test class: the tiny model (seed 0), its reference (``cls.ref``) and one server
-    with ``flags`` (``cls.server``), stopped and cleaned up with the class."""
-    import os
+def tiny_class_setup(cls) -> str:
+    """For a test class: a temporary directory removed with the class (``cls.tmp_dir``), the
+    tiny model (seed 0, ``cls.model``) and its reference (``cls.ref``); returns the directory."""
     import tempfile
 
     from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
@@ -103,6 +102,13 @@ def start_tiny_server(cls, flags: List[str], env: Optional[Dict[str, str]] = Non
     cls.tmp_dir = tmp.name
     cls.model = tiny_model_dir()
     cls.ref = TinyHybridReference.from_pretrained(cls.model)
-    cls.server = Server(cls.model, flags, os.path.join(tmp.name, "server.log"), env=env)
+    return cls.tmp_dir
+
+
+def start_tiny_server(cls, flags: List[str], env: Optional[Dict[str, str]] = None) -> None:
+    """For a test class: :func:`tiny_class_setup` and one server with ``flags``
+    (``cls.server``), stopped with the class."""
+    tiny_class_setup(cls)
+    cls.server = Server(cls.model, flags, os.path.join(cls.tmp_dir, "server.log"), env=env)
     cls.addClassCleanup(cls.server.stop)
     cls.server.wait_healthy()

@@ -231,25 +231,12 @@ class TestMetricsServing(unittest.TestCase):
     def test_e_tenant_isolation_in_chat(self):
         """Issue 23: ``cache_salt`` in a ``/v1/chat/completions`` body keeps tenants apart
         exactly (``usage.prompt_tokens_details.cached_tokens``)."""
-        import requests
-
-        from isolation import check_isolation
+        from isolation import chat_length, check_isolation, openai_sender
 
         messages = [{"role": "system", "content": f"Tenant check {uuid.uuid4().hex}. Reply briefly."},
                     {"role": "user", "content": "Which bird sings at dawn?"}]
-        chat = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        length = len(chat["input_ids"] if hasattr(chat, "keys") else chat)
-
-        def send(msgs, salt):
-            body = {"model": "tiny", "messages": msgs, "max_tokens": 2, "temperature": 0}
-            if salt is not None:
-                body["cache_salt"] = salt
-            r = requests.post(self.server.base_url + "/v1/chat/completions", json=body, timeout=300)
-            self.assertEqual(r.status_code, 200, r.text)
-            usage = r.json()["usage"]
-            self.assertEqual(usage["prompt_tokens"], length)
-            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # None when 0
-
+        length = chat_length(self.tok, messages)
+        send = openai_sender(self, self.server.base_url, "/v1/chat/completions", length)
         check_isolation(self, send, messages, length, unsalted=False)
 
     def test_f_survives_sglangs_idle_checks(self):

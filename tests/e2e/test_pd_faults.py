@@ -19,9 +19,7 @@ what bounds it; :data:`ERROR_WITHIN_S` is the bound asserted. Clients giving up 
 disconnect in prefill, transfer or decode) are ``test_pd_serving.py``'s ``test_3``.
 """
 
-import os
 import random
-import tempfile
 import threading
 import time
 import unittest
@@ -30,7 +28,7 @@ import pytest
 import requests
 
 from pd_util import skip_without_pd, start_pd_pair, start_router
-from server_util import CHECKED_ENV, idle_and_checked
+from server_util import CHECKED_ENV, idle_and_checked, tiny_class_setup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -70,17 +68,11 @@ def describe(answer) -> str:
 class TestPrefillDecodeFaults(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
-        from sglang_mamba_ext.testing import tiny_model_dir
-
-        tmp = tempfile.TemporaryDirectory()
-        cls.addClassCleanup(tmp.cleanup)
-        model = tiny_model_dir()
-        cls.ref = TinyHybridReference.from_pretrained(model)
-        cls.bootstrap = start_pd_pair(cls, model, tmp.name, ["--max-mamba-cache-size", "32", "--chunked-prefill-size", "64"],
-                                      [], env=FAULT_ENV)
+        tmp = tiny_class_setup(cls)
+        cls.bootstrap = start_pd_pair(cls, cls.model, tmp, ["--max-mamba-cache-size", "32",
+                                                             "--chunked-prefill-size", "64"], [], env=FAULT_ENV)
         # health checks every 2 s and a 5 s open circuit: a restarted server is admitted again soon
-        cls.url = start_router(cls, tmp.name, "router", ["--pd-disaggregation"], cls.bootstrap, "/readiness",
+        cls.url = start_router(cls, tmp, "router", ["--pd-disaggregation"], cls.bootstrap, "/readiness",
                                ["--health-check-interval-secs", "2", "--cb-timeout-duration-secs", "5"])
 
     def body(self, ids, n, **extra):

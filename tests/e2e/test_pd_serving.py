@@ -20,15 +20,14 @@ decode server holds them whole, so the transfer must put each rank's slices at t
 import concurrent.futures
 import json
 import os
-import tempfile
 import unittest
 
 import pytest
 import requests
 
-from isolation import check_isolation, check_warm_prompt_not_shared
+from isolation import chat_length, check_isolation, check_warm_prompt_not_shared, openai_sender
 from pd_util import skip_without_pd, start_pd_pair, start_router
-from server_util import CHECKED_ENV, common_prefix, idle_and_checked
+from server_util import CHECKED_ENV, common_prefix, idle_and_checked, tiny_class_setup
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -51,18 +50,13 @@ class TestPrefillDecodeServing(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
-        from sglang_mamba_ext.testing import tiny_model_dir
-
-        tmp = tempfile.TemporaryDirectory()
-        cls.addClassCleanup(tmp.cleanup)
-        model = tiny_model_dir()
-        cls.ref = TinyHybridReference.from_pretrained(model)
-        warm = os.path.join(tmp.name, "warm.jsonl")
+        tmp = tiny_class_setup(cls)
+        model = cls.model
+        warm = os.path.join(tmp, "warm.jsonl")
         with open(warm, "w") as f:
             f.write(json.dumps({"input_ids": WARM}) + "\n")
         bootstrap = start_pd_pair(
-            cls, model, tmp.name,
+            cls, model, tmp,
             ["--max-mamba-cache-size", "32", "--warmups", "kda_cache", "--warmup-prompts-file", warm,
              *cls.PREFILL_FLAGS], [], env=CHECKED_ENV)
         from transformers import AutoTokenizer
@@ -71,8 +65,8 @@ class TestPrefillDecodeServing(unittest.TestCase):
         # sglang-router (Rust) as serve_cpu_pd.sh starts it, and sglang-router's own Python
         # mini load balancer (--mini-lb, ROUTER=mini there) in front of the same pair: the
         # Rust router re-serializes requests without cache_salt, the mini one forwards them as sent.
-        cls.url = start_router(cls, tmp.name, "router", ["--pd-disaggregation"], bootstrap, "/readiness")
-        cls.mini_url = start_router(cls, tmp.name, "mini-lb", ["--pd-disaggregation", "--mini-lb"], bootstrap,
+        cls.url = start_router(cls, tmp, "router", ["--pd-disaggregation"], bootstrap, "/readiness")
+        cls.mini_url = start_router(cls, tmp, "mini-lb", ["--pd-disaggregation", "--mini-lb"], bootstrap,
                                     "/health")
 
     def post(self, ids, n=NEW, timeout=300, url=None, **extra):
@@ -152,18 +146,8 @@ class TestPrefillDecodeServing(unittest.TestCase):
         check_isolation(self, lambda ids, ns: self.cached(ids, ns, "extra_key", self.url))
 
         text = "Completions tenant check: name three lakes and one river. "
-
-        def complete(prompt, salt):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-            if salt is not None:
-                body["cache_salt"] = salt
-            r = requests.post(self.url + "/v1/completions", json=body, timeout=300)
-            self.assertEqual(r.status_code, 200, r.text)
-            usage = r.json()["usage"]
-            self.assertEqual(usage["prompt_tokens"], len(self.tok.encode(text)))
-            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # None when 0
-
-        check_isolation(self, complete, text, len(self.tok.encode(text)))
+        length = len(self.tok.encode(text))
+        check_isolation(self, openai_sender(self, self.url, "/v1/completions", length), text, length)
 
     def test_2b_isolation_through_mini_lb_by_cache_salt(self):
         """Issue 23: through sglang-router's ``--mini-lb`` the body reaches both servers as
@@ -173,20 +157,9 @@ class TestPrefillDecodeServing(unittest.TestCase):
 
         messages = [{"role": "system", "content": "PD tenant check. Reply briefly."},
                     {"role": "user", "content": "Which river is longest?"}]
-        chat = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        length = len(chat["input_ids"] if hasattr(chat, "keys") else chat)
-
-        def chat_send(msgs, salt):
-            body = {"model": "tiny", "messages": msgs, "max_tokens": 2, "temperature": 0}
-            if salt is not None:
-                body["cache_salt"] = salt
-            r = requests.post(self.mini_url + "/v1/chat/completions", json=body, timeout=300)
-            self.assertEqual(r.status_code, 200, r.text)
-            usage = r.json()["usage"]
-            self.assertEqual(usage["prompt_tokens"], length)
-            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # None when 0
-
-        check_isolation(self, chat_send, messages, length, unsalted=False)
+        length = chat_length(self.tok, messages)
+        check_isolation(self, openai_sender(self, self.mini_url, "/v1/chat/completions", length), messages, length,
+                        unsalted=False)
 
     def test_3_client_aborts_leave_no_leak(self):
         # Clients that give up while their request is being prefilled, transferred or decoded
