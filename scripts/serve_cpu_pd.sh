@@ -19,7 +19,9 @@
 # for one server only, split on spaces, e.g. PREFILL_ARGS="--tp 2"), ROUTER (`rust`, the
 # default: sglang-router's gateway; `mini`: its Python --mini-lb, which forwards request bodies
 # as sent, so `cache_salt` reaches the servers; the Rust one drops it: docs/serving.md,
-# "Tenant isolation"). Extra arguments reach both servers.
+# "Tenant isolation"), ROUTER_ARGS (extra router arguments, split on spaces, e.g.
+# ROUTER_ARGS="--retry-max-retries 1": docs/serving.md, Faults). Extra arguments reach both
+# servers.
 # When all three answer, prints one line `router: http://HOST:PORT` on stdout. Ctrl-C or
 # SIGTERM stops all of them; if one of them exits, the others are stopped too and the exit
 # status is non-zero. Logs: LOG_DIR (default a new temporary directory, printed on stderr).
@@ -53,6 +55,7 @@ warm=(--warmups kda_cache --warmup-prompts-file "${WARMUP_FILE-$root/examples/wa
 
 read -r -a prefill_args <<<"${PREFILL_ARGS:-}"
 read -r -a decode_args <<<"${DECODE_ARGS:-}"
+read -r -a router_args <<<"${ROUTER_ARGS:-}"
 pids=()
 stop_all() {
   trap - INT TERM EXIT
@@ -109,7 +112,7 @@ wait_ready prefill "http://127.0.0.1:$pport/health"
 wait_ready decode "http://127.0.0.1:$dport/health"
 start router "$vpy" -m sglang_router.launch_router --pd-disaggregation "${router_mode[@]}" \
   --prefill "http://127.0.0.1:$pport" "$bport" --decode "http://127.0.0.1:$dport" \
-  --host "$host" --port "$port"
+  --host "$host" --port "$port" "${router_args[@]}"
 # Rust /readiness: 200 once the router has admitted a healthy prefill and decode worker
 # (--mini-lb has no admission: its /health answers once it listens).
 wait_ready router "http://$host:$port$ready"

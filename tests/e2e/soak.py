@@ -57,7 +57,8 @@ def soak(url: str, pids: List[int], seconds: float, clients: int = 4, seed: int 
     ``/abort_request`` to (none through a router).
 
     Returns counts per ending (``served``, ``disconnected``, ``stream_cut``, ``aborted``,
-    ``errors``: non-2xx answers to requests that were served to the end) and
+    ``errors``: a non-2xx answer, a stream that closed without a chunk, or a request error
+    other than the client's own read timeout) and
     ``rss_start_mb`` (after the first tenth of the run), ``rss_end_mb``, ``rss_max_mb``.
     """
     rnd0 = random.Random(seed)
@@ -83,15 +84,15 @@ def soak(url: str, pids: List[int], seconds: float, clients: int = 4, seed: int 
                     count("served" if r.ok else "errors")
                 elif kind < 0.75:
                     try:
-                        requests.post(url + "/generate", json=body, timeout=rnd.uniform(0.05, 1.5))
-                        count("served")
+                        r = requests.post(url + "/generate", json=body, timeout=rnd.uniform(0.05, 1.5))
+                        count("served" if r.ok else "errors")
                     except requests.Timeout:
                         count("disconnected")
                 elif kind < 0.9 or abort_url is None:
                     with requests.post(url + "/generate", json={**body, "stream": True}, stream=True,
                                        timeout=300) as r:
-                        next(r.iter_lines(), None)  # the first chunk, then the connection closes
-                    count("stream_cut")
+                        first = next(r.iter_lines(), None)  # the first chunk, then the connection closes
+                        count("stream_cut" if r.ok and first else "errors")
                 else:
                     rid = uuid.uuid4().hex
                     t = threading.Thread(target=lambda: requests.post(
