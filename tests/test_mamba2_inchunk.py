@@ -193,5 +193,18 @@ class TestMamba2AgainstSGLang(unittest.TestCase):
         self.assertLess(worst, 1e-3)
 
 
+class TestMamba2GpuCheckTinyMode(unittest.TestCase):
+    def test_tiny_mode_runs(self):
+        """``gpu_check_mamba2 --tiny`` (the GPU check's code path at toy shapes, interpreted):
+        correctness OK and the last line carries the ratio."""
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2",
+                               "--tiny"], env=env, capture_output=True, text=True, timeout=600)
+        self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-2000:])
+        self.assertIn(" OK", proc.stdout)
+        last = proc.stdout.strip().splitlines()[-1]
+        self.assertRegex(last, r"^mamba2_inchunk_cost_ratio=[0-9.]+$")
+
+
 if __name__ == "__main__":
     unittest.main()
