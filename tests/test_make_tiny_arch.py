@@ -33,7 +33,8 @@ LINEAR_AND_FULL = {
     "qwen3_next": lambda c: set(c["layer_types"]) == {"linear_attention", "full_attention"},
     "kimi_linear": lambda c: c["linear_attn_config"]["kda_layers"] == [1, 3]
     and c["linear_attn_config"]["full_attn_layers"] == [2, 4],
-    "nemotron_h": lambda c: "M" in c["hybrid_override_pattern"] and "*" in c["hybrid_override_pattern"],
+    "nemotron_h": lambda c: c["hybrid_override_pattern"] == "M*M-" and "layers_block_type" not in c
+    and c["mamba_n_groups"] == c["n_groups"] == 2,
     "falcon_h1": lambda c: c["mamba_n_heads"] == 4 and c["num_attention_heads"] == 4,  # both in every layer
     "granitemoehybrid": lambda c: set(c["layer_types"]) == {"mamba", "attention"},
     "lfm2": lambda c: set(c["layer_types"]) == {"conv", "full_attention"},

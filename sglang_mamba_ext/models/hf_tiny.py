@@ -81,11 +81,15 @@ _FAMILIES: Dict[str, Dict] = {
         config=dict(
             model_type="nemotron_h", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
             hybrid_override_pattern="M*M-", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, expand=1,
+            mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, mamba_n_groups=2, conv_kernel=4,
+            expand=1,
             use_conv_bias=True, chunk_size=64, mlp_hidden_act="relu2", mamba_hidden_act="silu",
             layer_norm_epsilon=1e-5, attention_bias=False, mlp_bias=False, use_bias=False,
             residual_in_fp32=False, rescale_prenorm_residual=True,
         ),
+        # transformers writes its own layer-kind names here ("linear_attention", ...), which
+        # SGLang's NemotronHConfig refuses (configs/nemotron_h.py); both read the pattern above.
+        drop=("layers_block_type", "mtp_layers_block_type"),
     ),
     "falcon_h1": dict(
         cls="FalconH1ForCausalLM",
@@ -234,7 +238,7 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
         saved = json.load(f)
     # The released format first (what SGLang's config classes read), then transformers' own
     # derived keys where they do not clash.
-    merged = dict(saved)
+    merged = {k: v for k, v in saved.items() if k not in _FAMILIES[arch].get("drop", ())}
     merged.update(config_json)
     merged.update(architectures=[_FAMILIES[arch]["cls"]], torch_dtype="float16", dtype="float16")
     merged[MARKER_KEY] = arch
