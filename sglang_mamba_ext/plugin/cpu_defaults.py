@@ -47,6 +47,15 @@ CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"
 ENABLE_FLAG = "--enable-mamba-radix"
 #: ``config.json`` ``model_type`` of the project's tiny hybrid model.
 TINY_MODEL_TYPE = "tiny_hybrid"
+#: ``config.json`` key marking the project's tiny checkpoints of SGLang's own model classes
+#: (``models/hf_tiny.py``); its value is the family (``qwen3_next``, ``nemotron_h``, ...).
+TINY_HF_MARKER = "sglang_mamba_ext_tiny"
+#: SGLang's own hybrid model classes whose CPU gaps the plugin bridges
+#: (:mod:`sglang_mamba_ext.plugin.cpu_bridges`), by ``architectures`` entry.
+SGLANG_HYBRID_ARCHITECTURES = (
+    "Qwen3NextForCausalLM", "KimiLinearForCausalLM", "NemotronHForCausalLM",
+    "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM",
+)
 
 #: KV tokens: a few thousand-token conversations at once.
 DEFAULT_MAX_TOTAL_TOKENS = 16384
@@ -89,6 +98,20 @@ def is_tiny_model(argv: Sequence[str]) -> bool:
     return local_model_config(_flag_value(argv, "--model-path")).get("model_type") == TINY_MODEL_TYPE
 
 
+def tiny_hf_arch(argv: Sequence[str]) -> Optional[str]:
+    """The family of the project's tiny checkpoint of one of SGLang's own model classes at
+    ``--model-path`` (``config.json`` key :data:`TINY_HF_MARKER`), or None for any other model."""
+    arch = local_model_config(_flag_value(argv, "--model-path")).get(TINY_HF_MARKER)
+    return arch if isinstance(arch, str) and arch else None
+
+
+def sglang_hybrid_model(argv: Sequence[str]) -> bool:
+    """Whether ``--model-path`` names a local checkpoint of one of SGLang's own hybrid classes
+    (:data:`SGLANG_HYBRID_ARCHITECTURES`): the project's tiny ones or any other."""
+    archs = local_model_config(_flag_value(argv, "--model-path")).get("architectures") or []
+    return any(a in SGLANG_HYBRID_ARCHITECTURES for a in archs)
+
+
 def sglang_kernels_without_cuda(argv: Sequence[str]) -> bool:
     """Whether argv serves the tiny model with SGLang's own linear-attention backends
     (``TinyHybridGDNForCausalLM`` / ``TinyHybridKDAForCausalLM``) on ``--device cpu`` on a host
@@ -98,8 +121,8 @@ def sglang_kernels_without_cuda(argv: Sequence[str]) -> bool:
     from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
 
     archs = local_model_config(_flag_value(argv, "--model-path")).get("architectures") or []
-    return (_active(argv) and is_tiny_model(argv) and any(a in SGLANG_KERNEL_ARCHITECTURES for a in archs)
-            and not torch.cuda.is_available())
+    ours = is_tiny_model(argv) and any(a in SGLANG_KERNEL_ARCHITECTURES for a in archs)
+    return _active(argv) and (ours or sglang_hybrid_model(argv)) and not torch.cuda.is_available()
 
 
 def _checkpoint_dtype(model_path: Optional[str]) -> Optional[str]:
@@ -112,7 +135,7 @@ def _active(argv: Sequence[str]) -> bool:
         _flag_value(argv, "--device") == "cpu"
         and _flag_value(argv, "--config") is None
         and os.environ.get(DISABLE_ENV, "0") in ("", "0")
-        and (_flag_value(argv, ENABLE_FLAG) is not None or is_tiny_model(argv))
+        and (_flag_value(argv, ENABLE_FLAG) is not None or is_tiny_model(argv) or tiny_hf_arch(argv) is not None)
     )
 
 
@@ -148,6 +171,14 @@ def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         add("--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS))
     if absent("--max-mamba-cache-size", "--mem-fraction-static", "--mamba-full-memory-ratio"):
         add("--max-mamba-cache-size", str(DEFAULT_MAX_MAMBA_CACHE_SIZE))
+    if sglang_kernels_without_cuda(argv) and sglang_hybrid_model(argv) and absent("--mamba-radix-cache-strategy"):
+        # SGLang refuses its extra_buffer tracking on CPU for its own classes
+        # (arg_groups/mamba_hook.py::validate_mamba_extra_buffer); no_buffer caches without it.
+        add("--mamba-radix-cache-strategy", "no_buffer")
+        if _flag_value(argv, ENABLE_FLAG) is None and absent("--disable-overlap-schedule"):
+            # SGLang's no_buffer path needs the non-overlap scheduler (the plugin's flag
+            # turns it off by itself, plugin/args.py)
+            add("--disable-overlap-schedule")
     if speculating_without_cuda(argv) and absent("--disable-overlap-schedule"):
         # FROZEN_KV_MTP on CPU is run (and tested) by SGLang's non-overlap scheduler only.
         add("--disable-overlap-schedule")
@@ -231,6 +262,10 @@ def _before_prepare_server_args(argv, *args, **kwargs):
         # inherited by the scheduler processes. SGLang's own GDN/KDA backends write the conv
         # window from the model's activations in place, so there it must be the model's dtype.
         conv = "float16" if sglang_kernels_without_cuda(new_argv) else "float32"
+        if sglang_kernels_without_cuda(new_argv) and sglang_hybrid_model(new_argv):
+            # SGLang's own classes: the checkpoint's half dtype (what the kernels write)
+            ckpt = _checkpoint_dtype(_flag_value(new_argv, "--model-path"))
+            conv = ckpt if ckpt in ("float16", "bfloat16") else conv
         os.environ[CONV_DTYPE_ENV] = conv
         added.append(f"{CONV_DTYPE_ENV}={conv}")
     if _active(new_argv):
@@ -239,9 +274,16 @@ def _before_prepare_server_args(argv, *args, **kwargs):
                 os.environ[name] = value
                 added.append(f"{name}={value}")
     if sglang_kernels_without_cuda(new_argv) and "TRITON_INTERPRET" not in os.environ:
-        # SGLang's GDN / KDA Triton kernels, interpreted (plugin/triton_interpret.py)
+        # SGLang's GDN / KDA / Mamba2 Triton kernels, interpreted (plugin/triton_interpret.py)
         os.environ["TRITON_INTERPRET"] = "1"
         added.append("TRITON_INTERPRET=1")
+    if sglang_kernels_without_cuda(new_argv) and sglang_hybrid_model(new_argv):
+        from sglang_mamba_ext.plugin.cpu_bridges import ACTIVE_ENV
+
+        if ACTIVE_ENV not in os.environ:
+            # inherited by the scheduler processes: turns on plugin/cpu_bridges.py there
+            os.environ[ACTIVE_ENV] = "1"
+            added.append(f"{ACTIVE_ENV}=1")
     if speculating_without_cuda(new_argv):
         for name, value in cpu_spec_env():
             if name not in os.environ:
