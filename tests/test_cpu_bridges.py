@@ -192,12 +192,39 @@ class TestMamba2KernelInterpreted(unittest.TestCase):
         padded[:, :70] = ref_dt
         ref_dt = padded.view(1, 2, 64, 4).permute(0, 3, 1, 2)  # [1, H, chunks, chunk]
         ref_dA = torch.cumsum(ref_dt * A[None, :, None, None], dim=-1)
-        torch.testing.assert_close(dt_out[..., :70 - 64 + 64][:, :, 0], ref_dt[:, :, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dt_out[:, :, 0], ref_dt[:, :, 0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dA[:, :, 0], ref_dA[:, :, 0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dA[:, :, 1, :6], ref_dA[:, :, 1, :6], rtol=1e-5, atol=1e-5)
 
 
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED)
+
+
+@unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
+class TestTorchNativeMLA(unittest.TestCase):
+    """gap 5: SGLang's MLA handler registry has no ``torch_native`` entry, so the ``triton``
+    handler answers (the MHA path for a prefill without prefix, which torch_native cannot
+    serve from the latent pool)."""
+
+    def setUp(self):
+        from sglang.srt.models.deepseek_common import attention_backend_handler as h
+
+        self.registry = h.AttentionBackendRegistry
+        saved = dict(self.registry._handlers)
+        self.addCleanup(lambda: (self.registry._handlers.clear(), self.registry._handlers.update(saved)))
+        self.registry._handlers.pop("torch_native", None)
+
+    def test_gap_present_upstream(self):
+        self.assertIs(self.registry.get_handler("torch_native"), self.registry.get_handler("triton"))
+
+    def test_bridge_answers_absorbed_mla(self):
+        from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+        from sglang_mamba_ext.plugin.cpu_bridges import register_torch_native_mla
+
+        self.assertTrue(register_torch_native_mla())
+        self.assertFalse(register_torch_native_mla())
+        self.assertEqual(self.registry.get_handler("torch_native")(object(), object()), AttnForwardMethod.MLA)
 
 
 class TestRegistration(unittest.TestCase):

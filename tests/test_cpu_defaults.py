@@ -134,7 +134,7 @@ class TestTinyHFCheckpoints(unittest.TestCase):
         self.assertEqual(added, [
             "--attention-backend torch_native", f"--max-total-tokens {cpu_defaults.DEFAULT_MAX_TOTAL_TOKENS}",
             f"--max-mamba-cache-size {cpu_defaults.DEFAULT_MAX_MAMBA_CACHE_SIZE}",
-            "--mamba-radix-cache-strategy no_buffer", "--disable-overlap-schedule",
+            "--mamba-radix-cache-strategy no_buffer", "--chunked-prefill-size 64", "--disable-overlap-schedule",
         ])
         # the plugin's flag turns overlap off itself (plugin/args.py)
         new, added = cpu_default_args(argv + ["--enable-mamba-radix"])

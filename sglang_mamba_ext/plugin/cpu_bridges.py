@@ -190,6 +190,33 @@ def rope_init_around(original, *args, **kwargs):
             mod._is_cpu = saved
 
 
+# ---------------------------------------------------------------- MLA under torch_native (gap 5)
+
+MLA_HANDLERS = "sglang.srt.models.deepseek_common.attention_backend_handler"
+
+
+def torch_native_mla_handler(attn, forward_batch):
+    """MLA forward method under ``--attention-backend torch_native``: always the absorbed path
+    (``AttnForwardMethod.MLA``), which reads and writes the latent KV pool that
+    ``torch_native`` serves."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    return AttnForwardMethod.MLA
+
+
+def register_torch_native_mla() -> bool:
+    """Register :func:`torch_native_mla_handler` for ``torch_native`` in SGLang's MLA handler
+    registry when it has none (otherwise its ``triton`` handler answers, which picks the MHA
+    path for a prefill without prefix: ``Expected size ... but got ...`` in torch_native);
+    returns whether it registered."""
+    handlers = importlib.import_module(MLA_HANDLERS)
+    registry = handlers.AttentionBackendRegistry
+    if "torch_native" in registry._handlers:
+        return False
+    registry.register("torch_native", torch_native_mla_handler)
+    return True
+
+
 # ---------------------------------------------------------------- shims (gap 4) at model start
 
 def install_model_bridges() -> dict:
@@ -201,6 +228,7 @@ def install_model_bridges() -> dict:
     if interpreting():
         done["shims"] = install_interpreter_shims(extra_modules=MAMBA_KERNEL_MODULES)
     done["causal_conv"] = bind_causal_conv()
+    done["torch_native_mla"] = register_torch_native_mla()
     return done
 
 

@@ -65,6 +65,9 @@ DEFAULT_MAX_TOTAL_TOKENS = 16384
 #: 8 running requests.
 DEFAULT_MAX_MAMBA_CACHE_SIZE = 128
 
+#: ``--chunked-prefill-size`` for SGLang's own hybrid classes on CPU under the interpreter.
+SGLANG_HYBRID_CHUNKED_PREFILL = 64
+
 _installed = False
 
 
@@ -175,6 +178,10 @@ def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         # SGLang refuses its extra_buffer tracking on CPU for its own classes
         # (arg_groups/mamba_hook.py::validate_mamba_extra_buffer); no_buffer caches without it.
         add("--mamba-radix-cache-strategy", "no_buffer")
+        if absent("--chunked-prefill-size"):
+            # a prefill chunk as long as the models' SSD chunk: the cache keeps a state at each
+            # chunk's end (a resent prompt hits at the last multiple of 64 instead of nothing)
+            add("--chunked-prefill-size", str(SGLANG_HYBRID_CHUNKED_PREFILL))
         if _flag_value(argv, ENABLE_FLAG) is None and absent("--disable-overlap-schedule"):
             # SGLang's no_buffer path needs the non-overlap scheduler (the plugin's flag
             # turns it off by itself, plugin/args.py)
