@@ -1,8 +1,9 @@
 """CPU-safe server defaults for the project's own model or ``--enable-mamba-radix`` on CPU.
 
 When the launch is ``--device cpu`` and either the model at ``--model-path`` is the project's
-tiny hybrid model (``config.json`` ``model_type`` ``tiny_hybrid``) or ``--enable-mamba-radix``
-is given, a few flags the user did not pass are appended to argv, and
+tiny hybrid model (``config.json`` ``model_type`` ``tiny_hybrid``) or one of its tiny
+checkpoints of SGLang's own classes (``config.json`` key ``sglang_mamba_ext_tiny``), or
+``--enable-mamba-radix`` is given, a few flags the user did not pass are appended to argv, and
 ``SGLANG_MAMBA_CONV_DTYPE=float32`` is set unless already set. Any other launch (another model
 without the flag, another device, a ``--config`` file, or
 ``SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS=1``) keeps its argv and environment exactly. Why each
@@ -23,6 +24,14 @@ default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serv
 - with the tiny model served by SGLang's own GDN / KDA backends (``--linear-kernels sglang`` of
   ``scripts/make_tiny_model.py``) on a host without CUDA: ``TRITON_INTERPRET=1``, so that their
   Triton kernels run under Triton's interpreter (``plugin/triton_interpret.py``).
+- with one of SGLang's own hybrid classes (Qwen3-Next, Kimi-Linear, Nemotron-H, Falcon-H1,
+  GraniteMoeHybrid, LFM2) on a host without CUDA, when it is the project's tiny checkpoint
+  (``config.json`` key ``sglang_mamba_ext_tiny``, :func:`tiny_hf_arch`) or
+  ``--enable-mamba-radix`` is given: ``TRITON_INTERPRET=1``, the checkpoint's half dtype for
+  the conv window, ``--mamba-radix-cache-strategy no_buffer`` (SGLang refuses extra_buffer
+  on CPU for them), ``--chunked-prefill-size 64`` (a cached state at each chunk's end),
+  ``--disable-overlap-schedule`` without the plugin's flag (SGLang's no_buffer path needs it)
+  and ``SGLANG_MAMBA_EXT_CPU_BRIDGES=1`` (:mod:`.cpu_bridges` in the scheduler processes).
 - with more than one rank (``--tp`` / ``--dp`` / ``--pp-size`` > 1): the environment of
   :func:`multi_rank_env` (one CPU core list per rank, PyNccl off).
 
@@ -117,8 +126,10 @@ def sglang_hybrid_model(argv: Sequence[str]) -> bool:
 
 def sglang_kernels_without_cuda(argv: Sequence[str]) -> bool:
     """Whether argv serves the tiny model with SGLang's own linear-attention backends
-    (``TinyHybridGDNForCausalLM`` / ``TinyHybridKDAForCausalLM``) on ``--device cpu`` on a host
-    without CUDA: their Triton kernels then run under Triton's interpreter."""
+    (``TinyHybridGDNForCausalLM`` / ``TinyHybridKDAForCausalLM``), or one of SGLang's own
+    hybrid classes (:func:`sglang_hybrid_model`: the project's tiny checkpoints, or any under
+    ``--enable-mamba-radix``), on ``--device cpu`` on a host without CUDA: their Triton kernels
+    then run under Triton's interpreter."""
     import torch
 
     from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
