@@ -8,6 +8,8 @@
 # lines: memory_ratio=<x>, replay_overhead=<y>. Then the in-chunk checkpoint writer (docs/design.md,
 # "Prefix checkpoints"): correctness vs torch and fla's chunked kernels, cost per checkpoint vs
 # the prefill it saves; last line inchunk_cost_ratio=<z> (sglang_mamba_ext/speculative/ops/inchunk/gpu_check.py).
+# Then the Mamba2/SSD writer (ops/inchunk/gpu_check_mamba2.py): correctness vs torch and a chunked
+# SSD scan, cost per checkpoint at Nemotron-H-8B shapes; last line mamba2_inchunk_cost_ratio=<w>.
 # Extra arguments go to `python -m sglang_mamba_ext.speculative.ops.gpu_check` (e.g.
 # --state-dtype bf16), run with the repository root on PYTHONPATH (the package need not be
 # installed). If $OUT is set, the output is also written to $OUT/gpu_check.txt.
@@ -34,4 +36,12 @@ if [ -n "${OUT:-}" ]; then
   timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check "$@" 2>&1 | tee -a "$OUT/gpu_check.txt"
 else
   timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check "$@"
+fi
+# Mamba2 / SSD in-chunk writer (Nemotron-H, Falcon-H1, GraniteMoeHybrid), in what is left of 295 s
+left=$((295 - SECONDS)); if [ "$left" -gt 90 ]; then left=90; fi
+if [ "$left" -lt 20 ]; then echo "gpu_check.sh: no time left for the Mamba2 in-chunk section"; exit 1; fi
+if [ -n "${OUT:-}" ]; then
+  timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 "$@" 2>&1 | tee -a "$OUT/gpu_check.txt"
+else
+  timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 "$@"
 fi

@@ -2,7 +2,13 @@
 """Write the tiny hybrid test model (config, seeded weights, local tokenizer) to a directory.
 
 Usage: python scripts/make_tiny_model.py --out DIR [--seed N] [--draft-out DRAFT_DIR]
-[--linear-gate {kda,gdn}]
+[--linear-gate {kda,gdn}] [--linear-kernels {tiny,sglang}]
+       python scripts/make_tiny_model.py --arch ARCH --out DIR [--seed N]
+
+``--arch`` writes a tiny checkpoint of one of SGLang's own hybrid families instead
+(``qwen3_next``, ``kimi_linear``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``,
+``lfm2``), served by SGLang's own model class for it; built by transformers' own class
+(``sglang_mamba_ext/models/hf_tiny.py``), float16, the same tokenizer.
 
 ``--linear-gate gdn`` gives the linear layers Gated DeltaNet's per-head decay gate (Qwen3-Next)
 instead of KDA's per-channel one (Kimi-Linear, the default).
@@ -19,6 +25,7 @@ installed (its SGLang plugin registers the model).
 import argparse
 import sys
 
+from sglang_mamba_ext.models.hf_tiny import ARCHS
 from sglang_mamba_ext.models.tiny_builder import build_tiny_draft, build_tiny_model
 
 
@@ -35,7 +42,21 @@ def main(argv=None) -> int:
                         help="who serves the linear layers: tiny (the plugin's torch backend, float32, "
                              "default) or sglang (SGLang's own GDN/KDA backend by --linear-gate, "
                              "float16; on CPU under Triton's interpreter)")
+    parser.add_argument("--arch", choices=ARCHS, default=None,
+                        help="write a tiny checkpoint of this SGLang hybrid family instead of the tiny "
+                             "hybrid model (no --draft-out, --linear-gate or --linear-kernels with it)")
     args = parser.parse_args(argv)
+    if args.arch:
+        given = [f for f, v in (("--draft-out", args.draft_out), ("--linear-gate", args.linear_gate != "kda"),
+                                ("--linear-kernels", args.linear_kernels != "tiny")) if v]
+        if given:
+            parser.error(f"--arch {args.arch} cannot be combined with {', '.join(given)}: those shape the "
+                         "tiny hybrid model only; drop them or drop --arch")
+        from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model
+
+        out = build_hf_tiny_model(args.arch, args.out, seed=args.seed)
+        print(f"wrote tiny {args.arch} checkpoint to {out}")
+        return 0
     out = build_tiny_model(args.out, seed=args.seed, config_overrides={"linear_gate": args.linear_gate},
                            linear_kernels=args.linear_kernels)
     print(f"wrote tiny hybrid model to {out}")

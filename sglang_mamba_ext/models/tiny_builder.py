@@ -25,7 +25,7 @@ from sglang_mamba_ext.models.tiny_hybrid import (
     TinyHybridReference,
 )
 
-__all__ = ["build_tiny_model", "build_tokenizer", "DEFAULT_CONFIG", "CHAT_TEMPLATE", "SPECIAL_TOKENS"]
+__all__ = ["build_tiny_model", "build_tokenizer", "write_tokenizer_files", "DEFAULT_CONFIG", "CHAT_TEMPLATE", "SPECIAL_TOKENS"]
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -176,7 +176,6 @@ def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dic
 
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer()
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
     vocab_size = tok.get_vocab_size()
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
@@ -217,13 +216,24 @@ def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dic
     )
     _write_json(os.path.join(out_dir, "config.json"), config_json)
 
+    write_tokenizer_files(out_dir, tok, max_len=cfg["max_position_embeddings"])
+    return out_dir
+
+
+def write_tokenizer_files(out_dir: str, tok, max_len: int) -> None:
+    """Write ``tok`` (from :func:`build_tokenizer`) to ``out_dir`` as ``tokenizer.json``,
+    ``tokenizer_config.json`` (ChatML template, no BOS/EOS added), ``special_tokens_map.json``
+    and ``generation_config.json``; ``max_len`` is the tokenizer's ``model_max_length``
+    (tokens)."""
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
                "additional_special_tokens": [IM_START, IM_END]}
     _write_json(
         os.path.join(out_dir, "tokenizer_config.json"),
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": cfg["max_position_embeddings"],
+            "model_max_length": max_len,
             "add_bos_token": False,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
@@ -236,7 +246,6 @@ def build_tiny_model(out_dir: str, seed: int = 0, config_overrides: Optional[Dic
         os.path.join(out_dir, "generation_config.json"),
         {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]},
     )
-    return out_dir
 
 
 def check_kda_sglang_heads(cfg: Dict) -> None:

@@ -1,0 +1,301 @@
+"""Tiny random-weight checkpoints of SGLang's own hybrid model families (issue 24, item 1).
+
+``build_hf_tiny_model(arch, out_dir)`` writes a checkpoint that SGLang serves with its own
+model class for that family (``sglang/srt/models/<family>.py``) and that transformers loads with
+its own class, the float32 reference (:func:`reference_greedy`). The config is written in the
+family's released format (the keys SGLang's config classes in ``sglang/srt/configs/`` read, which
+transformers' classes also accept), the weights are produced by transformers' own model class
+(its 0.02 init; no download), saved in float16 (``torch_dtype`` float16, the dtype SGLang serves
+them in on CPU), with the project's tokenizer (``tiny_builder.build_tokenizer``: vocabulary 768,
+ChatML template, no BOS). Every family mixes linear (or SSM / short-conv) and full-attention
+layers, with MoE where the family has it. The LM head is scaled so that logits are peaked (their
+standard deviation about :data:`LOGIT_STD` on a fixed prompt): greedy outputs then depend on the
+context and have clear top-2 gaps, so outputs can be checked.
+
+``config.json`` carries :data:`MARKER_KEY` (``"sglang_mamba_ext_tiny": "<arch>"``): the plugin
+applies its CPU defaults and CPU bridges to checkpoints with this key (``plugin/cpu_defaults.py``),
+and to nothing else unless ``--enable-mamba-radix`` is given.
+
+This module imports torch and transformers only (not ``sglang``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Dict, List, Sequence
+
+import torch
+
+__all__ = ["ARCHS", "MARKER_KEY", "LOGIT_STD", "build_hf_tiny_model", "build_hf_tiny_models", "reference_greedy", "family_config"]
+
+#: Families served by SGLang's own classes, by ``--arch`` name.
+ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2")
+#: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
+MARKER_KEY = "sglang_mamba_ext_tiny"
+#: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
+#: float16 noise for most positions).
+LOGIT_STD = 4.0
+
+_HIDDEN = 64
+_LAYERS = 4
+
+# Per family: transformers class name and the config in the family's released format. Layer
+# order alternates linear / full attention so that both kinds sit before and after each other.
+_FAMILIES: Dict[str, Dict] = {
+    "qwen3_next": dict(
+        cls="Qwen3NextForCausalLM",
+        config=dict(
+            model_type="qwen3_next", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+            full_attention_interval=2,
+            layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
+            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True, partial_rotary_factor=0.25, rope_theta=10000.0,
+            rms_norm_eps=1e-6, attention_bias=False,
+        ),
+    ),
+    "kimi_linear": dict(
+        cls="KimiLinearForCausalLM",
+        config=dict(
+            model_type="kimi_linear", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
+            num_attention_heads=4, num_key_value_heads=4, head_dim=16, hidden_act="silu",
+            kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, mla_use_nope=True,
+            linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2, 4], num_heads=4, head_dim=16,
+                                    short_conv_kernel_size=4),
+            first_k_dense_replace=0, moe_layer_freq=1, num_experts=4, num_experts_per_token=2,
+            num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
+            n_shared_experts=1, moe_router_activation_func="sigmoid", moe_renormalize=True,
+            use_grouped_topk=True, num_expert_group=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+            rope_theta=10000.0, rms_norm_eps=1e-6,
+        ),
+    ),
+    "nemotron_h": dict(
+        cls="NemotronHForCausalLM",
+        config=dict(
+            model_type="nemotron_h", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
+            hybrid_override_pattern="M*M-", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, expand=1,
+            use_conv_bias=True, chunk_size=64, mlp_hidden_act="relu2", mamba_hidden_act="silu",
+            layer_norm_epsilon=1e-5, attention_bias=False, mlp_bias=False, use_bias=False,
+            residual_in_fp32=False, rescale_prenorm_residual=True,
+        ),
+    ),
+    "falcon_h1": dict(
+        cls="FalconH1ForCausalLM",
+        config=dict(
+            model_type="falcon_h1", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+            mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+            mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=64, mamba_conv_bias=True, mamba_proj_bias=False,
+            mamba_rms_norm=False, mamba_norm_before_gate=False, rope_theta=10000.0, rms_norm_eps=1e-5,
+            attention_bias=False, mlp_bias=False, projectors_bias=False,
+        ),
+    ),
+    "granitemoehybrid": dict(
+        cls="GraniteMoeHybridForCausalLM",
+        config=dict(
+            model_type="granitemoehybrid", hidden_size=_HIDDEN, intermediate_size=32, num_hidden_layers=_LAYERS,
+            layer_types=["mamba", "attention"] * (_LAYERS // 2), num_attention_heads=4, num_key_value_heads=2,
+            hidden_act="silu", mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+            mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=64, mamba_conv_bias=True, mamba_proj_bias=False,
+            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+            position_embedding_type="nope", attention_multiplier=0.25, embedding_multiplier=1.0,
+            residual_multiplier=1.0, logits_scaling=1.0, rms_norm_eps=1e-6, attention_bias=False,
+        ),
+    ),
+    "lfm2": dict(
+        cls="Lfm2ForCausalLM",
+        config=dict(
+            model_type="lfm2", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
+            layer_types=["conv", "full_attention"] * (_LAYERS // 2), full_attn_idxs=[1, 3],
+            num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, conv_bias=False,
+            block_auto_adjust_ff_dim=False, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+            norm_eps=1e-5, rope_theta=10000.0,
+        ),
+    ),
+}
+
+#: A fixed prompt (token ids) for sizing the LM head.
+_PROBE_IDS = list(range(5, 133))
+
+
+def family_config(arch: str) -> Dict:
+    """The ``config.json`` fields of ``arch`` before tokenizer ids, dtype and marker are added.
+
+    Raises:
+        ValueError: ``arch`` not in :data:`ARCHS`."""
+    if arch not in _FAMILIES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    return dict(_FAMILIES[arch]["config"])
+
+
+def _block_kernel_packages() -> None:
+    """Make transformers take its plain-torch recurrences: fla / mamba_ssm / causal_conv1d
+    are hidden from imports in this process (their Triton / CUDA kernels do not run on CPU).
+    Must run before the family's transformers module is imported."""
+    for name in ("fla", "mamba_ssm", "causal_conv1d"):
+        sys.modules.setdefault(name, None)  # import then raises ImportError
+
+
+def _transformers_model(arch: str, config_json: Dict, seed: int):
+    import transformers
+
+    fam = _FAMILIES[arch]
+    cfg_cls = transformers.AutoConfig.for_model(arch).__class__
+    config = cfg_cls(**{k: v for k, v in config_json.items() if k != "model_type"})
+    torch.manual_seed(seed)
+    model = getattr(transformers, fam["cls"])(config).float().eval()
+    return model
+
+
+@torch.no_grad()
+def _spread_weights(model, seed: int) -> None:
+    """Re-draw the projection weights as ``N(0, 1/fan_in)`` and the embeddings as ``N(0, 1)``
+    (as ``tiny_builder`` does): with transformers' 0.02 init every block barely moves the
+    residual stream, so a 4-layer model's greedy output hardly depends on anything but the last
+    token, and a wrong cached state would go unnoticed. The SSM / conv parameters (``A_log``,
+    ``D``, ``dt_bias``, conv kernels), norms and biases keep the family's own init."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if name.endswith("embed_tokens.weight") or name.endswith("embeddings.weight"):
+            p.copy_(torch.randn(p.shape, generator=gen))
+        elif name.endswith("weight") and p.dim() in (2, 3) and "conv" not in name and "lm_head" not in name:
+            p.copy_(torch.randn(p.shape, generator=gen) / (p.shape[-1] ** 0.5))
+
+
+@torch.no_grad()
+def _scale_lm_head(model) -> None:
+    """Scale ``lm_head`` (untied) so that the logits' std on :data:`_PROBE_IDS` is LOGIT_STD."""
+    ids = torch.tensor([_PROBE_IDS])
+    std = model(input_ids=ids).logits.float().std().item()
+    model.lm_head.weight.mul_(LOGIT_STD / max(std, 1e-8))
+
+
+def build_hf_tiny_model(arch: str, out_dir: str, seed: int = 0, timeout: float = 600.0) -> str:
+    """Write the tiny checkpoint of ``arch`` to ``out_dir`` (created); returns ``out_dir``.
+
+    Files: ``config.json`` (the family's ``model_type`` and ``architectures``, ``torch_dtype``
+    float16, :data:`MARKER_KEY`), ``model.safetensors`` (float16, a few hundred KB), and the
+    tokenizer files of ``tiny_builder`` (vocabulary 768). Deterministic for a seed. Runs
+    transformers' own class on CPU in a subprocess (about 7 s), so that this process's kernel
+    packages (fla, mamba_ssm) are neither used nor hidden.
+
+    Raises:
+        ValueError: ``arch`` not in :data:`ARCHS`.
+        RuntimeError: the build subprocess failed (its stderr tail in the message).
+    """
+    return build_hf_tiny_models({arch: out_dir}, seed=seed, timeout=timeout)[arch]
+
+
+def build_hf_tiny_models(out_dirs: Dict[str, str], seed: int = 0, timeout: float = 900.0) -> Dict[str, str]:
+    """:func:`build_hf_tiny_model` for several families in one subprocess (one transformers
+    import); ``out_dirs`` maps arch to output directory. Returns ``out_dirs``.
+
+    Raises:
+        ValueError: an arch not in :data:`ARCHS`.
+        RuntimeError: the build subprocess failed (its stderr tail in the message).
+    """
+    for arch in out_dirs:
+        family_config(arch)  # ValueError early
+    job = json.dumps({"dirs": {a: os.path.abspath(d) for a, d in out_dirs.items()}, "seed": int(seed)})
+    proc = subprocess.run([sys.executable, "-m", __name__, "--build"], input=job, text=True,
+                          capture_output=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building tiny checkpoints {sorted(out_dirs)} failed ({proc.returncode}): "
+                           f"{proc.stderr[-2000:]}")
+    return dict(out_dirs)
+
+
+def _build_main(arch: str, out_dir: str, seed: int) -> None:
+    _block_kernel_packages()
+    from sglang_mamba_ext.models.tiny_builder import BOS, EOS, PAD, SPECIAL_TOKENS, build_tokenizer, write_tokenizer_files
+
+    config_json = family_config(arch)
+    os.makedirs(out_dir, exist_ok=True)
+    tok = build_tokenizer()
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    config_json.update(
+        vocab_size=tok.get_vocab_size(), bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD],
+        max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
+    )
+    model = _transformers_model(arch, config_json, seed)
+    _spread_weights(model, seed)
+    _scale_lm_head(model)
+    model.half()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
+        saved = json.load(f)
+    # The released format first (what SGLang's config classes read), then transformers' own
+    # derived keys where they do not clash.
+    merged = dict(saved)
+    merged.update(config_json)
+    merged.update(architectures=[_FAMILIES[arch]["cls"]], torch_dtype="float16", dtype="float16")
+    merged[MARKER_KEY] = arch
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(merged, f, indent=2, sort_keys=True)
+        f.write("\n")
+    write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
+
+
+def reference_greedy(model_dir: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                     timeout: float = 600.0) -> List[Dict[str, list]]:
+    """Greedy continuations of ``prompts`` (token ids) by transformers' own class in float32,
+    on its plain-torch path, in a subprocess (so fla / mamba_ssm imported elsewhere in this
+    process do not pick the kernels).
+
+    Returns, per prompt, ``{"tokens": [int] * max_new_tokens, "logprobs": [float], "gaps":
+    [float]}``: the greedy tokens, their log-probabilities and the top-1 minus top-2 logit
+    gap at each step (a step with a gap under ~1e-2 may flip in float16).
+
+    Raises:
+        RuntimeError: the subprocess failed (its stderr tail in the message).
+    """
+    payload = json.dumps({"model_dir": model_dir, "prompts": [list(map(int, p)) for p in prompts],
+                          "max_new_tokens": int(max_new_tokens)})
+    proc = subprocess.run([sys.executable, "-m", __name__, "--reference"], input=payload, text=True,
+                          capture_output=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@torch.no_grad()
+def _reference_main() -> None:
+    _block_kernel_packages()
+    import transformers
+
+    job = json.loads(sys.stdin.read())
+    model = transformers.AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    out = []
+    for prompt in job["prompts"]:
+        ids = list(prompt)
+        toks, lps, gaps = [], [], []
+        for _ in range(job["max_new_tokens"]):
+            # Full recompute each step (no cache): the simplest exact reference.
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            top2 = torch.topk(logits, 2)
+            nxt = int(top2.indices[0])
+            toks.append(nxt)
+            lps.append(float(torch.log_softmax(logits, -1)[nxt]))
+            gaps.append(float(top2.values[0] - top2.values[1]))
+            ids.append(nxt)
+        out.append({"tokens": toks, "logprobs": lps, "gaps": gaps})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--reference"]:
+        _reference_main()
+    elif sys.argv[1:] == ["--build"]:
+        _job = json.loads(sys.stdin.read())
+        for _arch, _out in _job["dirs"].items():
+            _build_main(_arch, _out, _job["seed"])
+    else:
+        raise SystemExit("usage: python -m sglang_mamba_ext.models.hf_tiny --reference|--build < job.json")

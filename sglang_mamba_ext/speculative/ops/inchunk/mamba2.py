@@ -1,0 +1,287 @@
+"""In-chunk checkpoint writer for Mamba2 / SSD layers (Nemotron-H, Falcon-H1, GraniteMoeHybrid;
+issue 24, item 3; ``docs/design.md``, "Prefix checkpoints"): the conv window and SSM state after
+any token offset of a prefill, from a start state and the layer's raw inputs, so that a backend
+whose chunked kernels keep states only on their chunk grid can still have exact branch-point and
+prompt-end checkpoints. Same plan as the GDN / KDA writer (:class:`..CheckpointWrites`).
+
+Per layer, token and head ``h`` (what SGLang's ``MambaMixer2.forward`` computes,
+``sglang/srt/layers/attention/mamba/mamba.py``, with its chunked scan
+``ssd_combined.mamba_chunk_scan_combined`` at ``dt_softplus=True``)::
+
+    y      = silu(causal_conv1d(xBC) + conv_bias)          # rounded to xBC's dtype, as served
+    x, B   = y[:HV*P] as [HV, P], y[HV*P : HV*P+G*N] as [G, N]
+    dt     = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max)        # [HV]
+    state  = exp(dt * A) * state + dt * x[h] (outer) B[h // (HV/G)]   # [HV, P, N], fp32
+
+(C, D and the gate only shape the output, not the state.) :func:`write_mamba2_checkpoints_torch`
+is the loop reference; :func:`write_mamba2_checkpoints_triton` runs one program per (request and
+layer, head, ``P`` tile), keeping a ``[BP, N]`` state tile in registers over the row's tokens up
+to its deepest offset, and reuses the GDN / KDA writer's conv-window kernel (layout-agnostic).
+Neither writes the start slot. No SGLang import.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from sglang_mamba_ext.speculative.ops.inchunk import CheckpointWrites
+
+__all__ = ["Mamba2Weights", "write_mamba2_checkpoints", "write_mamba2_checkpoints_torch",
+           "write_mamba2_checkpoints_triton"]
+
+
+class Mamba2Weights(NamedTuple):
+    """The state-shaping weights of ``L`` Mamba2 layers, stacked (one TP shard's heads).
+
+    Attributes:
+        conv_weight: ``[L, D, W]`` depthwise conv kernel, ``D = HV*P + 2*G*N`` (SGLang's
+            ``conv1d.weight`` ``[D, 1, W]`` squeezed).
+        conv_bias: ``[L, D]`` or None.
+        A: ``[L, HV]`` float32, negative (SGLang's ``MambaMixer2.A``, ``-exp(A_log)``).
+        dt_bias: ``[L, HV]``.
+        n_groups: ``G`` (B / C groups of this shard).
+        head_dim: ``P``.
+        d_state: ``N``.
+        dt_limit: ``(dt_min, dt_max)`` applied after softplus (SGLang serves ``(0, inf)``).
+    """
+
+    conv_weight: torch.Tensor
+    conv_bias: Optional[torch.Tensor]
+    A: torch.Tensor
+    dt_bias: torch.Tensor
+    n_groups: int
+    head_dim: int
+    d_state: int
+    dt_limit: Tuple[float, float] = (0.0, math.inf)
+
+    @property
+    def num_layers(self) -> int:
+        return self.conv_weight.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.A.shape[-1]
+
+    @property
+    def conv_dim(self) -> int:
+        return self.conv_weight.shape[1]
+
+    @property
+    def conv_kernel(self) -> int:
+        return self.conv_weight.shape[2]
+
+
+def write_mamba2_checkpoints(
+    xbc: torch.Tensor, dt_raw: torch.Tensor, writes: "CheckpointWrites", conv_state: torch.Tensor,
+    ssm_state: torch.Tensor, weights: Mamba2Weights, impl: str = "triton", check_offsets: bool = True,
+) -> None:
+    """For every request ``i`` and layer ``l``, run the layer's conv + SSD recurrence from slot
+    ``writes.src_slots[i]``'s states over tokens ``starts[i] ..`` and store the conv window and
+    SSM state reached after ``offsets[i, j]`` tokens into slot ``dst_slots[i, j]`` (computed in
+    fp32, stored in the pools' dtypes). The source slot is only read.
+
+    Args:
+        xbc: ``[L, T, D]`` raw (pre-conv) ``hidden_states_B_C`` of the extend's tokens, contiguous.
+        dt_raw: ``[L, T, HV]`` raw ``dt`` (before ``dt_bias`` and softplus), contiguous.
+        writes: :class:`..CheckpointWrites`; every ``starts[i] + offsets[i, j] <= T``.
+        conv_state: ``[L, slots, D, W-1]`` view (any strides).
+        ssm_state: ``[L, slots, HV, P, N]`` view (SGLang's Mamba2 ``temporal`` layout).
+        weights: :class:`Mamba2Weights` of the ``L`` layers.
+        impl: ``"triton"`` or ``"torch"``.
+        check_offsets: check ``starts + offsets <= T`` (a device sync on CUDA).
+
+    Raises:
+        ValueError: shapes disagree with ``weights``, non-contiguous inputs, an offset past
+            the inputs, ``HV`` not a multiple of ``G``, or an unknown ``impl``.
+    """
+    if xbc.dim() != 3 or dt_raw.dim() != 3:
+        raise ValueError("write_mamba2_checkpoints: xbc and dt_raw must be [L, T, *]")
+    L, T, D = xbc.shape
+    HV, P, N, G, W = weights.num_heads, weights.head_dim, weights.d_state, weights.n_groups, weights.conv_kernel
+    for t in (xbc, dt_raw, weights.conv_weight, weights.A, weights.dt_bias):
+        if not t.is_contiguous():
+            raise ValueError("write_mamba2_checkpoints: inputs and stacked weights must be contiguous")
+    if HV % G:
+        raise ValueError(f"write_mamba2_checkpoints: {HV} heads not a multiple of {G} groups")
+    if (D != weights.conv_dim or D != HV * P + 2 * G * N or weights.num_layers != L
+            or dt_raw.shape != (L, T, HV) or conv_state.shape[0] != L or conv_state.shape[-2:] != (D, W - 1)
+            or ssm_state.shape[0] != L or ssm_state.shape[-3:] != (HV, P, N)):
+        raise ValueError(
+            f"write_mamba2_checkpoints: shapes disagree (L={weights.num_layers}, HV={HV}, P={P}, N={N}, G={G}, "
+            f"W={W}, D={weights.conv_dim}): xbc {tuple(xbc.shape)}, dt_raw {tuple(dt_raw.shape)}, conv_state "
+            f"{tuple(conv_state.shape)}, ssm_state {tuple(ssm_state.shape)}"
+        )
+    if check_offsets and writes.offsets.numel():
+        ends = writes.starts[:, None] + writes.offsets
+        if bool(((writes.offsets >= 0) & (ends > T)).any()):
+            raise ValueError(f"write_mamba2_checkpoints: an offset reaches past the {T} input tokens")
+    if impl == "triton":
+        write_mamba2_checkpoints_triton(xbc, dt_raw, writes, conv_state, ssm_state, weights)
+    elif impl == "torch":
+        write_mamba2_checkpoints_torch(xbc, dt_raw, writes, conv_state, ssm_state, weights)
+    else:
+        raise ValueError(f"write_mamba2_checkpoints: unknown impl {impl!r} (triton, torch)")
+
+
+def write_mamba2_checkpoints_torch(
+    xbc: torch.Tensor, dt_raw: torch.Tensor, writes: "CheckpointWrites", conv_state: torch.Tensor,
+    ssm_state: torch.Tensor, weights: Mamba2Weights,
+) -> None:
+    """Loop reference; contract: :func:`write_mamba2_checkpoints` (inputs validated there)."""
+    HV, P, N, G, W = weights.num_heads, weights.head_dim, weights.d_state, weights.n_groups, weights.conv_kernel
+    lo_dt, hi_dt = weights.dt_limit
+    starts, srcs, offs, dsts = (x.tolist() for x in writes)
+    for i in range(len(starts)):
+        items = [(o, d) for o, d in zip(offs[i], dsts[i]) if o >= 0 and d >= 0]
+        if not items:
+            continue
+        lo, src, n = starts[i], srcs[i], max(o for o, _ in items)
+        for l in range(weights.num_layers):
+            D = weights.conv_dim
+            if src >= 0:
+                window = conv_state[l, src].float()
+                h = ssm_state[l, src].float().clone()
+            else:
+                window = torch.zeros(D, W - 1, dtype=torch.float32, device=xbc.device)
+                h = torch.zeros(HV, P, N, dtype=torch.float32, device=xbc.device)
+            cols = torch.cat([window, xbc[l, lo:lo + n].float().t()], dim=1)  # [D, W-1+n]
+            w = weights.conv_weight[l].float()
+            b = weights.conv_bias[l].float() if weights.conv_bias is not None else 0.0
+            A = weights.A[l].float()
+            reached = {0: h.clone()}
+            for t in range(n):
+                y = (cols[:, t:t + W] * w).sum(-1) + b
+                y = F.silu(y).to(xbc.dtype).float()
+                x = y[:HV * P].view(HV, P)
+                B = y[HV * P:HV * P + G * N].view(G, N).repeat_interleave(HV // G, dim=0)  # [HV, N]
+                dt = F.softplus(dt_raw[l, lo + t].float() + weights.dt_bias[l].float()).clamp(lo_dt, hi_dt)
+                h = torch.exp(dt * A)[:, None, None] * h + (dt[:, None] * x)[:, :, None] * B[:, None, :]
+                reached[t + 1] = h
+            for o, d in items:
+                conv_state[l, d] = cols[:, o:o + W - 1].to(conv_state.dtype)
+                ssm_state[l, d] = reached[o].to(ssm_state.dtype)
+
+
+try:  # Triton is optional for the torch reference
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _mamba2_inchunk_kernel(
+        xbc_ptr, dt_ptr, T,
+        starts_ptr, src_ptr, offs_ptr, dst_ptr,
+        conv_ptr, s_cl, s_cs, s_cd, s_cw,
+        state_ptr, s_sl, s_ss, s_sh, s_sp, s_sn,
+        cw_ptr, cb_ptr, a_ptr, dtb_ptr, DT_MIN, DT_MAX,
+        L: tl.constexpr, C: tl.constexpr, D: tl.constexpr, HV: tl.constexpr, G: tl.constexpr,
+        P: tl.constexpr, N: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+    ):
+        i_nl = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_p = tl.program_id(2)
+        i_l = i_nl % L
+        i_n = i_nl // L
+        start = tl.load(starts_ptr + i_n).to(tl.int64)
+        src = tl.load(src_ptr + i_n).to(tl.int64)
+        has_src = src >= 0
+        n = tl.load(offs_ptr + i_n * C)
+        for j in tl.static_range(1, C):
+            n = tl.maximum(n, tl.load(offs_ptr + i_n * C + j))
+        if n >= 0:
+            offs_p = i_p * BP + tl.arange(0, BP)
+            offs_s = tl.arange(0, BN)
+            mp = offs_p < P
+            ms = offs_s < N
+            cx = i_h * P + offs_p                      # x channels of this head
+            cb_ch = HV * P + (i_h // (HV // G)) * N + offs_s  # B channels of its group
+            src0 = tl.maximum(src, 0)
+            conv_base = conv_ptr + i_l * s_cl + src0 * s_cs
+            tok0 = i_l * T + start
+            cw_base = cw_ptr + i_l * D * W
+            cbias = cb_ptr + i_l * D
+            st_base = state_ptr + i_l * s_sl + i_h * s_sh
+            tile = offs_p[:, None] * s_sp + offs_s[None, :] * s_sn
+            mps = mp[:, None] & ms[None, :]
+            S = tl.load(st_base + src0 * s_ss + tile, mask=mps & has_src, other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + i_l * HV + i_h).to(tl.float32)
+            dtb = tl.load(dtb_ptr + i_l * HV + i_h).to(tl.float32)
+            act_ty = xbc_ptr.dtype.element_ty
+            out_ty = state_ptr.dtype.element_ty
+            for j in tl.static_range(C):  # offset-0 destinations: the start state itself
+                o = tl.load(offs_ptr + i_n * C + j)
+                d = tl.load(dst_ptr + i_n * C + j)
+                tl.store(st_base + tl.maximum(d, 0) * s_ss + tile, S.to(out_ty), mask=mps & (o == 0) & (d >= 0))
+            for t in range(0, n):
+                yx = tl.zeros([BP], dtype=tl.float32)
+                yb = tl.zeros([BN], dtype=tl.float32)
+                for j in tl.static_range(W):
+                    m = t + j  # column of [start window (W-1 columns), tokens]
+                    old = m < W - 1
+                    mo = tl.minimum(m, W - 2)
+                    tok = xbc_ptr + (tok0 + tl.maximum(m - (W - 1), 0)) * D
+                    xx = tl.load(conv_base + cx * s_cd + mo * s_cw, mask=mp & old & has_src, other=0.0).to(tl.float32) \
+                        + tl.load(tok + cx, mask=mp & (m >= W - 1), other=0.0).to(tl.float32)
+                    xb = tl.load(conv_base + cb_ch * s_cd + mo * s_cw, mask=ms & old & has_src, other=0.0).to(tl.float32) \
+                        + tl.load(tok + cb_ch, mask=ms & (m >= W - 1), other=0.0).to(tl.float32)
+                    yx += tl.load(cw_base + cx * W + j, mask=mp, other=0.0).to(tl.float32) * xx
+                    yb += tl.load(cw_base + cb_ch * W + j, mask=ms, other=0.0).to(tl.float32) * xb
+                if HAS_BIAS:
+                    yx += tl.load(cbias + cx, mask=mp, other=0.0).to(tl.float32)
+                    yb += tl.load(cbias + cb_ch, mask=ms, other=0.0).to(tl.float32)
+                yx = (yx / (1.0 + tl.exp(-yx))).to(act_ty).to(tl.float32)  # silu, rounded as served
+                yb = (yb / (1.0 + tl.exp(-yb))).to(act_ty).to(tl.float32)
+                dt = tl.load(dt_ptr + (tok0 + t) * HV + i_h).to(tl.float32) + dtb
+                dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))  # softplus
+                dt = tl.minimum(tl.maximum(dt, DT_MIN), DT_MAX)
+                S = S * tl.exp(dt * a) + (dt * yx)[:, None] * yb[None, :]
+                for j in tl.static_range(C):
+                    o = tl.load(offs_ptr + i_n * C + j)
+                    d = tl.load(dst_ptr + i_n * C + j)
+                    tl.store(st_base + tl.maximum(d, 0) * s_ss + tile, S.to(out_ty), mask=mps & (o == t + 1) & (d >= 0))
+
+
+def write_mamba2_checkpoints_triton(
+    xbc: torch.Tensor, dt_raw: torch.Tensor, writes: "CheckpointWrites", conv_state: torch.Tensor,
+    ssm_state: torch.Tensor, weights: Mamba2Weights, BP: int = 32, BD: int = 256,
+) -> None:
+    """Launch the state kernel and the shared conv-window kernel; contract:
+    :func:`write_mamba2_checkpoints` (inputs validated there). ``BP``, ``BD``: head-channel and
+    conv-channel tile sizes."""
+    from sglang_mamba_ext.speculative.ops.inchunk.fused import _inchunk_conv_window_kernel
+    from sglang_mamba_ext.speculative.ops.triton_utils import launch_scope
+
+    L, T, D = xbc.shape
+    HV, P, N, G, W = weights.num_heads, weights.head_dim, weights.d_state, weights.n_groups, weights.conv_kernel
+    R, C = writes.offsets.shape
+    if R == 0 or C == 0:
+        return
+    starts, srcs, offs, dsts = (x.to(torch.int64).contiguous() for x in writes)
+    BPv = min(BP, triton.next_power_of_2(P))
+    BDv = min(BD, triton.next_power_of_2(D))
+    has_bias = weights.conv_bias is not None
+    cb = weights.conv_bias if has_bias else weights.conv_weight  # dummy pointer
+    lo_dt, hi_dt = weights.dt_limit
+    with launch_scope(_mamba2_inchunk_kernel):
+        _mamba2_inchunk_kernel[(R * L, HV, triton.cdiv(P, BPv))](
+            xbc, dt_raw, T, starts, srcs, offs, dsts,
+            conv_state, *conv_state.stride(),
+            ssm_state, *ssm_state.stride(),
+            weights.conv_weight, cb, weights.A, weights.dt_bias, float(lo_dt), float(min(hi_dt, 3.0e38)),
+            L=L, C=C, D=D, HV=HV, G=G, P=P, N=N, W=W, BP=BPv, BN=triton.next_power_of_2(N), HAS_BIAS=has_bias,
+        )
+    with launch_scope(_inchunk_conv_window_kernel):
+        _inchunk_conv_window_kernel[(R * L * C, triton.cdiv(D, BDv))](
+            xbc, T, starts, srcs, offs, dsts,
+            conv_state, *conv_state.stride(),
+            L=L, C=C, D=D, W=W, BD=BDv,
+        )

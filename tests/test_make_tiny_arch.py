@@ -1,0 +1,113 @@
+"""scripts/make_tiny_model.py --arch: tiny checkpoints of SGLang's own hybrid families
+(issue 24, item 1; sglang_mamba_ext/models/hf_tiny.py). No server: the checks are on the files
+and on transformers' float32 reference."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from safetensors import safe_open
+
+from sglang_mamba_ext.models.hf_tiny import ARCHS, MARKER_KEY, build_hf_tiny_models, reference_greedy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "make_tiny_model.py")
+
+# Per family: the SGLang architecture, and one weight name only that family's released format has
+# (the one SGLang's loader for the class reads), with its shape at the tiny sizes.
+EXPECTED = {
+    "qwen3_next": ("Qwen3NextForCausalLM", "model.layers.0.linear_attn.in_proj_qkvz.weight", (192, 64)),
+    "kimi_linear": ("KimiLinearForCausalLM", "model.layers.0.block_sparse_moe.experts.3.w1.weight", (32, 64)),
+    "nemotron_h": ("NemotronHForCausalLM", "backbone.layers.0.mixer.in_proj.weight", (196, 64)),
+    "falcon_h1": ("FalconH1ForCausalLM", "model.layers.0.mamba.in_proj.weight", (196, 64)),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "model.layers.0.block_sparse_moe.input_linear.weight",
+                         (4, 64, 64)),
+    "lfm2": ("Lfm2ForCausalLM", "model.layers.0.conv.in_proj.weight", (192, 64)),
+}
+
+# The layer kinds each family must mix (keys of its config.json in the released format).
+LINEAR_AND_FULL = {
+    "qwen3_next": lambda c: set(c["layer_types"]) == {"linear_attention", "full_attention"},
+    "kimi_linear": lambda c: c["linear_attn_config"]["kda_layers"] == [1, 3]
+    and c["linear_attn_config"]["full_attn_layers"] == [2, 4],
+    "nemotron_h": lambda c: "M" in c["hybrid_override_pattern"] and "*" in c["hybrid_override_pattern"],
+    "falcon_h1": lambda c: c["mamba_n_heads"] == 4 and c["num_attention_heads"] == 4,  # both in every layer
+    "granitemoehybrid": lambda c: set(c["layer_types"]) == {"mamba", "attention"},
+    "lfm2": lambda c: set(c["layer_types"]) == {"conv", "full_attention"},
+}
+
+
+class TestMakeTinyArch(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.dirs = build_hf_tiny_models({arch: os.path.join(cls.tmp.name, arch) for arch in ARCHS})
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def _config(self, arch):
+        with open(os.path.join(self.dirs[arch], "config.json")) as f:
+            return json.load(f)
+
+    def test_config_marker_dtype_tokenizer(self):
+        for arch in ARCHS:
+            with self.subTest(arch=arch):
+                cfg = self._config(arch)
+                self.assertEqual(cfg[MARKER_KEY], arch)
+                self.assertEqual(cfg["model_type"], arch)
+                self.assertEqual(cfg["architectures"], [EXPECTED[arch][0]])
+                self.assertEqual(cfg["torch_dtype"], "float16")
+                self.assertEqual(cfg["vocab_size"], 768)
+                self.assertTrue(LINEAR_AND_FULL[arch](cfg), cfg)
+                with open(os.path.join(self.dirs[arch], "tokenizer_config.json")) as f:
+                    self.assertIn("<|im_start|>", json.load(f)["chat_template"])
+
+    def test_weights_released_names_float16(self):
+        for arch in ARCHS:
+            with self.subTest(arch=arch):
+                _, name, shape = EXPECTED[arch]
+                with safe_open(os.path.join(self.dirs[arch], "model.safetensors"), "pt") as f:
+                    self.assertIn(name, set(f.keys()))
+                    self.assertEqual(tuple(f.get_slice(name).get_shape()), shape)
+                    self.assertEqual(str(f.get_tensor(name).dtype), "torch.float16")
+                    self.assertEqual(tuple(f.get_slice("lm_head.weight").get_shape()), (768, 64))
+                self.assertLess(os.path.getsize(os.path.join(self.dirs[arch], "model.safetensors")), 1 << 20)
+
+    def test_deterministic_across_processes(self):
+        other = os.path.join(self.tmp.name, "again")
+        subprocess.run([sys.executable, SCRIPT, "--arch", "lfm2", "--out", other], check=True,
+                       capture_output=True, timeout=300, env=dict(os.environ, PYTHONHASHSEED="random"))
+        for name in ("model.safetensors", "config.json", "tokenizer.json"):
+            with open(os.path.join(other, name), "rb") as a, open(os.path.join(self.dirs["lfm2"], name), "rb") as b:
+                self.assertEqual(a.read(), b.read(), name)
+
+    def test_reference_peaked_and_context_dependent(self):
+        """The float32 reference (transformers' plain-torch path) gives peaked logits: the greedy
+        token's log-probability is far above uniform (-ln 768 = -6.64); and one token changed 20
+        positions back moves the next token's log-probability by more than float16 serving noise
+        (about 5e-3), so a wrong cached state shows in logprobs even where greedy tokens agree."""
+        a = list(range(10, 90))
+        b = list(a)
+        b[60] = 700
+        for arch in ("nemotron_h", "qwen3_next"):
+            with self.subTest(arch=arch):
+                ra, rb = reference_greedy(self.dirs[arch], [a, b], 2)
+                self.assertEqual(len(ra["tokens"]), 2)
+                self.assertGreater(ra["logprobs"][0], -3.0, ra)
+                self.assertGreater(abs(ra["logprobs"][0] - rb["logprobs"][0]), 1e-2, (ra, rb))
+
+    def test_arch_refuses_tiny_only_flags(self):
+        proc = subprocess.run([sys.executable, SCRIPT, "--arch", "lfm2", "--out", os.path.join(self.tmp.name, "x"),
+                               "--linear-gate", "gdn"], capture_output=True, text=True, timeout=120)
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("error: --arch lfm2 cannot be combined with --linear-gate", proc.stderr)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp.name, "x")))
+
+
+if __name__ == "__main__":
+    unittest.main()
