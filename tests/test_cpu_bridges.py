@@ -170,6 +170,20 @@ class TestMamba2KernelInterpreted(unittest.TestCase):
         bias = torch.randn(4, generator=g) * 0.1
         return dt, A, bias
 
+    def test_a_shims_needed(self):
+        """Runs first (alphabetical order), before the shims patch Triton in this process:
+        with the device module alone, Triton's autotuner looks for a GPU driver."""
+        from sglang.kernels.ops.mamba.triton_ops.ssd_chunk_state import _chunk_cumsum_fwd
+
+        from sglang_mamba_ext.plugin import triton_interpret
+        from sglang_mamba_ext.plugin.cpu_bridges import cpu_device_module
+
+        if triton_interpret._installed:
+            self.skipTest("the shims were installed earlier in this process")
+        dt, A, bias = self._inputs()
+        with cpu_device_module(), self.assertRaisesRegex(RuntimeError, "active drivers"):
+            _chunk_cumsum_fwd(dt, A, 64, dt_bias=bias, dt_softplus=True)
+
     def test_gap_present_upstream(self):
         from sglang.kernels.ops.mamba.triton_ops.ssd_chunk_state import _chunk_cumsum_fwd
 
