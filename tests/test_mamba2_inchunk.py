@@ -142,7 +142,7 @@ class TestMamba2Triton(unittest.TestCase):
         self._both(torch.float16, False)
 
 
-TestUnderTritonInterpreter = triton_subprocess_case(__file__, "Mamba2Triton", skip=_CAN_RUN)
+TestUnderTritonInterpreter = triton_subprocess_case(__file__, "Mamba2Triton", skip=_CAN_RUN)  # both classes
 
 
 _AGAINST_SGLANG = textwrap.dedent(r'''
@@ -177,7 +177,24 @@ _AGAINST_SGLANG = textwrap.dedent(r'''
                                         return_final_states=True, dt_softplus=True, out=out)
         final = res[-1] if isinstance(res, tuple) else res
         worst = max(worst, (final[0].float() - ssm[0, 2 + k]).abs().max().item())
-    print(json.dumps({"worst": worst}))
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_fn
+    from sglang_mamba_ext.speculative.ops.inchunk.shortconv import write_conv_window_checkpoints
+    Dc, Wc, T2 = 24, 3, 30
+    g = torch.Generator().manual_seed(9)
+    bx, wt = torch.randn(1, T2, Dc, generator=g), torch.randn(Dc, Wc, generator=g)
+    start = torch.randn(1, 2, Dc, Wc - 1, generator=g)
+    offs2 = [1, 2, 17, 30]
+    conv_worst = 0.0
+    for o in offs2:
+        mine = start.clone()
+        write_conv_window_checkpoints(bx, plan_writes([(0, 1, [(o, 0)])], "cpu"), mine, impl="torch")
+        theirs = start[0].clone()
+        causal_conv1d_fn(bx[0, :o].t().contiguous(), wt, None, conv_states=theirs,
+                         query_start_loc=torch.tensor([0, o], dtype=torch.int32), seq_lens_cpu=[o],
+                         cache_indices=torch.tensor([1], dtype=torch.int32),
+                         has_initial_state=torch.tensor([True]), activation=None)
+        conv_worst = max(conv_worst, (mine[0, 0] - theirs[1]).abs().max().item())
+    print(json.dumps({"worst": worst, "conv_worst": conv_worst}))
 ''')
 
 
@@ -189,8 +206,31 @@ class TestMamba2AgainstSGLang(unittest.TestCase):
         proc = subprocess.run([sys.executable, "-c", _AGAINST_SGLANG, os.path.join(REPO, "tests")], env=env,
                               capture_output=True, text=True, timeout=900)
         self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
-        worst = __import__("json").loads(proc.stdout.strip().splitlines()[-1])["worst"]
-        self.assertLess(worst, 1e-3)
+        res = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+        self.assertLess(res["worst"], 1e-3)
+        # LFM2's short conv: the window after 1, 2, 17 and 30 tokens from a start window equals
+        # the conv_states SGLang's Triton causal_conv1d_fn leaves after that prefix (exact copy)
+        self.assertEqual(res["conv_worst"], 0.0)
+
+
+@unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
+class TestMamba2TritonShortConv(unittest.TestCase):
+    def test_conv_window_triton_matches_torch(self):
+        """LFM2's short conv (``shortconv.py``): the window after each offset, both paths."""
+        from sglang_mamba_ext.speculative.ops.inchunk.shortconv import write_conv_window_checkpoints
+
+        L, T, Dc, Wc = 2, 20, 24, 3
+        g = torch.Generator().manual_seed(3)
+        bx = torch.randn(L, T, Dc, generator=g).half()
+        a = torch.randn(L, 6, Dc, Wc - 1, generator=g).half()
+        b = a.clone()
+        writes = plan_writes([(0, -1, [(0, 2), (1, 3), (9, 4)]), (9, 1, [(11, 5)])], "cpu")
+        write_conv_window_checkpoints(bx, writes, a, impl="torch")
+        write_conv_window_checkpoints(bx, writes, b, impl="triton")
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a[:, 4], bx[:, 7:9].transpose(1, 2))
+        torch.testing.assert_close(a[:, 3][:, :, 0], torch.zeros(L, Dc, dtype=torch.half))
+        torch.testing.assert_close(a[:, 5], bx[:, 18:20].transpose(1, 2))
 
 
 class TestMamba2GpuCheckTinyMode(unittest.TestCase):
