@@ -98,5 +98,81 @@ class TestCpuDefaultArgs(unittest.TestCase):
         self.assertIn((HookType.BEFORE, cpu_defaults._before_prepare_server_args), [(t, h) for t, h, _ in hooks])
 
 
+class TestTinyHFCheckpoints(unittest.TestCase):
+    """The project's tiny checkpoints of SGLang's own classes (``config.json`` key
+    ``sglang_mamba_ext_tiny``) get the CPU defaults and the CPU bridges' variable with no flag;
+    the same class without the key only under ``--enable-mamba-radix``."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.cfg = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+                    "torch_dtype": "float16", cpu_defaults.TINY_HF_MARKER: "nemotron_h"}
+        self._write()
+        env = mock.patch.dict(os.environ, {cpu_defaults.DISABLE_ENV: "0"})
+        env.start()
+        self.addCleanup(env.stop)
+        cuda = mock.patch("torch.cuda.is_available", return_value=False)
+        cuda.start()
+        self.addCleanup(cuda.stop)
+
+    def _write(self):
+        with open(os.path.join(self.tmp.name, "config.json"), "w") as f:
+            json.dump(self.cfg, f)
+
+    def test_marker_detected(self):
+        argv = ["--model-path", self.tmp.name, "--device", "cpu"]
+        self.assertEqual(cpu_defaults.tiny_hf_arch(argv), "nemotron_h")
+        self.cfg.pop(cpu_defaults.TINY_HF_MARKER)
+        self._write()
+        self.assertIsNone(cpu_defaults.tiny_hf_arch(argv))
+        self.assertIsNone(cpu_defaults.tiny_hf_arch(["--model-path", "org/hub", "--device", "cpu"]))
+
+    def test_stock_launch_gets_no_buffer_and_no_overlap(self):
+        argv = ["--model-path", self.tmp.name, "--device", "cpu"]
+        new, added = cpu_default_args(argv)
+        self.assertEqual(added, [
+            "--attention-backend torch_native", f"--max-total-tokens {cpu_defaults.DEFAULT_MAX_TOTAL_TOKENS}",
+            f"--max-mamba-cache-size {cpu_defaults.DEFAULT_MAX_MAMBA_CACHE_SIZE}",
+            "--mamba-radix-cache-strategy no_buffer", "--chunked-prefill-size 64", "--disable-overlap-schedule",
+        ])
+        # the plugin's flag turns overlap off itself (plugin/args.py)
+        new, added = cpu_default_args(argv + ["--enable-mamba-radix"])
+        self.assertIn("--mamba-radix-cache-strategy no_buffer", added)
+        self.assertNotIn("--disable-overlap-schedule", added)
+        new, added = cpu_default_args(argv + ["--mamba-radix-cache-strategy", "extra_buffer"])
+        self.assertNotIn("--disable-overlap-schedule", added)
+
+    def test_environment_of_a_marked_checkpoint(self):
+        from sglang_mamba_ext.plugin.cpu_bridges import ACTIVE_ENV
+
+        argv = ["--model-path", self.tmp.name, "--device", "cpu"]
+        names = (cpu_defaults.CONV_DTYPE_ENV, "TRITON_INTERPRET", ACTIVE_ENV)
+        with mock.patch.dict(os.environ, {}, clear=False):
+            for n in names:
+                os.environ.pop(n, None)
+            cpu_defaults._before_prepare_server_args(argv)
+            self.assertEqual([os.environ.get(n) for n in names], ["float16", "1", "1"])
+
+    def test_unmarked_checkpoint_only_under_the_flag(self):
+        from sglang_mamba_ext.plugin.cpu_bridges import ACTIVE_ENV
+
+        self.cfg.pop(cpu_defaults.TINY_HF_MARKER)
+        self._write()
+        argv = ["--model-path", self.tmp.name, "--device", "cpu"]
+        self.assertEqual(cpu_default_args(argv), (argv, []))
+        with mock.patch.dict(os.environ, {}, clear=False):
+            for n in (cpu_defaults.CONV_DTYPE_ENV, "TRITON_INTERPRET", ACTIVE_ENV):
+                os.environ.pop(n, None)
+            before = dict(os.environ)
+            cpu_defaults._before_prepare_server_args(argv)
+            self.assertEqual(dict(os.environ), before)
+            cpu_defaults._before_prepare_server_args(argv + ["--enable-mamba-radix"])
+            self.assertEqual(os.environ.get(ACTIVE_ENV), "1")
+        with mock.patch("torch.cuda.is_available", return_value=True):
+            _, added = cpu_default_args(argv + ["--enable-mamba-radix"])
+            self.assertNotIn("--mamba-radix-cache-strategy no_buffer", added)
+
+
 if __name__ == "__main__":
     unittest.main()

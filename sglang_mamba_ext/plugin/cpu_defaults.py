@@ -1,8 +1,9 @@
 """CPU-safe server defaults for the project's own model or ``--enable-mamba-radix`` on CPU.
 
 When the launch is ``--device cpu`` and either the model at ``--model-path`` is the project's
-tiny hybrid model (``config.json`` ``model_type`` ``tiny_hybrid``) or ``--enable-mamba-radix``
-is given, a few flags the user did not pass are appended to argv, and
+tiny hybrid model (``config.json`` ``model_type`` ``tiny_hybrid``) or one of its tiny
+checkpoints of SGLang's own classes (``config.json`` key ``sglang_mamba_ext_tiny``), or
+``--enable-mamba-radix`` is given, a few flags the user did not pass are appended to argv, and
 ``SGLANG_MAMBA_CONV_DTYPE=float32`` is set unless already set. Any other launch (another model
 without the flag, another device, a ``--config`` file, or
 ``SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS=1``) keeps its argv and environment exactly. Why each
@@ -23,6 +24,14 @@ default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serv
 - with the tiny model served by SGLang's own GDN / KDA backends (``--linear-kernels sglang`` of
   ``scripts/make_tiny_model.py``) on a host without CUDA: ``TRITON_INTERPRET=1``, so that their
   Triton kernels run under Triton's interpreter (``plugin/triton_interpret.py``).
+- with one of SGLang's own hybrid classes (Qwen3-Next, Kimi-Linear, Nemotron-H, Falcon-H1,
+  GraniteMoeHybrid, LFM2) on a host without CUDA, when it is the project's tiny checkpoint
+  (``config.json`` key ``sglang_mamba_ext_tiny``, :func:`tiny_hf_arch`) or
+  ``--enable-mamba-radix`` is given: ``TRITON_INTERPRET=1``, the checkpoint's half dtype for
+  the conv window, ``--mamba-radix-cache-strategy no_buffer`` (SGLang refuses extra_buffer
+  on CPU for them), ``--chunked-prefill-size 64`` (a cached state at each chunk's end),
+  ``--disable-overlap-schedule`` without the plugin's flag (SGLang's no_buffer path needs it)
+  and ``SGLANG_MAMBA_EXT_CPU_BRIDGES=1`` (:mod:`.cpu_bridges` in the scheduler processes).
 - with more than one rank (``--tp`` / ``--dp`` / ``--pp-size`` > 1): the environment of
   :func:`multi_rank_env` (one CPU core list per rank, PyNccl off).
 
@@ -47,6 +56,15 @@ CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"
 ENABLE_FLAG = "--enable-mamba-radix"
 #: ``config.json`` ``model_type`` of the project's tiny hybrid model.
 TINY_MODEL_TYPE = "tiny_hybrid"
+#: ``config.json`` key marking the project's tiny checkpoints of SGLang's own model classes
+#: (``models/hf_tiny.py``); its value is the family (``qwen3_next``, ``nemotron_h``, ...).
+TINY_HF_MARKER = "sglang_mamba_ext_tiny"
+#: SGLang's own hybrid model classes whose CPU gaps the plugin bridges
+#: (:mod:`sglang_mamba_ext.plugin.cpu_bridges`), by ``architectures`` entry.
+SGLANG_HYBRID_ARCHITECTURES = (
+    "Qwen3NextForCausalLM", "KimiLinearForCausalLM", "NemotronHForCausalLM",
+    "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM",
+)
 
 #: KV tokens: a few thousand-token conversations at once.
 DEFAULT_MAX_TOTAL_TOKENS = 16384
@@ -55,6 +73,9 @@ DEFAULT_MAX_TOTAL_TOKENS = 16384
 #: and SGLang keeps one more per request; 128 leaves about 100 slots for cached states at
 #: 8 running requests.
 DEFAULT_MAX_MAMBA_CACHE_SIZE = 128
+
+#: ``--chunked-prefill-size`` for SGLang's own hybrid classes on CPU under the interpreter.
+SGLANG_HYBRID_CHUNKED_PREFILL = 64
 
 _installed = False
 
@@ -89,17 +110,33 @@ def is_tiny_model(argv: Sequence[str]) -> bool:
     return local_model_config(_flag_value(argv, "--model-path")).get("model_type") == TINY_MODEL_TYPE
 
 
+def tiny_hf_arch(argv: Sequence[str]) -> Optional[str]:
+    """The family of the project's tiny checkpoint of one of SGLang's own model classes at
+    ``--model-path`` (``config.json`` key :data:`TINY_HF_MARKER`), or None for any other model."""
+    arch = local_model_config(_flag_value(argv, "--model-path")).get(TINY_HF_MARKER)
+    return arch if isinstance(arch, str) and arch else None
+
+
+def sglang_hybrid_model(argv: Sequence[str]) -> bool:
+    """Whether ``--model-path`` names a local checkpoint of one of SGLang's own hybrid classes
+    (:data:`SGLANG_HYBRID_ARCHITECTURES`): the project's tiny ones or any other."""
+    archs = local_model_config(_flag_value(argv, "--model-path")).get("architectures") or []
+    return any(a in SGLANG_HYBRID_ARCHITECTURES for a in archs)
+
+
 def sglang_kernels_without_cuda(argv: Sequence[str]) -> bool:
     """Whether argv serves the tiny model with SGLang's own linear-attention backends
-    (``TinyHybridGDNForCausalLM`` / ``TinyHybridKDAForCausalLM``) on ``--device cpu`` on a host
-    without CUDA: their Triton kernels then run under Triton's interpreter."""
+    (``TinyHybridGDNForCausalLM`` / ``TinyHybridKDAForCausalLM``), or one of SGLang's own
+    hybrid classes (:func:`sglang_hybrid_model`: the project's tiny checkpoints, or any under
+    ``--enable-mamba-radix``), on ``--device cpu`` on a host without CUDA: their Triton kernels
+    then run under Triton's interpreter."""
     import torch
 
     from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
 
     archs = local_model_config(_flag_value(argv, "--model-path")).get("architectures") or []
-    return (_active(argv) and is_tiny_model(argv) and any(a in SGLANG_KERNEL_ARCHITECTURES for a in archs)
-            and not torch.cuda.is_available())
+    ours = is_tiny_model(argv) and any(a in SGLANG_KERNEL_ARCHITECTURES for a in archs)
+    return _active(argv) and (ours or sglang_hybrid_model(argv)) and not torch.cuda.is_available()
 
 
 def _checkpoint_dtype(model_path: Optional[str]) -> Optional[str]:
@@ -112,7 +149,7 @@ def _active(argv: Sequence[str]) -> bool:
         _flag_value(argv, "--device") == "cpu"
         and _flag_value(argv, "--config") is None
         and os.environ.get(DISABLE_ENV, "0") in ("", "0")
-        and (_flag_value(argv, ENABLE_FLAG) is not None or is_tiny_model(argv))
+        and (_flag_value(argv, ENABLE_FLAG) is not None or is_tiny_model(argv) or tiny_hf_arch(argv) is not None)
     )
 
 
@@ -148,6 +185,18 @@ def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         add("--max-total-tokens", str(DEFAULT_MAX_TOTAL_TOKENS))
     if absent("--max-mamba-cache-size", "--mem-fraction-static", "--mamba-full-memory-ratio"):
         add("--max-mamba-cache-size", str(DEFAULT_MAX_MAMBA_CACHE_SIZE))
+    if sglang_kernels_without_cuda(argv) and sglang_hybrid_model(argv) and absent("--mamba-radix-cache-strategy"):
+        # SGLang refuses its extra_buffer tracking on CPU for its own classes
+        # (arg_groups/mamba_hook.py::validate_mamba_extra_buffer); no_buffer caches without it.
+        add("--mamba-radix-cache-strategy", "no_buffer")
+        if absent("--chunked-prefill-size"):
+            # a prefill chunk as long as the models' SSD chunk: the cache keeps a state at each
+            # chunk's end (a resent prompt hits at the last multiple of 64 instead of nothing)
+            add("--chunked-prefill-size", str(SGLANG_HYBRID_CHUNKED_PREFILL))
+        if _flag_value(argv, ENABLE_FLAG) is None and absent("--disable-overlap-schedule"):
+            # SGLang's no_buffer path needs the non-overlap scheduler (the plugin's flag
+            # turns it off by itself, plugin/args.py)
+            add("--disable-overlap-schedule")
     if speculating_without_cuda(argv) and absent("--disable-overlap-schedule"):
         # FROZEN_KV_MTP on CPU is run (and tested) by SGLang's non-overlap scheduler only.
         add("--disable-overlap-schedule")
@@ -231,6 +280,10 @@ def _before_prepare_server_args(argv, *args, **kwargs):
         # inherited by the scheduler processes. SGLang's own GDN/KDA backends write the conv
         # window from the model's activations in place, so there it must be the model's dtype.
         conv = "float16" if sglang_kernels_without_cuda(new_argv) else "float32"
+        if sglang_kernels_without_cuda(new_argv) and sglang_hybrid_model(new_argv):
+            # SGLang's own classes: the checkpoint's half dtype (what the kernels write)
+            ckpt = _checkpoint_dtype(_flag_value(new_argv, "--model-path"))
+            conv = ckpt if ckpt in ("float16", "bfloat16") else conv
         os.environ[CONV_DTYPE_ENV] = conv
         added.append(f"{CONV_DTYPE_ENV}={conv}")
     if _active(new_argv):
@@ -239,9 +292,16 @@ def _before_prepare_server_args(argv, *args, **kwargs):
                 os.environ[name] = value
                 added.append(f"{name}={value}")
     if sglang_kernels_without_cuda(new_argv) and "TRITON_INTERPRET" not in os.environ:
-        # SGLang's GDN / KDA Triton kernels, interpreted (plugin/triton_interpret.py)
+        # SGLang's GDN / KDA / Mamba2 Triton kernels, interpreted (plugin/triton_interpret.py)
         os.environ["TRITON_INTERPRET"] = "1"
         added.append("TRITON_INTERPRET=1")
+    if sglang_kernels_without_cuda(new_argv) and sglang_hybrid_model(new_argv):
+        from sglang_mamba_ext.plugin.cpu_bridges import ACTIVE_ENV
+
+        if ACTIVE_ENV not in os.environ:
+            # inherited by the scheduler processes: turns on plugin/cpu_bridges.py there
+            os.environ[ACTIVE_ENV] = "1"
+            added.append(f"{ACTIVE_ENV}=1")
     if speculating_without_cuda(new_argv):
         for name, value in cpu_spec_env():
             if name not in os.environ:

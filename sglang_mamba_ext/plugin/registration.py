@@ -111,7 +111,10 @@ def register() -> None:
     from sglang_mamba_ext.plugin.speculative import register_spec_hooks
     from sglang_mamba_ext.plugin.tiny_hybrid import register_tiny_hybrid
 
+    from sglang_mamba_ext.plugin.cpu_bridges import register_cpu_bridges
+
     register_tiny_hybrid()
     install_cpu_defaults()
+    register_cpu_bridges()
     install_mamba_radix()
     register_spec_hooks()

@@ -156,9 +156,11 @@ def fix_bf16_dot() -> None:
     ti.InterpreterBuilder.create_dot = create_dot
 
 
-def install_interpreter_shims() -> bool:
+def install_interpreter_shims(extra_modules=()) -> bool:
     """Apply the five fixes of this module once per process when :func:`interpreting`;
-    returns whether they are in place.
+    returns whether they are in place. ``extra_modules``: more kernel modules to import
+    before the aliases are fixed (the Mamba2 ones for SGLang's Mamba2 classes,
+    :mod:`.cpu_bridges`); given after the first call, they are imported and fixed then.
 
     Raises:
         RuntimeError: Triton was imported before ``TRITON_INTERPRET=1`` was set, so SGLang's
@@ -166,13 +168,18 @@ def install_interpreter_shims() -> bool:
             the server starts; the plugin's CPU defaults do it for this model).
     """
     global _installed
-    if _installed:
-        return True
     if not interpreting():
         return False
+    if _installed:
+        if extra_modules:
+            for name in extra_modules:
+                importlib.import_module(name)
+            fix_builtin_aliases()
+            fix_libdevice_modules()
+        return True
     from triton.runtime.interpreter import InterpretedFunction
 
-    for name in KERNEL_MODULES:
+    for name in (*KERNEL_MODULES, *extra_modules):
         importlib.import_module(name)
     if not isinstance(sys.modules["sglang.kernels.ops.attention.fla.op"].safe_exp, InterpretedFunction):
         raise RuntimeError(

@@ -1,0 +1,254 @@
+"""CPU bridges: what SGLang 0.5.23's own hybrid model classes (Qwen3-Next, Kimi-Linear,
+Nemotron-H, Falcon-H1, GraniteMoeHybrid, LFM2) lack to run on a host without CUDA, with
+their Triton kernels under Triton's interpreter (``TRITON_INTERPRET=1``).
+
+Every hook is inert unless :data:`ACTIVE_ENV` is ``1`` in the process and CUDA is absent.
+The CPU defaults (:mod:`.cpu_defaults`) set that variable in the launcher, inherited by the
+scheduler processes, only on ``--device cpu`` for a local checkpoint of one of those classes
+that is the project's tiny checkpoint (``config.json`` key ``sglang_mamba_ext_tiny``) or is
+served with ``--enable-mamba-radix``; any other launch never sees it, and each hook then calls
+SGLang's function unchanged. What each bridge works around (paths under ``sglang/``; the list
+with line numbers is in ``docs/sglang-hooks.md``):
+
+- **shims** (BEFORE ``srt.model_executor.model_runner.ModelRunner.__init__``): the Triton
+  interpreter shims of :mod:`.triton_interpret` (until now installed only by the project's own
+  model class), with the Mamba2 and causal-conv kernel modules imported first so their
+  aliases are fixed too; then the causal-conv binding below.
+- **causal conv** (same hook): ``srt/layers/attention/mamba/mamba.py`` binds
+  ``causal_conv1d_fn`` / ``causal_conv1d_update`` (and their ``_triton`` names) only on
+  CUDA / NPU / XPU, so a Mamba2 layer raises ``NameError`` on CPU; the missing names are bound
+  to SGLang's Triton versions (``kernels/ops/mamba/causal_conv1d_triton.py``), as its XPU
+  branch does.
+- **device module** (AROUND ``MambaMixer2.forward`` and ``Qwen3GatedDeltaNet.__init__``):
+  ``torch.get_device_module(...)`` on a CUDA build of torch without a driver: with no device it
+  returns ``torch.cuda`` (``current_device()`` then raises), with a CPU device ``torch.cpu``,
+  which has no ``device(index)`` context (the Mamba2 SSD kernels' launch wrappers,
+  ``kernels/ops/mamba/triton_ops/ssd_*.py``, ``mamba_ssm.py``). For the duration of the call,
+  ``torch.get_device_module`` answers a CPU module with a null ``device`` context for no
+  device or a CPU device.
+- **rotary** (AROUND ``RotaryEmbedding.__init__``): ``srt/layers/rotary_embedding/base.py``
+  imports ``vllm._custom_ops`` on a host that is neither CUDA nor SGLang's CPU engine
+  (``SGLANG_USE_CPU_ENGINE=1``, which needs ``sgl_kernel`` CPU ops PyPI's build lacks); the
+  module's CPU flag is set for the duration of the constructor, so no fallback kernel is
+  bound and the layer runs ``forward_native``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import os
+import threading
+
+logger = logging.getLogger(__name__)
+
+#: Set to 1 (by the CPU defaults) to turn the bridges on in this process and its children.
+ACTIVE_ENV = "SGLANG_MAMBA_EXT_CPU_BRIDGES"
+
+MODEL_RUNNER_INIT = "sglang.srt.model_executor.model_runner.ModelRunner.__init__"
+MAMBA_MIXER_FORWARD = "sglang.srt.layers.attention.mamba.mamba.MambaMixer2.forward"
+QWEN3_NEXT_GDN_INIT = "sglang.srt.models.qwen3_next.Qwen3GatedDeltaNet.__init__"
+ROPE_INIT = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__"
+
+MAMBA_MODULE = "sglang.srt.layers.attention.mamba.mamba"
+ROPE_MODULE = "sglang.srt.layers.rotary_embedding.base"
+CAUSAL_CONV_TRITON = "sglang.kernels.ops.mamba.causal_conv1d_triton"
+#: Kernel modules of Mamba2 layers, imported before the interpreter shims fix their aliases.
+MAMBA_KERNEL_MODULES = (
+    CAUSAL_CONV_TRITON,
+    "sglang.kernels.ops.mamba.triton_ops.ssd_combined",
+    "sglang.kernels.ops.mamba.triton_ops.ssd_chunk_state",
+    "sglang.kernels.ops.mamba.triton_ops.ssd_chunk_scan",
+    "sglang.kernels.ops.mamba.triton_ops.ssd_state_passing",
+    "sglang.kernels.ops.mamba.triton_ops.ssd_bmm",
+    "sglang.kernels.ops.mamba.triton_ops.mamba_ssm",
+)
+
+_installed = False
+
+
+def active() -> bool:
+    """Whether the bridges act in this process: :data:`ACTIVE_ENV` is ``1`` and no CUDA."""
+    if os.environ.get(ACTIVE_ENV) != "1":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------- causal conv names (gap 6)
+
+#: name in ``mamba.py`` -> name in ``causal_conv1d_triton.py``
+CAUSAL_CONV_NAMES = {
+    "causal_conv1d_fn": "causal_conv1d_fn",
+    "causal_conv1d_fn_triton": "causal_conv1d_fn",
+    "causal_conv1d_update": "causal_conv1d_update",
+    "causal_conv1d_update_triton": "causal_conv1d_update",
+}
+
+
+def bind_causal_conv(module=None) -> list:
+    """Bind the causal-conv names ``mamba.py`` left unbound to SGLang's Triton kernels;
+    returns the names bound (none when every name exists)."""
+    module = module or importlib.import_module(MAMBA_MODULE)
+    missing = [n for n in CAUSAL_CONV_NAMES if not hasattr(module, n)]
+    if missing:
+        triton_mod = importlib.import_module(CAUSAL_CONV_TRITON)
+        for name in missing:
+            setattr(module, name, getattr(triton_mod, CAUSAL_CONV_NAMES[name]))
+    return missing
+
+
+# ---------------------------------------------------------------- device module (gaps 2, 7)
+
+class CpuDeviceModule:
+    """``torch.cpu`` with what SGLang's callers expect of a device module: a null
+    ``device(index)`` context and ``current_device()``; any other attribute is ``torch.cpu``'s."""
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def device(index=None):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+
+CPU_DEVICE_MODULE = CpuDeviceModule()
+_lock = threading.RLock()
+_depth = 0
+
+
+def _is_cpu_request(device) -> bool:
+    if device is None:
+        return True
+    import torch
+
+    try:
+        return torch.device(device).type == "cpu"
+    except (TypeError, RuntimeError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def cpu_device_module():
+    """For the duration of the block, ``torch.get_device_module()`` (no device) and
+    ``torch.get_device_module(<cpu device>)`` return :data:`CPU_DEVICE_MODULE`; other devices
+    get torch's answer. Re-entrant."""
+    global _depth
+    import torch
+
+    with _lock:
+        if _depth == 0:
+            original = torch.get_device_module
+
+            @functools.wraps(original)  # keeps __wrapped__ (dynamo reads it)
+            def get_device_module(device=None):
+                return CPU_DEVICE_MODULE if _is_cpu_request(device) else original(device)
+
+            get_device_module._mamba_ext_original = original
+            torch.get_device_module = get_device_module
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                torch.get_device_module = torch.get_device_module._mamba_ext_original
+
+
+def device_module_around(original, *args, **kwargs):
+    """AROUND hook (``MambaMixer2.forward``, ``Qwen3GatedDeltaNet.__init__``)."""
+    if not active():
+        return original(*args, **kwargs)
+    with cpu_device_module():
+        return original(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- rotary (gap 3)
+
+def rope_init_around(original, *args, **kwargs):
+    """AROUND hook on ``RotaryEmbedding.__init__``: its module's ``_is_cpu`` is True for the
+    duration of the constructor (no ``vllm._custom_ops`` import, ``forward_native``)."""
+    if not active():
+        return original(*args, **kwargs)
+    mod = importlib.import_module(ROPE_MODULE)
+    with _lock:
+        saved = mod._is_cpu
+        mod._is_cpu = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            mod._is_cpu = saved
+
+
+# ---------------------------------------------------------------- MLA under torch_native (gap 5)
+
+MLA_HANDLERS = "sglang.srt.models.deepseek_common.attention_backend_handler"
+
+
+def torch_native_mla_handler(attn, forward_batch):
+    """MLA forward method under ``--attention-backend torch_native``: always the absorbed path
+    (``AttnForwardMethod.MLA``), which reads and writes the latent KV pool that
+    ``torch_native`` serves."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    return AttnForwardMethod.MLA
+
+
+def register_torch_native_mla() -> bool:
+    """Register :func:`torch_native_mla_handler` for ``torch_native`` in SGLang's MLA handler
+    registry when it has none (otherwise its ``triton`` handler answers, which picks the MHA
+    path for a prefill without prefix: ``Expected size ... but got ...`` in torch_native);
+    returns whether it registered."""
+    handlers = importlib.import_module(MLA_HANDLERS)
+    registry = handlers.AttentionBackendRegistry
+    if "torch_native" in registry._handlers:
+        return False
+    registry.register("torch_native", torch_native_mla_handler)
+    return True
+
+
+# ---------------------------------------------------------------- shims (gap 4) at model start
+
+def install_model_bridges() -> dict:
+    """In a scheduler process about to build its model: the interpreter shims over SGLang's
+    GDN / KDA / Mamba2 kernels and the causal-conv names. Returns what was done (for the log)."""
+    from sglang_mamba_ext.plugin.triton_interpret import install_interpreter_shims, interpreting
+
+    done = {}
+    if interpreting():
+        done["shims"] = install_interpreter_shims(extra_modules=MAMBA_KERNEL_MODULES)
+    done["causal_conv"] = bind_causal_conv()
+    done["torch_native_mla"] = register_torch_native_mla()
+    return done
+
+
+def model_runner_init_before(*args, **kwargs):
+    """BEFORE hook on ``ModelRunner.__init__``."""
+    if active():
+        done = install_model_bridges()
+        logger.info("sglang-mamba-ext: CPU bridges for SGLang's hybrid models: %s", done)
+    return None
+
+
+def register_cpu_bridges() -> None:
+    """Register the hooks (idempotent); each is inert unless :func:`active`."""
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(MODEL_RUNNER_INIT, model_runner_init_before, HookType.BEFORE)
+    HookRegistry.register(MAMBA_MIXER_FORWARD, device_module_around, HookType.AROUND)
+    HookRegistry.register(QWEN3_NEXT_GDN_INIT, device_module_around, HookType.AROUND)
+    HookRegistry.register(ROPE_INIT, rope_init_around, HookType.AROUND)
+    _installed = True

@@ -1,0 +1,266 @@
+"""CPU bridges for SGLang's own hybrid model classes (``sglang_mamba_ext.plugin.cpu_bridges``).
+
+Each bridge has a test showing SGLang's gap on this host (so it fails, and the bridge can be
+dropped, once SGLang closes the gap) and one showing the bridge gets past it; the bridges act
+only with ``SGLANG_MAMBA_EXT_CPU_BRIDGES=1`` on a host without CUDA."""
+
+import os
+import unittest
+from unittest import mock
+
+import torch
+
+from conftest import SGLANG_INSTALLED
+from sglang_mamba_ext.testing.spec_pair import triton_subprocess_case
+
+NO_CUDA = not torch.cuda.is_available()
+_IN_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+SELECT = "TestMamba2KernelInterpreted"
+
+
+def _bridges_on():
+    from sglang_mamba_ext.plugin.cpu_bridges import ACTIVE_ENV
+
+    return mock.patch.dict(os.environ, {ACTIVE_ENV: "1"})
+
+
+@unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA, "needs SGLang on a host without CUDA")
+class TestCausalConvNames(unittest.TestCase):
+    """gap 6: ``layers/attention/mamba/mamba.py`` binds ``causal_conv1d_*`` only on CUDA / NPU / XPU."""
+
+    def setUp(self):
+        import importlib
+
+        self.mamba = importlib.import_module("sglang.srt.layers.attention.mamba.mamba")
+        from sglang_mamba_ext.plugin.cpu_bridges import CAUSAL_CONV_NAMES
+
+        saved = {n: getattr(self.mamba, n) for n in CAUSAL_CONV_NAMES if hasattr(self.mamba, n)}
+
+        def restore():
+            for n in CAUSAL_CONV_NAMES:
+                if n in saved:
+                    setattr(self.mamba, n, saved[n])
+                elif hasattr(self.mamba, n):
+                    delattr(self.mamba, n)
+
+        self.addCleanup(restore)
+        for n in CAUSAL_CONV_NAMES:  # as SGLang leaves them here, even if a bridge ran before
+            if hasattr(self.mamba, n):
+                delattr(self.mamba, n)
+
+    def test_gap_present_upstream(self):
+        import sglang.srt.layers.attention.mamba.mamba as m
+
+        src = open(m.__file__).read()
+        self.assertIn("if is_cuda():\n    from sglang.kernels.ops.mamba.causal_conv1d_triton import", src)
+        self.assertNotIn("\nelse:\n    from sglang.kernels.ops.mamba.causal_conv1d_triton", src)
+
+    def test_bridge_binds_the_triton_kernels(self):
+        from sglang.kernels.ops.mamba import causal_conv1d_triton as ct
+
+        from sglang_mamba_ext.plugin.cpu_bridges import bind_causal_conv
+
+        self.assertFalse(hasattr(self.mamba, "causal_conv1d_fn"))
+        self.assertEqual(sorted(bind_causal_conv()), sorted(
+            ["causal_conv1d_fn", "causal_conv1d_fn_triton", "causal_conv1d_update", "causal_conv1d_update_triton"]))
+        self.assertIs(self.mamba.causal_conv1d_fn, ct.causal_conv1d_fn)
+        self.assertIs(self.mamba.causal_conv1d_update_triton, ct.causal_conv1d_update)
+        self.assertEqual(bind_causal_conv(), [])  # idempotent
+
+
+@unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA, "needs SGLang on a host without CUDA")
+class TestDeviceModule(unittest.TestCase):
+    """gaps 2 and 7: ``torch.get_device_module()`` is ``torch.cuda`` without a driver
+    (``models/qwen3_next.py``), ``torch.cpu`` has no ``device`` context (Mamba2 SSD kernels)."""
+
+    def test_gap_present_in_torch(self):
+        self.assertFalse(hasattr(torch.get_device_module(torch.device("cpu")), "device"))
+        with self.assertRaises((RuntimeError, AssertionError, AttributeError)):
+            torch.get_device_module().current_device()
+
+    def test_scoped_cpu_device_module(self):
+        from sglang_mamba_ext.plugin.cpu_bridges import cpu_device_module
+
+        original = torch.get_device_module
+        with cpu_device_module():
+            self.assertEqual(torch.get_device_module().current_device(), "cpu")
+            with torch.get_device_module(torch.device("cpu")).device(None):
+                pass
+            with cpu_device_module():  # re-entrant
+                self.assertIsNot(torch.get_device_module, original)
+            self.assertEqual(torch.get_device_module("cpu").synchronize, torch.cpu.synchronize)
+        self.assertIs(torch.get_device_module, original)
+
+    def test_around_hook_is_inert_without_the_variable(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        seen = []
+
+        def call():
+            seen.append(torch.get_device_module())
+            return 7
+
+        with mock.patch.dict(os.environ, {cpu_bridges.ACTIVE_ENV: "0"}):
+            with self.assertRaises((RuntimeError, AssertionError)):
+                cpu_bridges.device_module_around(lambda: torch.get_device_module().current_device())
+        with _bridges_on():
+            self.assertEqual(cpu_bridges.device_module_around(call), 7)
+        self.assertIs(seen[0], cpu_bridges.CPU_DEVICE_MODULE)
+
+    def test_qwen3_next_norm_builds(self):
+        """The layer's own call: ``FusedRMSNormGated(..., device=torch.get_device_module().current_device())``."""
+        from sglang.kernels.ops.attention.fla.fused_norm_gate import FusedRMSNormGated
+
+        from sglang_mamba_ext.plugin.cpu_bridges import cpu_device_module
+
+        with cpu_device_module():
+            norm = FusedRMSNormGated(16, eps=1e-6, activation="silu",
+                                device=torch.get_device_module().current_device(), dtype=torch.float16)
+        self.assertEqual(norm.weight.device.type, "cpu")
+
+
+@unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA, "needs SGLang on a host without CUDA")
+class TestRotary(unittest.TestCase):
+    """gap 3: ``layers/rotary_embedding/base.py`` imports ``vllm._custom_ops`` on this host."""
+
+    ARGS = dict(head_size=16, rotary_dim=16, max_position_embeddings=64, base=10000, is_neox_style=True,
+                dtype=torch.float32)
+
+    def _init(self):
+        from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+        init = getattr(RotaryEmbedding.__init__, "__wrapped__", RotaryEmbedding.__init__)
+        return RotaryEmbedding, init
+
+    def test_gap_present_upstream(self):
+        cls, init = self._init()
+        with self.assertRaisesRegex(ImportError, "vllm"):
+            init(cls.__new__(cls), **self.ARGS)
+
+    def test_bridge_builds_a_native_rope(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        cls, init = self._init()
+        rope = cls.__new__(cls)
+        with _bridges_on():
+            cpu_bridges.rope_init_around(init, rope, **self.ARGS)
+        self.assertFalse(rope.use_fallback_kernel)
+        import sglang.srt.layers.rotary_embedding.base as base
+
+        self.assertFalse(base._is_cpu)  # restored
+        pos = torch.arange(5)
+        q, k = torch.randn(5, 4 * 16), torch.randn(5, 2 * 16)
+        q2, k2 = rope.forward_native(pos, q.clone(), k.clone())
+        self.assertTrue(torch.isfinite(q2).all() and not torch.equal(q2[1:], q[1:]))
+        torch.testing.assert_close(q2[0], q[0])  # position 0 is the identity
+
+
+@unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA and _IN_INTERP,
+                     "needs SGLang, no CUDA and TRITON_INTERPRET=1 (run by TestUnderTritonInterpreter)")
+class TestMamba2KernelInterpreted(unittest.TestCase):
+    """gaps 4 and 7: a Mamba2 SSD kernel launch (``ssd_chunk_state.py::_chunk_cumsum_fwd``)
+    on CPU under Triton's interpreter stops at ``torch.cpu.device``; with the bridges
+    (interpreter shims over the Mamba2 modules, CPU device module) it runs and equals the
+    torch reference (softplus(dt + bias), clamped, times A, summed within each chunk)."""
+
+    def _inputs(self):
+        g = torch.Generator().manual_seed(0)
+        dt = torch.randn(1, 70, 4, generator=g)
+        A = -torch.rand(4, generator=g) - 0.5
+        bias = torch.randn(4, generator=g) * 0.1
+        return dt, A, bias
+
+    def test_a_shims_needed(self):
+        """Runs first (alphabetical order), before the shims patch Triton in this process:
+        with the device module alone, Triton's autotuner looks for a GPU driver."""
+        from sglang.kernels.ops.mamba.triton_ops.ssd_chunk_state import _chunk_cumsum_fwd
+
+        from sglang_mamba_ext.plugin import triton_interpret
+        from sglang_mamba_ext.plugin.cpu_bridges import cpu_device_module
+
+        if triton_interpret._installed:
+            self.skipTest("the shims were installed earlier in this process")
+        dt, A, bias = self._inputs()
+        with cpu_device_module(), self.assertRaisesRegex(RuntimeError, "active drivers"):
+            _chunk_cumsum_fwd(dt, A, 64, dt_bias=bias, dt_softplus=True)
+
+    def test_gap_present_upstream(self):
+        from sglang.kernels.ops.mamba.triton_ops.ssd_chunk_state import _chunk_cumsum_fwd
+
+        dt, A, bias = self._inputs()
+        with self.assertRaisesRegex(AttributeError, "device"):
+            _chunk_cumsum_fwd(dt, A, 64, dt_bias=bias, dt_softplus=True)
+
+    def test_bridged_kernel_matches_torch(self):
+        from sglang.kernels.ops.mamba.triton_ops.ssd_chunk_state import _chunk_cumsum_fwd
+
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        with _bridges_on():
+            self.assertTrue(cpu_bridges.install_model_bridges()["shims"])
+            dA, dt_out = cpu_bridges.device_module_around(_chunk_cumsum_fwd, *self._inputs()[:2], 64,
+                                                          dt_bias=self._inputs()[2], dt_softplus=True)
+        dt, A, bias = self._inputs()
+        ref_dt = torch.nn.functional.softplus(dt + bias)  # [1, T, H]
+        padded = torch.zeros(1, 128, 4)
+        padded[:, :70] = ref_dt
+        ref_dt = padded.view(1, 2, 64, 4).permute(0, 3, 1, 2)  # [1, H, chunks, chunk]
+        ref_dA = torch.cumsum(ref_dt * A[None, :, None, None], dim=-1)
+        torch.testing.assert_close(dt_out[:, :, 0], ref_dt[:, :, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dA[:, :, 0], ref_dA[:, :, 0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dA[:, :, 1, :6], ref_dA[:, :, 1, :6], rtol=1e-5, atol=1e-5)
+
+
+TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED)
+
+
+@unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
+class TestTorchNativeMLA(unittest.TestCase):
+    """gap 5: SGLang's MLA handler registry has no ``torch_native`` entry, so the ``triton``
+    handler answers (the MHA path for a prefill without prefix, which torch_native cannot
+    serve from the latent pool)."""
+
+    def setUp(self):
+        from sglang.srt.models.deepseek_common import attention_backend_handler as h
+
+        self.registry = h.AttentionBackendRegistry
+        saved = dict(self.registry._handlers)
+        self.addCleanup(lambda: (self.registry._handlers.clear(), self.registry._handlers.update(saved)))
+        self.registry._handlers.pop("torch_native", None)
+
+    def test_gap_present_upstream(self):
+        self.assertIs(self.registry.get_handler("torch_native"), self.registry.get_handler("triton"))
+
+    def test_bridge_answers_absorbed_mla(self):
+        from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+        from sglang_mamba_ext.plugin.cpu_bridges import register_torch_native_mla
+
+        self.assertTrue(register_torch_native_mla())
+        self.assertFalse(register_torch_native_mla())
+        self.assertEqual(self.registry.get_handler("torch_native")(object(), object()), AttnForwardMethod.MLA)
+
+
+class TestRegistration(unittest.TestCase):
+    @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
+    def test_hooks_registered(self):
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        cpu_bridges.register_cpu_bridges()
+        for target in (cpu_bridges.MODEL_RUNNER_INIT, cpu_bridges.MAMBA_MIXER_FORWARD,
+                       cpu_bridges.QWEN3_NEXT_GDN_INIT, cpu_bridges.ROPE_INIT):
+            self.assertTrue(HookRegistry._hooks.get(target), target)
+
+    def test_inactive_without_variable(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        with mock.patch.dict(os.environ, {cpu_bridges.ACTIVE_ENV: ""}):
+            self.assertFalse(cpu_bridges.active())
+        with _bridges_on():
+            self.assertEqual(cpu_bridges.active(), NO_CUDA)
+
+
+if __name__ == "__main__":
+    unittest.main()
