@@ -1,0 +1,145 @@
+"""End to end (issue 24, item 4, first family): SGLang's OWN model class served with the plugin,
+from the project's tiny checkpoint (``scripts/make_tiny_model.py --arch``), with
+``--device cpu --enable-mamba-radix`` and no other flag (the CPU defaults and CPU bridges of
+``plugin/cpu_defaults.py`` / ``plugin/cpu_bridges.py`` do the rest).
+
+Qwen3-Next (``Qwen3NextForCausalLM``: Gated DeltaNet + gated attention, MoE), SGLang's GDN
+backend and kernels interpreted, float16; the plugin's in-chunk writer makes hits exact where
+SGLang's own cache stops at its 64-token grid (128 on the resend below):
+
+- a resent 150-token prompt hits 149;
+- a third prompt sharing 77 tokens with two earlier ones hits 77;
+- the next turn (prompt + its output + new tokens) hits ``len + out - 1``;
+
+each output equal (tokens, and logprobs within float16 noise) to the same prompt run cold
+(another ``cache_salt``), the first one also to transformers' float32 reference
+(``hf_tiny.reference_greedy``) wherever the reference's top-2 gap exceeds 1e-2; then an abort
+mid-generation and SGLang's strict idle checks. The other families: ``docs/design.md``, "CPU
+serving" (measured; Mamba2 and LFM2 still on the grid until their writers are wired).
+"""
+
+import os
+import random
+import tempfile
+import threading
+import time
+import unittest
+
+import pytest
+import requests
+import torch
+from server_util import CHECKED_ENV, Server, idle_and_checked
+
+from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model, reference_greedy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+NEW = 6
+#: a hit vs the cold run of the same prompt, both float16 (log-probabilities, nats)
+HIT_ATOL = 2e-2
+#: float16 serving vs the float32 reference
+REF_ATOL = 5e-2
+#: reference steps whose top-2 gap is below this may flip in float16
+GAP = 1e-2
+
+
+class TestQwen3NextServing(unittest.TestCase):
+    ARCH = "qwen3_next"
+    SEED = 24
+
+    @classmethod
+    def setUpClass(cls):
+        tmp = tempfile.TemporaryDirectory(prefix=f"{cls.ARCH}-e2e-")
+        cls.addClassCleanup(tmp.cleanup)
+        cls.model = build_hf_tiny_model(cls.ARCH, os.path.join(tmp.name, "model"))
+        cls.server = Server(cls.model, ["--device", "cpu", "--enable-mamba-radix"],
+                            os.path.join(tmp.name, f"{cls.ARCH}.log"), env=dict(CHECKED_ENV))
+        cls.addClassCleanup(cls.server.stop)
+        cls.server.wait_healthy()
+        cls.rng = random.Random(cls.SEED)
+        cls.salt = 0
+
+    def tokens(self, n):
+        return [self.rng.randrange(5, 760) for _ in range(n)]
+
+    def gen(self, ids, cold=False):
+        """Greedy ``NEW`` tokens; returns ``(output_ids, cached_tokens, logprobs)``."""
+        extra = {"return_logprob": True}
+        if cold:
+            type(self).salt += 1
+            extra["cache_salt"] = f"cold-{self.salt}"
+        r = self.server.generate(input_ids=ids, max_new_tokens=NEW, **extra)
+        meta = r["meta_info"]
+        if cold:
+            self.assertEqual(meta["cached_tokens"], 0)
+        return r["output_ids"], meta["cached_tokens"], [lp[0] for lp in meta["output_token_logprobs"]]
+
+    def assert_same(self, got, cold):
+        self.assertEqual(got[0], cold[0])
+        torch.testing.assert_close(torch.tensor(got[2]), torch.tensor(cold[2]), rtol=0, atol=HIT_ATOL)
+
+    def test_0_launch_and_writer(self):
+        log = self.server.log_text()
+        self.assertIn("mamba-radix: exact prefix checkpoints with GDNAttnBackend (in-chunk Triton writer)", log)
+        self.assertIn("Qwen3NextForCausalLM", log)
+
+    def test_1_resend_hits_len_minus_1_and_matches_reference(self):
+        p = self.tokens(150)
+        first = self.gen(p)
+        self.assertEqual(first[1], 0)
+        again = self.gen(p)
+        self.assertEqual(again[1], len(p) - 1)  # 149; SGLang's own cache: 128
+        self.assert_same(again, first)
+        (ref,) = reference_greedy(self.model, [p], NEW)
+        checked = 0
+        for i, (tok, lp) in enumerate(zip(first[0], first[2])):
+            if ref["gaps"][i] <= GAP:
+                break  # a near-tie may flip in float16; later steps then see another context
+            self.assertEqual(tok, ref["tokens"][i], (i, first, ref))
+            self.assertAlmostEqual(lp, ref["logprobs"][i], delta=REF_ATOL)
+            checked += 1
+        self.assertGreaterEqual(checked, 1, ref)
+
+    def test_2_third_prompt_hits_shared_77(self):
+        a = self.tokens(120)
+        self.gen(a)
+        b = a[:77] + self.tokens(20)
+        # a's first 64-token prefill chunk left a state at 64 (the CPU default
+        # --chunked-prefill-size 64); b plants the branch checkpoint at 77
+        self.assertEqual(self.gen(b)[1], 64)
+        c = a[:77] + self.tokens(15)
+        hit = self.gen(c)
+        self.assertEqual(hit[1], 77)  # SGLang's grid: 64
+        self.assert_same(hit, self.gen(c, cold=True))
+
+    def test_3_next_turn_hits_len_plus_out_minus_1(self):
+        p = self.tokens(60)
+        out, cached, _ = self.gen(p)
+        self.assertEqual(cached, 0)
+        turn = p + out + self.tokens(10)
+        hit = self.gen(turn)
+        self.assertEqual(hit[1], len(p) + NEW - 1)
+        self.assert_same(hit, self.gen(turn, cold=True))
+
+    def test_4_abort_then_idle_checks(self):
+        result = {}
+        prompt = self.tokens(40)
+
+        def run():
+            result["out"] = self.server.generate(input_ids=prompt, max_new_tokens=2000, rid="family-abort")
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(3.0)
+        r = requests.post(self.server.base_url + "/abort_request", json={"rid": "family-abort"}, timeout=60)
+        self.assertEqual(r.status_code, 200, r.text)
+        t.join(timeout=300)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(result["out"]["meta_info"]["finish_reason"]["type"], "abort")
+        load = idle_and_checked(self.server)
+        self.assertEqual(load["num_running_reqs"], 0)
+        self.assertEqual(load["num_used_tokens"], 0, load)
+
+
+if __name__ == "__main__":
+    unittest.main()
