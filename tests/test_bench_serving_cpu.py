@@ -1,11 +1,11 @@
 """Tests of the serving benchmark (``sglang_mamba_ext.benchmarks.serving_cpu``) without
 SGLang: its ``main`` drives in-process fake servers (a streaming ``/generate`` and
 ``/flush_cache`` over HTTP, with a prefix cache per flag set), so the workloads, the
-alternating rounds, the flush between workloads, the per-side numbers and the last line are
+the two phases of alternating rounds, the flush before every pass, the per-side numbers and the last line are
 checked in a few seconds. Arguments it refuses exit 2 with argparse's ``error:``.
 
-The benchmark against real servers is run by hand (docs/benchmarks.md); it starts six
-servers (about 5 minutes), too long for the suite.
+The benchmark against real servers is run by hand (docs/benchmarks.md); it starts three
+servers (about 3 minutes with the passes), too long for the suite.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import unittest
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -37,7 +38,9 @@ class FakeServer:
 
     def __init__(self, model, flags):
         self.flags = list(flags)
-        self.share = next(v for k, v in self.HIT_SHARE.items() if k in self.flags)
+        self.side = next(k for k in self.HIT_SHARE if k in self.flags)
+        self.share = self.HIT_SHARE[self.side]
+        self.started_at = self.stopped_at = None
         self.seen: list = []
         self.events: list = []
         self.log_path = "(fake)"
@@ -80,11 +83,14 @@ class FakeServer:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.started_at = time.perf_counter()
         return self
 
     def stop(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.stopped_at is None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+            self.stopped_at = time.perf_counter()
 
 
 def _common(a, b):
@@ -115,19 +121,42 @@ class ServingBenchmarkTest(unittest.TestCase):
     def test_rounds_alternate_and_each_side_runs_both_workloads(self):
         rc, text = _run("--rounds", "2", "--users", "3", "--turns", "2", "--max-new-tokens", "3", "--noreuse-tokens", "20")
         self.assertEqual(rc, 0, text)
-        sides = [next(k for k in FakeServer.HIT_SHARE if k in s.flags) for s in FakeServer.launches]
-        ours, theirs, none = "--enable-mamba-radix", "no_buffer", "--disable-radix-cache"
-        self.assertEqual(sides, [ours, theirs, none, none, theirs, ours])
+        ours, theirs, none = FakeServer.launches
+        self.assertEqual([s.side for s in FakeServer.launches], ["--enable-mamba-radix", "no_buffer", "--disable-radix-cache"])
+        # SGLang's server is stopped before the no-cache one starts; the plugin's stays up
+        self.assertLess(theirs.stopped_at, none.started_at)
+        self.assertGreater(ours.stopped_at, none.started_at)
         for s in FakeServer.launches:
             self.assertIn("--disable-overlap-schedule", s.flags)
-            # warm-up, flush, 6 multi-turn requests (text), flush, 6 no-reuse requests (ids)
-            self.assertEqual(s.events[:2], [("input_ids", 8), "flush"])
-            self.assertEqual([e[0] for e in s.events[2:8]], ["text"] * 6)
-            self.assertEqual(s.events[8], "flush")
-            self.assertEqual(s.events[9:], [("input_ids", 20)] * 6)
-        for label in ("mamba-radix", "sglang-cache", "no-cache"):
-            for w in serving_cpu.WORKLOADS:
-                self.assertRegex(text, rf"\[{label} {w}\] requests=12 out_tok_s=\S+ req_s=\S+ ttft_mean=\S+ ttft_p95=")
+            self.assertIn("--sleep-on-idle", s.flags)
+            self.assertEqual(s.events[0], ("input_ids", 8))  # warm-up
+        # passes in order, each after a flush: 6 multi-turn requests (text), 6 no-reuse (ids)
+        mt = ["flush"] + [("text", None)] * 6
+        nr = ["flush"] + [("input_ids", 20)] * 6
+
+        def shape(events):
+            return [e if e == "flush" or e[0] == "input_ids" else ("text", None) for e in events]
+
+        self.assertEqual(shape(ours.events[1:]), (mt + nr) * 4)
+        self.assertEqual(shape(theirs.events[1:]), (mt + nr) * 2)
+        self.assertEqual(shape(none.events[1:]), (mt + nr) * 2)
+        passes = re.findall(r"^\[(vs-\S+) round (\d) (\S+) (\S+)\]", text, re.M)
+        self.assertEqual(
+            passes[:8],
+            [("vs-sglang", "0", "mamba-radix", "multi-turn"), ("vs-sglang", "0", "sglang-cache", "multi-turn"),
+             ("vs-sglang", "0", "mamba-radix", "no-reuse"), ("vs-sglang", "0", "sglang-cache", "no-reuse"),
+             ("vs-sglang", "1", "sglang-cache", "multi-turn"), ("vs-sglang", "1", "mamba-radix", "multi-turn"),
+             ("vs-sglang", "1", "sglang-cache", "no-reuse"), ("vs-sglang", "1", "mamba-radix", "no-reuse")],
+        )
+        self.assertEqual(len(passes), 16)
+        for phase, pair in (("vs-sglang", ("mamba-radix", "sglang-cache")), ("vs-no-cache", ("mamba-radix", "no-cache"))):
+            for label in pair:
+                for w in serving_cpu.WORKLOADS:
+                    self.assertRegex(
+                        text, rf"\[{phase} {label} {w}\] requests=12 out_tok_s=\S+ req_s=\S+ ttft_mean=\S+ ttft_p95=\S+ "
+                        rf"tpot_mean=\S+ prompt_tokens=\d+ cached_tokens=\d+ prefill_tokens_computed=\d+ same_outputs=True",
+                    )
+                self.assertRegex(text, rf"\[{phase} multi-turn\] out tok/s {pair[0]}/{pair[1]} per round: \S+ \S+\n")
         self.assertIn("greedy outputs identical across sides and rounds: True", text)
         fields = _last_fields(text)
         self.assertEqual(
@@ -145,7 +174,7 @@ class ServingBenchmarkTest(unittest.TestCase):
         self.assertEqual(prompts, serving_cpu.noreuse_prompts(40, 16, seed=0, vocab=768))
         rc, text = _run("--rounds", "1", "--users", "2", "--turns", "1", "--max-new-tokens", "2", "--noreuse-tokens", "9")
         self.assertEqual(rc, 0, text)
-        self.assertRegex(text, r"\[mamba-radix no-reuse\] .*cached_tokens=0 prefill_tokens_computed=18")
+        self.assertRegex(text, r"\[vs-sglang mamba-radix no-reuse\] .*cached_tokens=0 prefill_tokens_computed=18 ")
 
     def test_concurrency_keeps_each_conversation_in_order(self):
         rc, text = _run("--rounds", "1", "--users", "4", "--turns", "3", "--max-new-tokens", "2", "--concurrency", "3")
@@ -157,8 +186,8 @@ class ServingBenchmarkTest(unittest.TestCase):
         FakeServer.DIVERGE = "no_buffer"
         rc, text = _run("--rounds", "1", "--users", "2", "--turns", "1", "--max-new-tokens", "2")
         self.assertEqual(rc, 1)
-        self.assertIn("[sglang-cache multi-turn]", text)
-        self.assertRegex(text, r"\[sglang-cache multi-turn\] .* same_outputs=False")
+        self.assertRegex(text, r"\[vs-sglang sglang-cache multi-turn\] .* same_outputs=False")
+        self.assertRegex(text, r"\[vs-no-cache no-cache multi-turn\] .* same_outputs=True")
         self.assertIn("identical across sides and rounds: False", text)
 
     def test_bad_arguments_exit_2(self):

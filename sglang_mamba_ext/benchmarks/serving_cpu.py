@@ -13,35 +13,39 @@ Workloads (the same requests for every side and round):
 - ``no-reuse``: ``--users * --turns`` prompts of ``--noreuse-tokens`` random token ids, each
   starting with a different token, so no two share even one token: the cache can only cost.
 
-Rounds: ``--rounds`` rounds; round r runs the sides in the order plugin, SGLang, no-cache
-when r is even and reversed when r is odd (A B C, C B A, ...), so that drift in the machine's
-load during the run falls on every side alike. Each (round, side) starts a fresh server, sends
-one unmeasured warm-up request and ``/flush_cache``, runs ``multi-turn``, ``/flush_cache``,
-runs ``no-reuse``, and stops the server: one server is alive at a time and every round starts
-from an empty cache. (Servers are not kept up across rounds: SGLang's idle scheduler polls
-without sleeping and takes a whole core, which on a small machine slows the side being
-measured.) All sides get ``--device cpu --disable-overlap-schedule`` (the plugin turns overlap
-off on CPU, SGLang's ``no_buffer`` needs it off) and the plugin's CPU defaults for the tiny
-model; ``--extra-flags`` adds flags to all of them.
+Rounds, in two phases: first this plugin's server and SGLang's (``vs-sglang``), then this
+plugin's and the no-cache one (``vs-no-cache``; SGLang's server is stopped first, so at most
+two servers are alive, started one at a time; the plugin's stays up for both phases). A
+phase runs ``--rounds`` rounds; round r sends each workload to the phase's two servers in the
+order A B when r is even and B A when r is odd, each pass after ``/flush_cache``, so every pass
+starts from an empty cache and drift in the machine's load falls on both sides alike (passes
+of a few seconds apart, not minutes). Each server gets one unmeasured warm-up request after
+start-up. All servers get ``--device cpu --disable-overlap-schedule --sleep-on-idle`` (the
+plugin turns overlap off on CPU and SGLang's ``no_buffer`` needs it off; without
+``--sleep-on-idle`` SGLang's idle scheduler polls without sleeping and takes a whole core from
+the server being measured) and the plugin's CPU defaults for the tiny model;
+``--extra-flags`` adds flags to all of them.
 
 Requests are greedy (``ignore_eos``, ``--max-new-tokens``) and streamed to ``/generate``.
 With ``--concurrency 1`` (default) they are sent one at a time, so the time to first token
 (TTFT) has no queueing in it; with ``--concurrency N`` N client threads send each turn's
 requests at once (turn by turn, so a conversation's next turn still follows its reply).
 
-Prints per round and side the numbers of each workload, then per side and workload over all
-rounds: output tokens/s and requests/s (over the workload's wall time), mean and p95 TTFT,
-mean TPOT (time per output token after the first), prefill tokens computed (prompt tokens
-minus ``meta_info.cached_tokens``), and whether the greedy outputs equal those of the plugin's
-first round. The last line is
+Prints each pass as it ends, then per phase, side and workload over all rounds: output
+tokens/s and requests/s (over the passes' wall time), mean and p95 TTFT, mean TPOT (time per
+output token after the first), prefill tokens computed (prompt tokens minus
+``meta_info.cached_tokens``), whether the greedy outputs equal those of the plugin's first
+pass, and the per-round throughput ratios. The last line is
 
     prefill_tokens_saved=<1 - computed(plugin)/computed(no-cache)> ttft_ratio=<TTFT plugin/no-cache>
     vs_sglang_throughput=<out tok/s plugin/SGLang> vs_sglang_ttft=<TTFT plugin/SGLang>
     vs_sglang_prefill=<computed plugin/SGLang> noreuse_throughput=<plugin/SGLang, no-reuse>
     noreuse_tpot=<TPOT plugin/SGLang, no-reuse>
 
-on one line (the first five on ``multi-turn``; TTFT and TPOT are means over all requests of
-all rounds).
+on one line: the first two from ``vs-no-cache`` on ``multi-turn``, the next three from
+``vs-sglang`` on ``multi-turn``, the last two from ``vs-sglang`` on ``no-reuse``; TTFT and
+TPOT are means over all requests of all rounds, throughput is total output tokens over total
+wall time.
 
 Usage (``scripts/bench_serving_cpu.py`` takes the same arguments):
     python -m sglang_mamba_ext.benchmarks.serving_cpu         # builds .tiny_model if needed
@@ -73,13 +77,13 @@ USER_TURNS = [
 ]
 TOPICS = ["returns", "sizes", "shipping", "loops", "testing", "typing", "museums", "food", "weather", "trains"]
 
-#: (label, launch flags) in round 0's order; odd rounds run them reversed.
+#: (label, launch flags): this plugin's cache, SGLang's own, none.
 SIDES = (
     ("mamba-radix", ["--enable-mamba-radix"]),
     ("sglang-cache", ["--mamba-radix-cache-strategy", "no_buffer"]),
     ("no-cache", ["--disable-radix-cache"]),
 )
-COMMON_FLAGS = ["--device", "cpu", "--disable-overlap-schedule"]
+COMMON_FLAGS = ["--device", "cpu", "--disable-overlap-schedule", "--sleep-on-idle"]
 WORKLOADS = ("multi-turn", "no-reuse")
 #: First token id of the no-reuse prompts (ids below are the tokenizer's special tokens).
 NOREUSE_FIRST_ID = 5
@@ -91,7 +95,7 @@ def parse_args(argv):
     p.add_argument("--users", type=int, default=12)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2: A B C, C B A)")
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds per phase (default 2: A B, B A)")
     p.add_argument("--concurrency", type=int, default=1, help="client threads sending at once (default 1)")
     p.add_argument("--noreuse-tokens", type=int, default=320, help="prompt length of the no-reuse workload")
     p.add_argument("--seed", type=int, default=0, help="seed of the no-reuse prompts")
@@ -107,11 +111,6 @@ def parse_args(argv):
     if args.noreuse_tokens < 1:
         p.error("--noreuse-tokens must be >= 1")
     return args
-
-
-def side_order(rnd: int):
-    """The sides of round ``rnd`` in the order they run: as listed, reversed on odd rounds."""
-    return SIDES if rnd % 2 == 0 else tuple(reversed(SIDES))
 
 
 def noreuse_prompts(n: int, length: int, seed: int, vocab: int):
@@ -264,6 +263,40 @@ def _ratio(a, b) -> float:
     return a / b if b else float("nan")
 
 
+class _Side:
+    """A started server of one side, kept up across the rounds of its phase."""
+
+    def __init__(self, label, server):
+        self.label, self.server = label, server
+
+
+def _start(server_factory, model, label, flags, extra, warm_ids):
+    server = server_factory(model, [*COMMON_FLAGS, *flags, *extra])
+    try:
+        server.start()
+        print(f"[{label}] server up in {server.startup_s:.0f} s (log {server.log_path})", flush=True)
+        send(server.base_url, {"input_ids": warm_ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    except BaseException:
+        server.stop()
+        raise
+    return _Side(label, server)
+
+
+def run_phase(name, sides, args, tok, systems, prompts, runs):
+    """Alternating rounds of one pair of started sides: round r runs each workload on the
+    sides in order when r is even and reversed when r is odd (A B, B A, ...), each pass after
+    ``/flush_cache``. Appends (records, wall_s) to ``runs[name][label][workload]``."""
+    for rnd in range(args.rounds):
+        order = sides if rnd % 2 == 0 else list(reversed(sides))
+        for w in WORKLOADS:
+            for side in order:
+                url = side.server.base_url
+                flush(url)
+                result = run_multi_turn(url, tok, systems, args) if w == "multi-turn" else run_no_reuse(url, prompts, args)
+                runs[name][side.label][w].append(result)
+                print(f"[{name} round {rnd} {side.label} {w}] {format_summary(summarize([result]))}", flush=True)
+
+
 def main(argv=None, server_factory=None) -> int:
     """``server_factory(model, flags)`` builds the server object (default
     :class:`ServerProcess`; tests pass a fake with ``start``/``stop``/``base_url``)."""
@@ -283,57 +316,67 @@ def main(argv=None, server_factory=None) -> int:
         return 2
     server_factory = server_factory or ServerProcess
     extra = args.extra_flags.split()
-    # runs[label][workload] = [(records, wall_s) per round]
-    runs = {label: {w: [] for w in WORKLOADS} for label, _ in SIDES}
+    flags = dict(SIDES)
+    ours, theirs, none = (label for label, _ in SIDES)
+    phases = (("vs-sglang", (ours, theirs)), ("vs-no-cache", (ours, none)))
+    # runs[phase][label][workload] = [(records, wall_s) per round]
+    runs = {name: {label: {w: [] for w in WORKLOADS} for label in pair} for name, pair in phases}
     print(
         f"rounds={args.rounds} concurrency={args.concurrency} users={args.users} turns={args.turns} "
         f"max_new_tokens={args.max_new_tokens} noreuse_tokens={args.noreuse_tokens}",
         flush=True,
     )
-    for rnd in range(args.rounds):
-        for label, flags in side_order(rnd):
-            server = server_factory(model, [*COMMON_FLAGS, *flags, *extra])
-            try:
-                server.start()
-                print(f"[round {rnd} {label}] server up in {server.startup_s:.0f} s (log {server.log_path})", flush=True)
-                send(server.base_url, {"input_ids": prompts[0][:8], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
-                flush(server.base_url)
-                result = run_multi_turn(server.base_url, tok, systems, args)
-                runs[label]["multi-turn"].append(result)
-                flush(server.base_url)
-                runs[label]["no-reuse"].append(run_no_reuse(server.base_url, prompts, args))
-            except Exception as e:  # noqa: BLE001 - report and fail the run
-                print(f"[round {rnd} {label}] failed: {e}")
-                return 1
-            finally:
-                server.stop()
-            for w in WORKLOADS:
-                print(f"[round {rnd} {label} {w}] {format_summary(summarize(runs[label][w][-1:]))}", flush=True)
-    summary = {label: {w: summarize(runs[label][w]) for w in WORKLOADS} for label in runs}
-    reference = {w: [r["text"] for records, _ in runs["mamba-radix"][w][:1] for r in records] for w in WORKLOADS}
+    started = {}
+    try:
+        for name, pair in phases:
+            for label in list(started):  # at most two servers alive, started one at a time
+                if label not in pair:
+                    started.pop(label).server.stop()
+            for label in pair:
+                if label not in started:
+                    started[label] = _start(server_factory, model, label, flags[label], extra, prompts[0][:8])
+            run_phase(name, [started[label] for label in pair], args, tok, systems, prompts, runs)
+    except Exception as e:  # noqa: BLE001 - report and fail the run
+        print(f"failed: {e!r}")
+        return 1
+    finally:
+        for side in started.values():
+            side.server.stop()
+    reference = {w: [r["text"] for r in runs["vs-sglang"][ours][w][0][0]] for w in WORKLOADS}
     all_same = True
-    print(f"over {args.rounds} rounds:")
-    for w in WORKLOADS:
-        for label in runs:
-            same = all([r["text"] for r in records] == reference[w] for records, _ in runs[label][w])
-            all_same &= same
-            print(f"[{label} {w}] {format_summary(summary[label][w])} same_outputs={same}")
+    summary = {}
+    for name, pair in phases:
+        print(f"{name}, over {args.rounds} rounds:")
+        for w in WORKLOADS:
+            for label in pair:
+                per_round = runs[name][label][w]
+                summary[name, label, w] = summarize(per_round)
+                same = all([r["text"] for r in records] == reference[w] for records, _ in per_round)
+                all_same &= same
+                print(f"[{name} {label} {w}] {format_summary(summary[name, label, w])} same_outputs={same}")
+            a, b = (runs[name][label][w] for label in pair)
+            tput = " ".join(f"{_ratio(summarize([x])['tok_s'], summarize([y])['tok_s']):.3f}" for x, y in zip(a, b))
+            print(f"[{name} {w}] out tok/s {pair[0]}/{pair[1]} per round: {tput}")
     print(f"greedy outputs identical across sides and rounds: {all_same}")
-    mt = {label: summary[label]["multi-turn"] for label in summary}
-    nr = {label: summary[label]["no-reuse"] for label in summary}
-    ours, theirs, none = "mamba-radix", "sglang-cache", "no-cache"
+
+    def get(name, label, w, key):
+        return summary[name, label, w][key]
+
     fields = {
-        "prefill_tokens_saved": 1 - _ratio(mt[ours]["computed"], max(mt[none]["computed"], 1)),
-        "ttft_ratio": _ratio(mt[ours]["ttft_mean"], mt[none]["ttft_mean"]),
-        "vs_sglang_throughput": _ratio(mt[ours]["tok_s"], mt[theirs]["tok_s"]),
-        "vs_sglang_ttft": _ratio(mt[ours]["ttft_mean"], mt[theirs]["ttft_mean"]),
-        "vs_sglang_prefill": _ratio(mt[ours]["computed"], mt[theirs]["computed"]),
-        "noreuse_throughput": _ratio(nr[ours]["tok_s"], nr[theirs]["tok_s"]),
-        "noreuse_tpot": _ratio(nr[ours]["tpot_mean"], nr[theirs]["tpot_mean"]),
+        "prefill_tokens_saved": 1 - _ratio(get("vs-no-cache", ours, "multi-turn", "computed"),
+                                           max(get("vs-no-cache", none, "multi-turn", "computed"), 1)),
+        "ttft_ratio": _ratio(get("vs-no-cache", ours, "multi-turn", "ttft_mean"), get("vs-no-cache", none, "multi-turn", "ttft_mean")),
     }
+    for key, w, metric in (
+        ("vs_sglang_throughput", "multi-turn", "tok_s"),
+        ("vs_sglang_ttft", "multi-turn", "ttft_mean"),
+        ("vs_sglang_prefill", "multi-turn", "computed"),
+        ("noreuse_throughput", "no-reuse", "tok_s"),
+        ("noreuse_tpot", "no-reuse", "tpot_mean"),
+    ):
+        fields[key] = _ratio(get("vs-sglang", ours, w, metric), get("vs-sglang", theirs, w, metric))
     print(" ".join(f"{k}={v:.3f}" for k, v in fields.items()))
     return 0 if all_same else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
