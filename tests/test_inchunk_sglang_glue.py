@@ -246,6 +246,44 @@ class TestHookTargets(unittest.TestCase):
         self.assertEqual([t for t, n in arounds.items() if n > 1], [])
 
 
+@requires_sglang
+class TestGridOnlyBackendLog(unittest.TestCase):
+    """Issue 24, item 3: a Mamba2 / short-conv backend under --enable-mamba-radix logs one line
+    naming the model class, the reason and the grid; without the flag, nothing."""
+
+    def _runner(self, pool):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(req_to_token_pool=pool, server_args=SimpleNamespace(chunked_prefill_size=64),
+                               model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["NemotronHForCausalLM"])))
+
+    def test_mamba2_logs_family_reason_grid(self):
+        from types import SimpleNamespace
+
+        from sglang.srt.layers.attention.hybrid_linear_attn_backend import Mamba2AttnBackend
+
+        backend = Mamba2AttnBackend.__new__(Mamba2AttnBackend)
+        backend._mamba_chunk_size = 128  # SGLang reads it from the config on first use
+        with self.assertLogs(ic.logger, level="INFO") as logs:
+            ic.grid_backend_init_after(None, backend, self._runner(SimpleNamespace(prefix_checkpoint_writer=False)))
+        self.assertEqual(logs.output, [
+            "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: NemotronHForCausalLM: prefix checkpoints "
+            "stay on the 128-token grid with Mamba2AttnBackend: the plugin's Mamba2 writer "
+            "(speculative/ops/inchunk/mamba2.py) is not wired into serving yet"])
+
+    def test_short_conv_grid_is_the_chunk_and_stock_pool_is_silent(self):
+        from types import SimpleNamespace
+
+        from sglang.srt.layers.attention.linear.short_conv_backend import ShortConvAttnBackend
+
+        backend = ShortConvAttnBackend.__new__(ShortConvAttnBackend)
+        with self.assertLogs(ic.logger, level="INFO") as logs:
+            ic.grid_backend_init_after(None, backend, self._runner(SimpleNamespace(prefix_checkpoint_writer=False)))
+        self.assertIn("on the 64-token grid with ShortConvAttnBackend: the plugin's short-conv writer", logs.output[0])
+        with self.assertNoLogs(ic.logger, level="INFO"):  # SGLang's own pool: not the plugin's launch
+            ic.grid_backend_init_after(None, backend, self._runner(SimpleNamespace()))
+
+
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, "InchunkHook", skip=_CAN_TRITON)
 
 

@@ -43,6 +43,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 KDA_BACKEND = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend"
+MAMBA2_BACKEND = "sglang.srt.layers.attention.hybrid_linear_attn_backend.Mamba2AttnBackend"
+SHORT_CONV_BACKEND = "sglang.srt.layers.attention.linear.short_conv_backend.ShortConvAttnBackend"
 GDN_BACKEND = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
 #: (hook target, kind, function name in this module)
 HOOK_TARGETS = [
@@ -50,6 +52,8 @@ HOOK_TARGETS = [
     (GDN_BACKEND + ".__init__", "AFTER", "backend_init_after"),
     (KDA_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
     (GDN_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
+    (MAMBA2_BACKEND + ".__init__", "AFTER", "grid_backend_init_after"),
+    (SHORT_CONV_BACKEND + ".__init__", "AFTER", "grid_backend_init_after"),
 ]
 #: Attribute set on a backend the plugin writes checkpoints for: its layout name.
 WRITER_ATTR = "_mamba_radix_inchunk_layout"
@@ -121,6 +125,35 @@ def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
     setattr(backend, WRITER_ATTR, _layout_name(backend))
     pool.prefix_checkpoint_writer = True
     logger.info("mamba-radix: exact prefix checkpoints with %s (in-chunk Triton writer)", type(backend).__name__)
+    return result
+
+
+#: Why a backend without a serving writer keeps SGLang's grid, by backend class name.
+GRID_ONLY_REASONS = {
+    "Mamba2AttnBackend": "the plugin's Mamba2 writer (speculative/ops/inchunk/mamba2.py) is not wired into serving yet",
+    "ShortConvAttnBackend": "the plugin's short-conv writer (speculative/ops/inchunk/shortconv.py) is not wired into "
+                            "serving yet",
+}
+
+
+def grid_backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
+    """AFTER SGLang's Mamba2 / short-conv backend ``__init__``: under ``--enable-mamba-radix``
+    log one line naming the model class, why checkpoints stay on SGLang's grid and the grid
+    (Mamba2: the backend's ``mamba_chunk_size``; short conv: ``--chunked-prefill-size``; tokens). The pool is
+    left a grid pool (no ``prefix_checkpoint_writer``)."""
+    pool = getattr(model_runner, "req_to_token_pool", None)
+    if not hasattr(pool, "prefix_checkpoint_writer"):
+        return result
+    hf = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
+    archs = getattr(hf, "architectures", None) or [type(hf).__name__]
+    name = next((n for n in GRID_ONLY_REASONS if any(c.__name__ == n for c in type(backend).__mro__)),
+                type(backend).__name__)
+    if name == "ShortConvAttnBackend":  # a conv window has no kernel chunk: prefill chunk ends
+        grid = getattr(getattr(model_runner, "server_args", None), "chunked_prefill_size", None)
+    else:
+        grid = getattr(backend, "mamba_chunk_size", None)
+    logger.info("mamba-radix: %s: prefix checkpoints stay on the %s-token grid with %s: %s",
+                archs[0], grid, type(backend).__name__, GRID_ONLY_REASONS.get(name, "no writer for this backend"))
     return result
 
 
