@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -64,7 +65,7 @@ class FakeServer:
                     return
                 prompt = body.get("input_ids") or [ord(c) for c in body["text"]]
                 fake.events.append(("input_ids" if "input_ids" in body else "text", len(prompt)))
-                shared = max((_common(prompt, p) for p in fake.seen), default=0)
+                shared = max((len(os.path.commonprefix([prompt, p])) for p in fake.seen), default=0)
                 fake.seen.append(prompt)
                 n = body["sampling_params"]["max_new_tokens"]
                 tag = "x" if fake.DIVERGE and fake.DIVERGE in fake.flags else ""
@@ -92,14 +93,6 @@ class FakeServer:
             self.httpd.server_close()
             self.stopped_at = time.perf_counter()
 
-
-def _common(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _run(*argv):

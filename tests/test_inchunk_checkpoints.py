@@ -12,24 +12,12 @@ import torch.nn.functional as F
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.speculative.ops.inchunk import plan_writes, write_checkpoints
 from sglang_mamba_ext.speculative.replay import ReplayWeights
-from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu, triton_subprocess_case
+from sglang_mamba_ext.testing.spec_pair import load_kernel_modules_for_cpu, triton_subprocess_case
 
 
-def _load_kernels() -> bool:
-    """The replay kernels (and Triton) interpreted on CPU, then this op's kernels too."""
-    if not load_triton_kernels_for_cpu():
-        return False
-    if torch.cuda.is_available():
-        import sglang_mamba_ext.speculative.ops.inchunk.fused  # noqa: F401
-        return True
-    from sglang_mamba_ext.speculative.ops.triton_utils import interpreter_env, is_interpreted
-
-    with interpreter_env():
-        from sglang_mamba_ext.speculative.ops.inchunk import fused
-    return is_interpreted(fused._inchunk_recurrent_kernel)
-
-
-_CAN_RUN = _load_kernels()
+_FUSED = "sglang_mamba_ext.speculative.ops.inchunk.fused"
+#: The replay kernels (and Triton) interpreted on CPU, then this op's kernels too.
+_CAN_RUN = load_kernel_modules_for_cpu([_FUSED], [(_FUSED, "_inchunk_recurrent_kernel")])
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPE = LinearAttnShape(2, 4, 8, 8, 4)  # H, HV, K, V, W
 

@@ -15,27 +15,17 @@ import torch
 import torch.nn.functional as F
 
 from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
-from sglang_mamba_ext.testing.spec_pair import load_triton_kernels_for_cpu, triton_subprocess_case
+from sglang_mamba_ext.testing.spec_pair import load_kernel_modules_for_cpu, triton_subprocess_case
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HV, P, N, G, W = 4, 8, 16, 2, 4
 D = HV * P + 2 * G * N
 
 
-def _load_kernels() -> bool:
-    if not load_triton_kernels_for_cpu():
-        return False
-    if torch.cuda.is_available():
-        import sglang_mamba_ext.speculative.ops.inchunk.mamba2  # noqa: F401
-        return True
-    from sglang_mamba_ext.speculative.ops.triton_utils import interpreter_env, is_interpreted
-
-    with interpreter_env():
-        from sglang_mamba_ext.speculative.ops.inchunk import fused, mamba2
-    return is_interpreted(mamba2._mamba2_inchunk_kernel) and is_interpreted(fused._inchunk_conv_window_kernel)
-
-
-_CAN_RUN = _load_kernels()
+_OPS = "sglang_mamba_ext.speculative.ops.inchunk."
+_CAN_RUN = load_kernel_modules_for_cpu([_OPS + "fused", _OPS + "mamba2"],
+                                       [(_OPS + "mamba2", "_mamba2_inchunk_kernel"),
+                                        (_OPS + "fused", "_inchunk_conv_window_kernel")])
 
 
 def _weights(L, seed=0, bias=True):

@@ -137,6 +137,29 @@ def load_triton_kernels_for_cpu() -> bool:
     return all(isinstance(k, InterpretedFunction) for k in kernels)
 
 
+def load_kernel_modules_for_cpu(modules, kernels) -> bool:
+    """:func:`load_triton_kernels_for_cpu`, then import ``modules`` (dotted names of this
+    package's Triton kernel modules) the same way: as they are on CUDA, under Triton's
+    interpreter otherwise. ``kernels``: ``(module name, attribute)`` pairs that must come out
+    interpreted on CPU. Returns whether the kernels can run here (False: Triton was already
+    imported without the interpreter; use :func:`triton_subprocess_case`)."""
+    import importlib
+
+    import torch
+
+    if not load_triton_kernels_for_cpu():
+        return False
+    if torch.cuda.is_available():
+        for m in modules:
+            importlib.import_module(m)
+        return True
+    from sglang_mamba_ext.speculative.ops.triton_utils import interpreter_env, is_interpreted
+
+    with interpreter_env():
+        loaded = {m: importlib.import_module(m) for m in modules}
+    return all(is_interpreted(getattr(loaded[m], k)) for m, k in kernels)
+
+
 def triton_interpreter_env():
     """Context manager: ``TRITON_INTERPRET=1`` while Triton kernels run on CPU (the interpreter
     also reads it at launch); a no-op with CUDA. Restores the previous value on exit."""

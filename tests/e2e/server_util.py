@@ -112,3 +112,37 @@ def start_tiny_server(cls, flags: List[str], env: Optional[Dict[str, str]] = Non
     cls.server = Server(cls.model, flags, os.path.join(cls.tmp_dir, "server.log"), env=env)
     cls.addClassCleanup(cls.server.stop)
     cls.server.wait_healthy()
+
+
+class GreedyHits:
+    """Mixin for an e2e test class with ``cls.server``, ``cls.rng`` (``random.Random``) and
+    ``cls.salt`` (int): greedy requests with their cache hits and log-probabilities, and the
+    check that a hit served what a cold run serves. Class attributes: ``NEW`` (output tokens),
+    ``HIT_ATOL`` (nats; float16 hit vs cold), ``VOCAB`` (token id range of random prompts)."""
+
+    NEW = 5
+    HIT_ATOL = 2e-2
+    VOCAB = (3, 200)
+
+    def tokens(self, n):
+        return [self.rng.randrange(*self.VOCAB) for _ in range(n)]
+
+    def gen(self, ids, cold=False):
+        """Greedy ``NEW`` tokens; ``cold``: in a fresh ``cache_salt`` (nothing to hit; asserted).
+        Returns ``(output_ids, cached_tokens, logprobs)``."""
+        extra = {"return_logprob": True}
+        if cold:
+            type(self).salt += 1
+            extra["cache_salt"] = f"cold-{self.salt}"
+        r = self.server.generate(input_ids=ids, max_new_tokens=self.NEW, **extra)
+        meta = r["meta_info"]
+        if cold:
+            self.assertEqual(meta["cached_tokens"], 0)
+        return r["output_ids"], meta["cached_tokens"], [lp[0] for lp in meta["output_token_logprobs"]]
+
+    def assert_same(self, got, cold):
+        """Same tokens, and log-probabilities within ``HIT_ATOL``."""
+        import torch
+
+        self.assertEqual(got[0], cold[0])
+        torch.testing.assert_close(torch.tensor(got[2]), torch.tensor(cold[2]), rtol=0, atol=self.HIT_ATOL)

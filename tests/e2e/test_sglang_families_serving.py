@@ -27,25 +27,24 @@ import unittest
 
 import pytest
 import requests
-import torch
-from server_util import CHECKED_ENV, Server, idle_and_checked
+from server_util import CHECKED_ENV, GreedyHits, Server, idle_and_checked
 
 from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model, reference_greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 NEW = 6
-#: a hit vs the cold run of the same prompt, both float16 (log-probabilities, nats)
-HIT_ATOL = 2e-2
 #: float16 serving vs the float32 reference
 REF_ATOL = 5e-2
 #: reference steps whose top-2 gap is below this may flip in float16
 GAP = 1e-2
 
 
-class TestQwen3NextServing(unittest.TestCase):
+class TestQwen3NextServing(GreedyHits, unittest.TestCase):
     ARCH = "qwen3_next"
     SEED = 24
+    NEW = NEW
+    VOCAB = (5, 760)
 
     @classmethod
     def setUpClass(cls):
@@ -58,25 +57,6 @@ class TestQwen3NextServing(unittest.TestCase):
         cls.server.wait_healthy()
         cls.rng = random.Random(cls.SEED)
         cls.salt = 0
-
-    def tokens(self, n):
-        return [self.rng.randrange(5, 760) for _ in range(n)]
-
-    def gen(self, ids, cold=False):
-        """Greedy ``NEW`` tokens; returns ``(output_ids, cached_tokens, logprobs)``."""
-        extra = {"return_logprob": True}
-        if cold:
-            type(self).salt += 1
-            extra["cache_salt"] = f"cold-{self.salt}"
-        r = self.server.generate(input_ids=ids, max_new_tokens=NEW, **extra)
-        meta = r["meta_info"]
-        if cold:
-            self.assertEqual(meta["cached_tokens"], 0)
-        return r["output_ids"], meta["cached_tokens"], [lp[0] for lp in meta["output_token_logprobs"]]
-
-    def assert_same(self, got, cold):
-        self.assertEqual(got[0], cold[0])
-        torch.testing.assert_close(torch.tensor(got[2]), torch.tensor(cold[2]), rtol=0, atol=HIT_ATOL)
 
     def test_0_launch_and_writer(self):
         log = self.server.log_text()

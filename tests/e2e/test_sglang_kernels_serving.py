@@ -26,22 +26,19 @@ import unittest
 
 import pytest
 import torch
-from server_util import CHECKED_ENV, Server, idle_and_checked
+from server_util import CHECKED_ENV, GreedyHits, Server, idle_and_checked
 
 from sglang_mamba_ext.models.tiny_builder import build_tiny_model
 from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-VOCAB_LO, VOCAB_HI = 3, 200
 NEW = 5
 #: float16 serving vs the float32 reference (log-probabilities, nats)
 REF_ATOL = 5e-2
-#: a hit vs the cold run of the same prompt, both float16
-HIT_ATOL = 2e-2
 
 
-class TestSGLangGDNBackendServing(unittest.TestCase):
+class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
     GATE = "gdn"
     BACKEND = "GDNAttnBackend"
     SEED = 16
@@ -59,26 +56,6 @@ class TestSGLangGDNBackendServing(unittest.TestCase):
         cls.server.wait_healthy()
         cls.rng = random.Random(cls.SEED)
         cls.salt = 0
-
-    def tokens(self, n):
-        return [self.rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
-
-    def gen(self, ids, cold=False):
-        """Greedy ``NEW`` tokens; ``cold``: in a fresh ``cache_salt`` (nothing to hit).
-        Returns ``(output_ids, cached_tokens, logprobs)``."""
-        extra = {"return_logprob": True}
-        if cold:
-            type(self).salt += 1
-            extra["cache_salt"] = f"cold-{self.salt}"
-        r = self.server.generate(input_ids=ids, max_new_tokens=NEW, **extra)
-        meta = r["meta_info"]
-        if cold:
-            self.assertEqual(meta["cached_tokens"], 0)
-        return r["output_ids"], meta["cached_tokens"], [lp[0] for lp in meta["output_token_logprobs"]]
-
-    def assert_same(self, got, cold):
-        self.assertEqual(got[0], cold[0])
-        torch.testing.assert_close(torch.tensor(got[2]), torch.tensor(cold[2]), rtol=0, atol=HIT_ATOL)
 
     def assert_reference(self, ids, out, logprobs):
         """The served tokens' log-probabilities under the float32 reference model."""
