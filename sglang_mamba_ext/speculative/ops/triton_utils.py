@@ -39,6 +39,26 @@ def softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
+# In-chunk writers (ops/inchunk): the deepest of request i_n's C planned offsets (-1: none).
+@triton.jit
+def deepest_offset(offs_ptr, i_n, C: tl.constexpr):
+    n = tl.load(offs_ptr + i_n * C)
+    for j in tl.static_range(1, C):
+        n = tl.maximum(n, tl.load(offs_ptr + i_n * C + j))
+    return n
+
+
+# In-chunk writers: store the state tile S (cast to the pool's dtype) into every destination
+# slot of request i_n whose planned offset is t (pads -1 skipped); base points at the layer and
+# head, s_slot is the pool's slot stride, tile the tile's element offsets, mask its lanes.
+@triton.jit
+def store_at_offset(base, s_slot, tile, S, offs_ptr, dst_ptr, i_n, t, mask, C: tl.constexpr):
+    for j in tl.static_range(C):
+        o = tl.load(offs_ptr + i_n * C + j)
+        d = tl.load(dst_ptr + i_n * C + j)
+        tl.store(base + tl.maximum(d, 0) * s_slot + tile, S.to(base.dtype.element_ty), mask=mask & (o == t) & (d >= 0))
+
+
 def is_interpreted(kernel: Any) -> bool:
     """Whether ``kernel`` was decorated under ``TRITON_INTERPRET=1``."""
     try:

@@ -31,10 +31,12 @@ import triton
 import triton.language as tl
 
 from sglang_mamba_ext.speculative.ops.triton_utils import (
+    deepest_offset,
     gated_delta_step,
     launch_scope,
     raw_decay_beta,
     silu_l2_kv,
+    store_at_offset,
 )
 
 if TYPE_CHECKING:
@@ -64,9 +66,7 @@ def _inchunk_recurrent_kernel(
     start = tl.load(starts_ptr + i_n).to(tl.int64)
     src = tl.load(src_ptr + i_n).to(tl.int64)
     has_src = src >= 0
-    n = tl.load(offs_ptr + i_n * C)
-    for j in tl.static_range(1, C):
-        n = tl.maximum(n, tl.load(offs_ptr + i_n * C + j))
+    n = deepest_offset(offs_ptr, i_n, C)
     if n >= 0:
         i_h = i_hv // (HV // H)
         offs_k = tl.arange(0, BK)
@@ -86,11 +86,7 @@ def _inchunk_recurrent_kernel(
         S = tl.load(st_base + src0 * s_ss + tile, mask=mkv & has_src, other=0.0).to(tl.float32)
         neg_a = -tl.exp(tl.load(alog_ptr + i_l * HV + i_hv).to(tl.float32))
         act_ty = mixed_ptr.dtype.element_ty
-        out_ty = state_ptr.dtype.element_ty
-        for j in tl.static_range(C):  # offset-0 destinations: the start state itself
-            o = tl.load(offs_ptr + i_n * C + j)
-            d = tl.load(dst_ptr + i_n * C + j)
-            tl.store(st_base + tl.maximum(d, 0) * s_ss + tile, S.to(out_ty), mask=mkv & (o == 0) & (d >= 0))
+        store_at_offset(st_base, s_ss, tile, S, offs_ptr, dst_ptr, i_n, 0, mkv, C)  # offset 0: the start state
         for t in range(0, n):
             # conv input column m = t + j of [start window (W-1 columns), tokens]
             yk = tl.zeros([BK], dtype=tl.float32)
@@ -113,10 +109,7 @@ def _inchunk_recurrent_kernel(
             decay, beta = raw_decay_beta(graw_ptr + (tok0 + t) * GD, braw_ptr + (tok0 + t) * BD_,
                                          dtb_ptr + i_l * GD, neg_a, i_hv, offs_k, mk, K, PER_HEAD_GATE)
             S = gated_delta_step(S, kn, yv, decay, beta)
-            for j in tl.static_range(C):
-                o = tl.load(offs_ptr + i_n * C + j)
-                d = tl.load(dst_ptr + i_n * C + j)
-                tl.store(st_base + tl.maximum(d, 0) * s_ss + tile, S.to(out_ty), mask=mkv & (o == t + 1) & (d >= 0))
+            store_at_offset(st_base, s_ss, tile, S, offs_ptr, dst_ptr, i_n, t + 1, mkv, C)
 
 
 @triton.jit

@@ -170,6 +170,8 @@ def write_mamba2_checkpoints_torch(
 try:  # Triton is optional for the torch reference
     import triton
     import triton.language as tl
+
+    from sglang_mamba_ext.speculative.ops.triton_utils import deepest_offset, softplus, store_at_offset
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -194,9 +196,7 @@ if triton is not None:
         start = tl.load(starts_ptr + i_n).to(tl.int64)
         src = tl.load(src_ptr + i_n).to(tl.int64)
         has_src = src >= 0
-        n = tl.load(offs_ptr + i_n * C)
-        for j in tl.static_range(1, C):
-            n = tl.maximum(n, tl.load(offs_ptr + i_n * C + j))
+        n = deepest_offset(offs_ptr, i_n, C)
         if n >= 0:
             offs_p = i_p * BP + tl.arange(0, BP)
             offs_s = tl.arange(0, BN)
@@ -216,11 +216,7 @@ if triton is not None:
             a = tl.load(a_ptr + i_l * HV + i_h).to(tl.float32)
             dtb = tl.load(dtb_ptr + i_l * HV + i_h).to(tl.float32)
             act_ty = xbc_ptr.dtype.element_ty
-            out_ty = state_ptr.dtype.element_ty
-            for j in tl.static_range(C):  # offset-0 destinations: the start state itself
-                o = tl.load(offs_ptr + i_n * C + j)
-                d = tl.load(dst_ptr + i_n * C + j)
-                tl.store(st_base + tl.maximum(d, 0) * s_ss + tile, S.to(out_ty), mask=mps & (o == 0) & (d >= 0))
+            store_at_offset(st_base, s_ss, tile, S, offs_ptr, dst_ptr, i_n, 0, mps, C)  # offset 0: the start state
             for t in range(0, n):
                 yx = tl.zeros([BP], dtype=tl.float32)
                 yb = tl.zeros([BN], dtype=tl.float32)
@@ -241,13 +237,9 @@ if triton is not None:
                 yx = (yx / (1.0 + tl.exp(-yx))).to(act_ty).to(tl.float32)  # silu, rounded as served
                 yb = (yb / (1.0 + tl.exp(-yb))).to(act_ty).to(tl.float32)
                 dt = tl.load(dt_ptr + (tok0 + t) * HV + i_h).to(tl.float32) + dtb
-                dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))  # softplus
-                dt = tl.minimum(tl.maximum(dt, DT_MIN), DT_MAX)
+                dt = tl.minimum(tl.maximum(softplus(dt), DT_MIN), DT_MAX)
                 S = S * tl.exp(dt * a) + (dt * yx)[:, None] * yb[None, :]
-                for j in tl.static_range(C):
-                    o = tl.load(offs_ptr + i_n * C + j)
-                    d = tl.load(dst_ptr + i_n * C + j)
-                    tl.store(st_base + tl.maximum(d, 0) * s_ss + tile, S.to(out_ty), mask=mps & (o == t + 1) & (d >= 0))
+                store_at_offset(st_base, s_ss, tile, S, offs_ptr, dst_ptr, i_n, t + 1, mps, C)
 
 
 def write_mamba2_checkpoints_triton(
