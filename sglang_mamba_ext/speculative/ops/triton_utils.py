@@ -39,6 +39,26 @@ def softplus(x):
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
+# In-chunk writers: the causal depthwise conv's output (bias added, before the activation),
+# float32, for channel lanes ch at token t of a row whose inputs start at row tok0 of in_ptr
+# ([*, D]): input column m = t + j (j < W) of [start window (W-1 columns at conv_base, strides
+# s_cd / s_cw; zeros without has_src), tokens]; taps at cw_base ([D, W]), bias at cb_base.
+@triton.jit
+def conv_at(conv_base, s_cd, s_cw, in_ptr, tok0, cw_base, cb_base, ch, mask, t, has_src,
+            D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    y = tl.zeros(ch.shape, dtype=tl.float32)
+    for j in tl.static_range(W):
+        m = t + j
+        old = m < W - 1
+        tok = in_ptr + (tok0 + tl.maximum(m - (W - 1), 0)) * D
+        x = tl.load(conv_base + ch * s_cd + tl.minimum(m, W - 2) * s_cw, mask=mask & old & has_src,
+                    other=0.0).to(tl.float32) + tl.load(tok + ch, mask=mask & (m >= W - 1), other=0.0).to(tl.float32)
+        y += tl.load(cw_base + ch * W + j, mask=mask, other=0.0).to(tl.float32) * x
+    if HAS_BIAS:
+        y += tl.load(cb_base + ch, mask=mask, other=0.0).to(tl.float32)
+    return y
+
+
 # In-chunk writers (ops/inchunk): the deepest of request i_n's C planned offsets (-1: none).
 @triton.jit
 def deepest_offset(offs_ptr, i_n, C: tl.constexpr):

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from sglang_mamba_ext.speculative.ops.triton_utils import (
+    conv_at,
     deepest_offset,
     gated_delta_step,
     launch_scope,
@@ -88,23 +89,8 @@ def _inchunk_recurrent_kernel(
         act_ty = mixed_ptr.dtype.element_ty
         store_at_offset(st_base, s_ss, tile, S, offs_ptr, dst_ptr, i_n, 0, mkv, C)  # offset 0: the start state
         for t in range(0, n):
-            # conv input column m = t + j of [start window (W-1 columns), tokens]
-            yk = tl.zeros([BK], dtype=tl.float32)
-            yv = tl.zeros([BV], dtype=tl.float32)
-            for j in tl.static_range(W):
-                m = t + j
-                old = m < W - 1
-                mo = tl.minimum(m, W - 2)
-                tok = mixed_ptr + (tok0 + tl.maximum(m - (W - 1), 0)) * D
-                xk = tl.load(conv_base + ck * s_cd + mo * s_cw, mask=mk & old & has_src, other=0.0).to(tl.float32) \
-                    + tl.load(tok + ck, mask=mk & (m >= W - 1), other=0.0).to(tl.float32)
-                xv = tl.load(conv_base + cv * s_cd + mo * s_cw, mask=mv & old & has_src, other=0.0).to(tl.float32) \
-                    + tl.load(tok + cv, mask=mv & (m >= W - 1), other=0.0).to(tl.float32)
-                yk += tl.load(cw_base + ck * W + j, mask=mk, other=0.0).to(tl.float32) * xk
-                yv += tl.load(cw_base + cv * W + j, mask=mv, other=0.0).to(tl.float32) * xv
-            if HAS_BIAS:
-                yk += tl.load(cb_base + ck, mask=mk, other=0.0).to(tl.float32)
-                yv += tl.load(cb_base + cv, mask=mv, other=0.0).to(tl.float32)
+            yk = conv_at(conv_base, s_cd, s_cw, mixed_ptr, tok0, cw_base, cb_base, ck, mk, t, has_src, D, W, HAS_BIAS)
+            yv = conv_at(conv_base, s_cd, s_cw, mixed_ptr, tok0, cw_base, cb_base, cv, mv, t, has_src, D, W, HAS_BIAS)
             kn, yv = silu_l2_kv(yk, yv, mk, act_ty, EPS)
             decay, beta = raw_decay_beta(graw_ptr + (tok0 + t) * GD, braw_ptr + (tok0 + t) * BD_,
                                          dtb_ptr + i_l * GD, neg_a, i_hv, offs_k, mk, K, PER_HEAD_GATE)

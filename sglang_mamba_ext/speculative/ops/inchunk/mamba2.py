@@ -171,7 +171,7 @@ try:  # Triton is optional for the torch reference
     import triton
     import triton.language as tl
 
-    from sglang_mamba_ext.speculative.ops.triton_utils import deepest_offset, softplus, store_at_offset
+    from sglang_mamba_ext.speculative.ops.triton_utils import conv_at, deepest_offset, softplus, store_at_offset
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -218,22 +218,8 @@ if triton is not None:
             act_ty = xbc_ptr.dtype.element_ty
             store_at_offset(st_base, s_ss, tile, S, offs_ptr, dst_ptr, i_n, 0, mps, C)  # offset 0: the start state
             for t in range(0, n):
-                yx = tl.zeros([BP], dtype=tl.float32)
-                yb = tl.zeros([BN], dtype=tl.float32)
-                for j in tl.static_range(W):
-                    m = t + j  # column of [start window (W-1 columns), tokens]
-                    old = m < W - 1
-                    mo = tl.minimum(m, W - 2)
-                    tok = xbc_ptr + (tok0 + tl.maximum(m - (W - 1), 0)) * D
-                    xx = tl.load(conv_base + cx * s_cd + mo * s_cw, mask=mp & old & has_src, other=0.0).to(tl.float32) \
-                        + tl.load(tok + cx, mask=mp & (m >= W - 1), other=0.0).to(tl.float32)
-                    xb = tl.load(conv_base + cb_ch * s_cd + mo * s_cw, mask=ms & old & has_src, other=0.0).to(tl.float32) \
-                        + tl.load(tok + cb_ch, mask=ms & (m >= W - 1), other=0.0).to(tl.float32)
-                    yx += tl.load(cw_base + cx * W + j, mask=mp, other=0.0).to(tl.float32) * xx
-                    yb += tl.load(cw_base + cb_ch * W + j, mask=ms, other=0.0).to(tl.float32) * xb
-                if HAS_BIAS:
-                    yx += tl.load(cbias + cx, mask=mp, other=0.0).to(tl.float32)
-                    yb += tl.load(cbias + cb_ch, mask=ms, other=0.0).to(tl.float32)
+                yx = conv_at(conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cx, mp, t, has_src, D, W, HAS_BIAS)
+                yb = conv_at(conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cb_ch, ms, t, has_src, D, W, HAS_BIAS)
                 yx = (yx / (1.0 + tl.exp(-yx))).to(act_ty).to(tl.float32)  # silu, rounded as served
                 yb = (yb / (1.0 + tl.exp(-yb))).to(act_ty).to(tl.float32)
                 dt = tl.load(dt_ptr + (tok0 + t) * HV + i_h).to(tl.float32) + dtb
