@@ -4,7 +4,7 @@
 # verify entry vs torch at Kimi-Linear / Qwen3-Next TP-2 per-rank shapes, replay time vs a
 # verify-sized recurrent forward, on-chip verify time vs the one-layer-buffer verify
 # (onchip_vs_one_layer=), and peak memory of snapshot vs deferred verify. Needs only
-# torch + Triton + a CUDA GPU (no SGLang, no network); finishes in well under 5 minutes. Last
+# torch + Triton + a CUDA GPU (no SGLang, no network); finishes in under 400 s (BUDGET). Last
 # lines: memory_ratio=<x>, replay_overhead=<y>. Then the in-chunk checkpoint writer (docs/design.md,
 # "Prefix checkpoints"): correctness vs torch and fla's chunked kernels, cost per checkpoint vs
 # the prefill it saves; last line inchunk_cost_ratio=<z> (sglang_mamba_ext/speculative/ops/inchunk/gpu_check.py).
@@ -23,25 +23,22 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 if not torch.cuda.is_available():
     sys.exit('gpu_check.sh: no CUDA device (torch ' + torch.__version__ + '); on CPU run: TRITON_INTERPRET=1 python -m sglang_mamba_ext.speculative.ops.gpu_check --tiny (and ...ops.inchunk.gpu_check --tiny); CPU timings mean nothing')
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-if [ -n "${OUT:-}" ]; then
-  timeout 290 "$py" -m sglang_mamba_ext.speculative.ops.gpu_check "$@" 2>&1 | tee "$OUT/gpu_check.txt"
-else
-  timeout 290 "$py" -m sglang_mamba_ext.speculative.ops.gpu_check "$@"
-fi
-# in-chunk checkpoints (a separate process, given what is left of 295 s so that the whole check
-# stays under 5 minutes; its GPU time is not measured yet: only its --tiny CPU mode has run)
-left=$((295 - SECONDS)); if [ "$left" -gt 120 ]; then left=120; fi
-if [ "$left" -lt 20 ]; then echo "gpu_check.sh: no time left for the in-chunk section"; exit 1; fi
-if [ -n "${OUT:-}" ]; then
-  timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check "$@" 2>&1 | tee -a "$OUT/gpu_check.txt"
-else
-  timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check "$@"
-fi
-# Mamba2 / SSD in-chunk writer (Nemotron-H, Falcon-H1, GraniteMoeHybrid), in what is left of 295 s
-left=$((295 - SECONDS)); if [ "$left" -gt 90 ]; then left=90; fi
-if [ "$left" -lt 20 ]; then echo "gpu_check.sh: no time left for the Mamba2 in-chunk section"; exit 1; fi
-if [ -n "${OUT:-}" ]; then
-  timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 "$@" 2>&1 | tee -a "$OUT/gpu_check.txt"
-else
-  timeout "$left" "$py" -m sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 "$@"
-fi
+# One section: run module NAME with at most CAP s of what is left of BUDGET s (the whole check
+# stays under BUDGET so that a rerun fits the device time); output also to $OUT/gpu_check.txt.
+BUDGET=400
+section() {
+  local label="$1" module="$2" cap="$3" left=$((BUDGET - SECONDS))
+  if [ "$left" -gt "$cap" ]; then left="$cap"; fi
+  if [ "$left" -lt 20 ]; then echo "gpu_check.sh: no time left for the $label section"; exit 1; fi
+  if [ -n "${OUT:-}" ]; then
+    timeout "$left" "$py" -m "$module" "${@:4}" 2>&1 | tee -a "$OUT/gpu_check.txt"
+  else
+    timeout "$left" "$py" -m "$module" "${@:4}"
+  fi
+}
+if [ -n "${OUT:-}" ]; then : > "$OUT/gpu_check.txt"; fi
+section speculative sglang_mamba_ext.speculative.ops.gpu_check 290 "$@"
+# in-chunk checkpoints, GDN / KDA (its GPU time is not measured yet: only --tiny has run)
+section in-chunk sglang_mamba_ext.speculative.ops.inchunk.gpu_check 120 "$@"
+# Mamba2 / SSD in-chunk writer (Nemotron-H, Falcon-H1, GraniteMoeHybrid)
+section "Mamba2 in-chunk" sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 90 "$@"

@@ -29,16 +29,9 @@ _CAN_RUN = load_kernel_modules_for_cpu([_OPS + "fused", _OPS + "mamba2"],
 
 
 def _weights(L, seed=0, bias=True):
-    from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import Mamba2Weights
+    from sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 import random_mamba2_weights
 
-    g = torch.Generator().manual_seed(seed)
-    return Mamba2Weights(
-        conv_weight=torch.randn(L, D, W, generator=g) / 2,
-        conv_bias=torch.randn(L, D, generator=g) / 4 if bias else None,
-        A=-torch.exp(torch.rand(L, HV, generator=g) * 2),
-        dt_bias=torch.randn(L, HV, generator=g) / 2,
-        n_groups=G, head_dim=P, d_state=N,
-    )
+    return random_mamba2_weights(L, HV, P, N, G, W, seed=seed, bias=bias)
 
 
 def _inputs(L, T, seed=1, dtype=torch.float32):
@@ -136,21 +129,22 @@ TestUnderTritonInterpreter = triton_subprocess_case(__file__, "Mamba2Triton", sk
 
 
 _AGAINST_SGLANG = textwrap.dedent(r'''
-    import json, sys, torch, torch.nn.functional as F
+    import json, torch, torch.nn.functional as F
     from sglang_mamba_ext.plugin.triton_interpret import install_interpreter_shims
-    sys.path.insert(0, sys.argv[1])
-    from test_mamba2_inchunk import _weights, _inputs, _pools, HV, P, N, G, W, D
     from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
+    from sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 import random_mamba2_weights
     from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
     from sglang.kernels.ops.mamba.triton_ops.ssd_combined import mamba_chunk_scan_combined
     install_interpreter_shims()
     if not hasattr(torch.cpu, "device"):
         import contextlib
         torch.cpu.device = lambda *a, **k: contextlib.nullcontext()
-    L, T = 1, 50
-    w = _weights(L, bias=True)
-    xbc, dt = _inputs(L, T)
-    conv, ssm = _pools(L, 8)
+    L, T, HV, P, N, G, W = 1, 50, 4, 8, 16, 2, 4
+    D = HV * P + 2 * G * N
+    w = random_mamba2_weights(L, HV, P, N, G, W)
+    g = torch.Generator().manual_seed(1)
+    xbc, dt = torch.randn(L, T, D, generator=g), torch.randn(L, T, HV, generator=g)
+    conv, ssm = torch.randn(L, 8, D, W - 1, generator=g), torch.randn(L, 8, HV, P, N, generator=g)
     offsets = [1, 17, 33, 50]
     writes = plan_writes([(0, -1, [(o, 2 + k) for k, o in enumerate(offsets)])], "cpu")
     write_mamba2_checkpoints(xbc, dt, writes, conv, ssm, w, impl="torch")
@@ -193,7 +187,7 @@ class TestMamba2AgainstSGLang(unittest.TestCase):
         """The reference's states after 1, 17, 33 and 50 tokens (inside and across SGLang's
         16-token chunks) equal the final states of SGLang's chunked SSD scan over those prefixes."""
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-c", _AGAINST_SGLANG, os.path.join(REPO, "tests")], env=env,
+        proc = subprocess.run([sys.executable, "-c", _AGAINST_SGLANG], env=env,
                               capture_output=True, text=True, timeout=900)
         self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
         res = __import__("json").loads(proc.stdout.strip().splitlines()[-1])

@@ -27,12 +27,14 @@ from sglang_mamba_ext.speculative.ops.inchunk.gpu_check import timed
 from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import Mamba2Weights, write_mamba2_checkpoints
 
 
-def _weights(L, HV, P, N, G, W, dev, seed=0) -> Mamba2Weights:
+def random_mamba2_weights(L, HV, P, N, G, W, dev="cpu", seed=0, bias=True) -> Mamba2Weights:
+    """Seeded random :class:`Mamba2Weights` of ``L`` layers (``HV`` heads of ``P``, state ``N``,
+    ``G`` groups, conv width ``W``) on ``dev``; ``bias``: with a conv bias. For checks and tests."""
     g = torch.Generator().manual_seed(seed)
     D = HV * P + 2 * G * N
     return Mamba2Weights(
         conv_weight=(torch.randn(L, D, W, generator=g) / 2).to(dev),
-        conv_bias=(torch.randn(L, D, generator=g) / 4).to(dev),
+        conv_bias=(torch.randn(L, D, generator=g) / 4).to(dev) if bias else None,
         A=(-torch.exp(torch.rand(L, HV, generator=g) * 2)).to(dev),
         dt_bias=(torch.randn(L, HV, generator=g) / 2 - 2).to(dev),
         n_groups=G, head_dim=P, d_state=N,
@@ -80,7 +82,7 @@ def _post_conv(w: Mamba2Weights, l, xbc, dt_raw, conv0):
 def check_correctness(dev, shape, T: int = 150) -> float:
     HV, P, N, G, W = shape
     L = 2
-    w = _weights(L, HV, P, N, G, W, dev)
+    w = random_mamba2_weights(L, HV, P, N, G, W, dev)
     D = w.conv_dim
     g = torch.Generator().manual_seed(1)
     xbc = torch.randn(L, T, D, generator=g).to(dev)
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
     ok = err < 2e-3
     print(f"[mamba2-inchunk] correctness (triton vs torch vs chunked SSD, fp32): max rel err {err:.2e} "
           f"{'OK' if ok else 'FAIL'}")
-    w = _weights(L, HV, P, N, G, W, dev)
+    w = random_mamba2_weights(L, HV, P, N, G, W, dev)
     D = w.conv_dim
     T = R * (P_end + 1)
     xbc = torch.randn(L, T, D, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
