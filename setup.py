@@ -18,6 +18,7 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "pytest-xdist",  # scripts/run_tests.sh runs two workers
             "hypothesis",
             "fla-core",
             "requests",

@@ -29,7 +29,7 @@ want = {"torch": "2.14.1", "sglang": "0.5.23"}
 for name, ver in want.items():
     if md.version(name) != ver:
         sys.exit(1)
-for name in ("sglang-mamba-ext", "pytest", "hypothesis", "fla-core", "requests", "sglang-router",
+for name in ("sglang-mamba-ext", "pytest", "pytest-xdist", "hypothesis", "fla-core", "requests", "sglang-router",
              "mooncake-transfer-engine-non-cuda"):
     md.version(name)
 eps = md.entry_points(group="sglang.srt.plugins")

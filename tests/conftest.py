@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import tempfile
+import threading
 import time
 import unittest
 
@@ -60,15 +62,32 @@ def requires_sglang(obj):
 
 # -- pytest hooks and fixtures -------------------------------------------------------------
 
-_PROGRESS = {"t0": time.time(), "cls": None, "reporter": None, "capture": None}
+_PROGRESS = {"t0": time.time(), "cls": None, "reporter": None, "capture": None, "file": None, "worker": None}
+
+#: Test classes that start several servers each (TP/DP ranks, a PD pair, router replicas):
+#: under ``-n 2`` they form one work unit, run one after another on one worker, so two of
+#: them never hold their servers at once (about 9 GB each) and the largest unit of work is
+#: handed out first.
+HEAVY_MODULES = ("test_multi_rank_serving.py", "test_pd_faults.py", "test_pd_serving.py", "test_router_replicas.py")
 
 
 def progress(message: str) -> None:
-    """One line ``[tests +MM:SS] message`` on the terminal, also under ``-q`` and output
-    capture (pytest's terminal reporter): which class runs, which server starts and when it
-    is ready, so a person can follow a long run (``scripts/run_tests.sh``)."""
+    """One line ``[tests +MM:SS] message`` on the terminal, also under ``-q``, output
+    capture and ``-n`` workers: which class runs, which server starts and when it is ready,
+    so a person can follow a long run (``scripts/run_tests.sh``). A pytest-xdist worker
+    appends the line, tagged with its name, to a file the controller prints as it grows
+    (workers have no terminal)."""
     elapsed = int(time.time() - _PROGRESS["t0"])
-    line = f"[tests +{elapsed // 60:02d}:{elapsed % 60:02d}] {message}"
+    tag = f" {_PROGRESS['worker']}" if _PROGRESS["worker"] else ""
+    line = f"[tests +{elapsed // 60:02d}:{elapsed % 60:02d}{tag}] {message}"
+    if _PROGRESS["file"] and _PROGRESS["worker"]:
+        with open(_PROGRESS["file"], "a") as f:
+            f.write(line + "\n")
+        return
+    _terminal_line(line)
+
+
+def _terminal_line(line: str) -> None:
     reporter, capture = _PROGRESS["reporter"], _PROGRESS["capture"]
     if reporter is None or capture is None:
         print(line, file=sys.stderr, flush=True)
@@ -79,10 +98,61 @@ def progress(message: str) -> None:
         reporter.write_line(line)
 
 
+def _relay_worker_progress(path: str, stop: threading.Event) -> None:
+    """Controller side of ``-n``: print the workers' progress lines as they arrive."""
+    with open(path, "a+") as f:
+        f.seek(0)
+        pending = ""
+        while True:
+            chunk = f.read()
+            pending += chunk
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                _terminal_line(line)
+            if not chunk:
+                if stop.is_set():
+                    return
+                stop.wait(1.0)
+
+
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # a pytest-xdist worker: the controller's file and clock
+        _PROGRESS["file"] = workerinput.get("mamba_ext_progress")
+        _PROGRESS["t0"] = workerinput.get("mamba_ext_t0", _PROGRESS["t0"])
+        _PROGRESS["worker"] = workerinput.get("workerid")
+    elif getattr(config.option, "numprocesses", None):
+        fd, path = tempfile.mkstemp(prefix="mamba-ext-progress-", suffix=".log")
+        os.close(fd)
+        _PROGRESS["file"] = path
+        stop = threading.Event()
+        thread = threading.Thread(target=_relay_worker_progress, args=(path, stop), daemon=True)
+        _PROGRESS["relay"] = (thread, stop)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist (controller): hand each worker the progress file and the start time."""
+    node.workerinput["mamba_ext_progress"] = _PROGRESS["file"]
+    node.workerinput["mamba_ext_t0"] = _PROGRESS["t0"]
+
+
 def pytest_sessionstart(session):
-    _PROGRESS["t0"] = time.time()
+    if not _PROGRESS["worker"]:
+        _PROGRESS["t0"] = time.time()
     _PROGRESS["reporter"] = session.config.pluginmanager.get_plugin("terminalreporter")
     _PROGRESS["capture"] = session.config.pluginmanager.get_plugin("capturemanager")
+    relay = _PROGRESS.get("relay")
+    if relay:
+        relay[0].start()
+
+
+def pytest_sessionfinish(session):
+    relay = _PROGRESS.pop("relay", None)
+    if relay:
+        relay[1].set()
+        relay[0].join(timeout=10)
+        os.unlink(_PROGRESS["file"])
 
 
 def pytest_runtest_setup(item):
@@ -93,9 +163,37 @@ def pytest_runtest_setup(item):
         progress(f"{os.path.relpath(str(item.fspath), REPO)}::{cls.__name__}")
 
 
+def _work_unit(nodeid: str) -> str:
+    """The ``-n`` work unit of a test: ``heavy-servers`` for the :data:`HEAVY_MODULES`,
+    otherwise its class (``path::Class``) or, for a plain function, its module."""
+    path = nodeid.split("::", 1)[0]
+    if os.path.basename(path) in HEAVY_MODULES:
+        return "heavy-servers"
+    parts = nodeid.split("::")
+    return "::".join(parts[:2]) if len(parts) > 2 else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist (controller) under ``--dist loadscope``: its scope scheduler with
+    :func:`_work_unit` as the unit, so each test class's ``setUpClass`` servers start once,
+    on one worker, and the multi-server classes run one after another."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SuiteScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return SuiteScheduling(config, log)
+
 
 def pytest_collection_modifyitems(config, items):
-    """Refuse an unmarked server test: everything under ``tests/e2e`` carries ``e2e``."""
+    """Refuse an unmarked server test (everything under ``tests/e2e`` carries ``e2e``), and
+    order the work for ``-n``: the :data:`HEAVY_MODULES` first, then the other server
+    classes, then the rest (each part in its own order), so the longest units are handed
+    out first and the short ones fill the end."""
     unmarked = [
         item.nodeid
         for item in items
@@ -103,6 +201,13 @@ def pytest_collection_modifyitems(config, items):
     ]
     if unmarked:
         raise pytest.UsageError("tests under tests/e2e must be marked e2e: " + ", ".join(unmarked))
+
+    def rank(item):
+        if _work_unit(item.nodeid) == "heavy-servers":
+            return 0
+        return 1 if item.get_closest_marker("e2e") is not None else 2
+
+    items.sort(key=rank)  # stable
 
 
 @pytest.fixture(scope="session")

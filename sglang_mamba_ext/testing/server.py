@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,8 +60,24 @@ def tiny_model_dir(path: Optional[str] = None, seed: int = 0) -> str:
     from sglang_mamba_ext.models.tiny_builder import build_tiny_model
 
     path = path or os.environ.get("TINY_MODEL_DIR") or os.path.join(REPO, ".tiny_model")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.isdir(path):  # left half-written by an older version: rebuild in place
         build_tiny_model(path, seed=seed)
+        return path
+    # Built beside it and renamed in one step, so a concurrent reader (another test worker)
+    # never sees a directory with config.json but not yet the weights.
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny_model-build-", dir=parent)
+    try:
+        build_tiny_model(tmp, seed=seed)
+        os.rename(tmp, path)
+    except OSError:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; the loser's copy otherwise
     return path
 
 
