@@ -247,41 +247,58 @@ class TestHookTargets(unittest.TestCase):
 
 
 @requires_sglang
-class TestGridOnlyBackendLog(unittest.TestCase):
-    """Issue 24, item 3: a Mamba2 / short-conv backend under --enable-mamba-radix logs one line
+class TestMamba2ShortConvBackendLog(unittest.TestCase):
+    """Issue 24, item 3: under --enable-mamba-radix a Mamba2 / short-conv backend becomes a
+    checkpoint writer (one line naming the backend and the model class); a refusal logs one line
     naming the model class, the reason and the grid; without the flag, nothing."""
 
-    def _runner(self, pool):
-        from types import SimpleNamespace
+    def _runner(self, pool, **kw):
+        sa = SimpleNamespace(chunked_prefill_size=64, disable_overlap_schedule=True)
+        hf = SimpleNamespace(architectures=["NemotronHForCausalLM"])
+        return SimpleNamespace(req_to_token_pool=pool, server_args=sa, device=kw.get("device", "cuda"),
+                               model_config=SimpleNamespace(hf_config=hf))
 
-        return SimpleNamespace(req_to_token_pool=pool, server_args=SimpleNamespace(chunked_prefill_size=64),
-                               model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["NemotronHForCausalLM"])))
-
-    def test_mamba2_logs_family_reason_grid(self):
-        from types import SimpleNamespace
-
+    def _mamba2(self):
         from sglang.srt.layers.attention.hybrid_linear_attn_backend import Mamba2AttnBackend
 
         backend = Mamba2AttnBackend.__new__(Mamba2AttnBackend)
         backend._mamba_chunk_size = 128  # SGLang reads it from the config on first use
+        return backend
+
+    def test_mamba2_becomes_a_writer(self):
+        backend, pool = self._mamba2(), SimpleNamespace(prefix_checkpoint_writer=False)
         with self.assertLogs(ic.logger, level="INFO") as logs:
-            ic.grid_backend_init_after(None, backend, self._runner(SimpleNamespace(prefix_checkpoint_writer=False)))
+            ic.backend_init_after(None, backend, self._runner(pool))
+        self.assertEqual(logs.output, [
+            "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: exact prefix checkpoints with "
+            "Mamba2AttnBackend (in-chunk Triton writer) for NemotronHForCausalLM"])
+        self.assertTrue(pool.prefix_checkpoint_writer)
+        self.assertEqual(getattr(backend, ic.WRITER_ATTR), "mamba2")
+
+    def test_mamba2_refusal_names_family_reason_grid(self):
+        backend, pool = self._mamba2(), SimpleNamespace(prefix_checkpoint_writer=False)
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}), self.assertLogs(ic.logger, level="INFO") as logs:
+            ic.backend_init_after(None, backend, self._runner(pool, device="cpu"))
         self.assertEqual(logs.output, [
             "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: NemotronHForCausalLM: prefix checkpoints "
-            "stay on the 128-token grid with Mamba2AttnBackend: the plugin's Mamba2 writer "
-            "(speculative/ops/inchunk/mamba2.py) is not wired into serving yet"])
+            "stay on the 128-token grid with Mamba2AttnBackend: device cpu (the Triton writer needs CUDA, or "
+            "TRITON_INTERPRET=1)"])
+        self.assertFalse(pool.prefix_checkpoint_writer)
+        sub = type("Sub", (type(backend),), {"forward": lambda self, *a, **k: None})
+        self.assertIn("overrides forward", ic.why_not_writer(sub.__new__(sub), self._runner(pool)))
 
-    def test_short_conv_grid_is_the_chunk_and_stock_pool_is_silent(self):
-        from types import SimpleNamespace
-
+    def test_short_conv_writer_grid_is_the_chunk_and_stock_pool_is_silent(self):
         from sglang.srt.layers.attention.linear.short_conv_backend import ShortConvAttnBackend
 
         backend = ShortConvAttnBackend.__new__(ShortConvAttnBackend)
-        with self.assertLogs(ic.logger, level="INFO") as logs:
-            ic.grid_backend_init_after(None, backend, self._runner(SimpleNamespace(prefix_checkpoint_writer=False)))
-        self.assertIn("on the 64-token grid with ShortConvAttnBackend: the plugin's short-conv writer", logs.output[0])
+        pool = SimpleNamespace(prefix_checkpoint_writer=False)
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}), self.assertLogs(ic.logger, level="INFO") as logs:
+            ic.backend_init_after(None, backend, self._runner(pool, device="cpu"))
+        self.assertIn("on the 64-token grid with ShortConvAttnBackend: device cpu", logs.output[0])
+        ic.backend_init_after(None, backend, self._runner(pool))
+        self.assertEqual(getattr(backend, ic.WRITER_ATTR), "shortconv")
         with self.assertNoLogs(ic.logger, level="INFO"):  # SGLang's own pool: not the plugin's launch
-            ic.grid_backend_init_after(None, backend, self._runner(SimpleNamespace()))
+            ic.backend_init_after(None, backend, self._runner(SimpleNamespace()))
 
 
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, "InchunkHook", skip=_CAN_TRITON)

@@ -52,8 +52,8 @@ HOOK_TARGETS = [
     (GDN_BACKEND + ".__init__", "AFTER", "backend_init_after"),
     (KDA_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
     (GDN_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
-    (MAMBA2_BACKEND + ".__init__", "AFTER", "grid_backend_init_after"),
-    (SHORT_CONV_BACKEND + ".__init__", "AFTER", "grid_backend_init_after"),
+    (MAMBA2_BACKEND + ".__init__", "AFTER", "backend_init_after"),
+    (SHORT_CONV_BACKEND + ".__init__", "AFTER", "backend_init_after"),
 ]
 #: Attribute set on a backend the plugin writes checkpoints for: its layout name.
 WRITER_ATTR = "_mamba_radix_inchunk_layout"
@@ -63,19 +63,34 @@ def register_inchunk_hooks() -> None:
     """Register :data:`HOOK_TARGETS` with SGLang's HookRegistry (from ``install_mamba_radix``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sglang_mamba_ext.plugin import inchunk_conv_ssd
+
     for target, kind, name in HOOK_TARGETS:
         HookRegistry.register(target, globals()[name], getattr(HookType, kind))
+    for target, kind, name in inchunk_conv_ssd.HOOK_TARGETS:  # Mamba2 / short conv: the kernels' inputs
+        HookRegistry.register(target, getattr(inchunk_conv_ssd, name), getattr(HookType, kind))
+
+
+def _backend_kinds():
+    """``(class, writer name, method the hooks rely on)`` for SGLang's backends with a writer:
+    KDA / GDN (:func:`forward_extend_before`), Mamba2 and short conv
+    (:mod:`.inchunk_conv_ssd`)."""
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import Mamba2AttnBackend
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+    from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
+    from sglang.srt.layers.attention.linear.short_conv_backend import ShortConvAttnBackend
+
+    return ((KDAAttnBackend, "kda", "forward_extend"), (GDNAttnBackend, "gdn", "forward_extend"),
+            (Mamba2AttnBackend, "mamba2", "forward"), (ShortConvAttnBackend, "shortconv", "conv_state_metadata"))
 
 
 def _layout_name(backend) -> Optional[str]:
-    """``"kda"`` / ``"gdn"`` for SGLang's backends (subclasses included), else None."""
-    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
-    from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
-
-    for cls, name in ((KDAAttnBackend, "kda"), (GDNAttnBackend, "gdn")):
+    """``"kda"`` / ``"gdn"`` / ``"mamba2"`` / ``"shortconv"`` for SGLang's backends
+    (subclasses included, unless they override the hooked method), else None."""
+    for cls, name, method in _backend_kinds():
         if isinstance(backend, cls):
-            # a subclass with its own forward_extend would bypass forward_extend_before
-            return name if type(backend).forward_extend is cls.forward_extend else None
+            # a subclass with its own method would bypass the hooks
+            return name if getattr(type(backend), method) is getattr(cls, method) else None
     return None
 
 
@@ -83,7 +98,8 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
     """Why the plugin cannot write exact checkpoints for ``backend`` (None: it can)."""
     name = _layout_name(backend)
     if name is None:
-        return f"{type(backend).__name__} overrides forward_extend"
+        method = next((m for cls, _, m in _backend_kinds() if isinstance(backend, cls)), None)
+        return f"{type(backend).__name__} overrides {method}" if method else "no writer for this backend"
     sa = getattr(model_runner, "server_args", None)
     if not getattr(sa, "disable_overlap_schedule", True):
         return "overlap scheduling (a planned slot could be reused while the forward that writes it is in flight)"
@@ -109,51 +125,37 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
     return None
 
 
+def _family_and_grid(backend, model_runner):
+    """The model class (``architectures[0]``) and the grid SGLang's own cache keeps states on
+    with ``backend``, in tokens: the kernel chunk (``mamba_chunk_size``), or for short conv,
+    which has no kernel chunk, the prefill chunk (``--chunked-prefill-size``)."""
+    hf = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
+    archs = getattr(hf, "architectures", None) or [type(hf).__name__]
+    if any(c.__name__ == "ShortConvAttnBackend" for c in type(backend).__mro__):
+        grid = getattr(getattr(model_runner, "server_args", None), "chunked_prefill_size", None)
+    else:
+        grid = getattr(backend, "mamba_chunk_size", 64)
+    return archs[0], grid
+
+
 def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
-    """AFTER SGLang's KDA / GDN backend ``__init__``: under ``--enable-mamba-radix`` mark the
-    backend as helped and the pool as a ``prefix_checkpoint_writer`` when
-    :func:`why_not_writer` finds no obstacle (logged otherwise: checkpoints stay on SGLang's
-    grid)."""
+    """AFTER SGLang's KDA / GDN / Mamba2 / short-conv backend ``__init__``: under
+    ``--enable-mamba-radix`` mark the backend as helped and the pool as a
+    ``prefix_checkpoint_writer`` when :func:`why_not_writer` finds no obstacle; otherwise log
+    one line naming the model class, the reason and the grid checkpoints stay on."""
     pool = getattr(model_runner, "req_to_token_pool", None)
     if not hasattr(pool, "prefix_checkpoint_writer"):
         return result
+    family, grid = _family_and_grid(backend, model_runner)
     reason = why_not_writer(backend, model_runner)
     if reason is not None:
-        logger.info("mamba-radix: prefix checkpoints stay on the %s-token grid with %s: %s",
-                    getattr(backend, "mamba_chunk_size", 64), type(backend).__name__, reason)
+        logger.info("mamba-radix: %s: prefix checkpoints stay on the %s-token grid with %s: %s",
+                    family, grid, type(backend).__name__, reason)
         return result
     setattr(backend, WRITER_ATTR, _layout_name(backend))
     pool.prefix_checkpoint_writer = True
-    logger.info("mamba-radix: exact prefix checkpoints with %s (in-chunk Triton writer)", type(backend).__name__)
-    return result
-
-
-#: Why a backend without a serving writer keeps SGLang's grid, by backend class name.
-GRID_ONLY_REASONS = {
-    "Mamba2AttnBackend": "the plugin's Mamba2 writer (speculative/ops/inchunk/mamba2.py) is not wired into serving yet",
-    "ShortConvAttnBackend": "the plugin's short-conv writer (speculative/ops/inchunk/shortconv.py) is not wired into "
-                            "serving yet",
-}
-
-
-def grid_backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
-    """AFTER SGLang's Mamba2 / short-conv backend ``__init__``: under ``--enable-mamba-radix``
-    log one line naming the model class, why checkpoints stay on SGLang's grid and the grid
-    (Mamba2: the backend's ``mamba_chunk_size``; short conv: ``--chunked-prefill-size``; tokens). The pool is
-    left a grid pool (no ``prefix_checkpoint_writer``)."""
-    pool = getattr(model_runner, "req_to_token_pool", None)
-    if not hasattr(pool, "prefix_checkpoint_writer"):
-        return result
-    hf = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
-    archs = getattr(hf, "architectures", None) or [type(hf).__name__]
-    name = next((n for n in GRID_ONLY_REASONS if any(c.__name__ == n for c in type(backend).__mro__)),
-                type(backend).__name__)
-    if name == "ShortConvAttnBackend":  # a conv window has no kernel chunk: prefill chunk ends
-        grid = getattr(getattr(model_runner, "server_args", None), "chunked_prefill_size", None)
-    else:
-        grid = getattr(backend, "mamba_chunk_size", None)
-    logger.info("mamba-radix: %s: prefix checkpoints stay on the %s-token grid with %s: %s",
-                archs[0], grid, type(backend).__name__, GRID_ONLY_REASONS.get(name, "no writer for this backend"))
+    logger.info("mamba-radix: exact prefix checkpoints with %s (in-chunk Triton writer) for %s",
+                type(backend).__name__, family)
     return result
 
 

@@ -90,7 +90,7 @@ def install_mamba_radix() -> None:
     register_warmup()
     from sglang_mamba_ext.plugin.inchunk_checkpoints import register_inchunk_hooks
 
-    register_inchunk_hooks()  # exact prefix checkpoints with SGLang's KDA / GDN backends
+    register_inchunk_hooks()  # exact prefix checkpoints with SGLang's KDA / GDN / Mamba2 / short-conv backends
     from sglang_mamba_ext.plugin.multi_rank import register_multi_rank_hooks
 
     register_multi_rank_hooks()

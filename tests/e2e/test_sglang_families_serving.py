@@ -14,8 +14,11 @@ SGLang's own cache stops at its 64-token grid (128 on the resend below):
 each output equal (tokens, and logprobs within float16 noise) to the same prompt run cold
 (another ``cache_salt``), the first one also to transformers' float32 reference
 (``hf_tiny.reference_greedy``) wherever the reference's top-2 gap exceeds 1e-2; then an abort
-mid-generation and SGLang's strict idle checks. The other families: ``docs/design.md``, "CPU
-serving" (measured; Mamba2 and LFM2 still on the grid until their writers are wired).
+mid-generation and SGLang's strict idle checks.
+
+Nemotron-H (``NemotronHForCausalLM``: Mamba2 / SSD + attention, SGLang's Mamba2 backend and
+kernels interpreted) runs the same tests through the Mamba2 writer's serving hooks
+(``plugin/inchunk_conv_ssd.py``). The other families: ``docs/families.md`` (measured by hand).
 """
 
 import os
@@ -40,8 +43,11 @@ REF_ATOL = 5e-2
 GAP = 1e-2
 
 
-class TestQwen3NextServing(GreedyHits, unittest.TestCase):
-    ARCH = "qwen3_next"
+class FamilyServing(GreedyHits):
+    """The tests of one family (a mixin; subclasses name ``ARCH``, its SGLang backend
+    ``BACKEND`` and model class ``MODEL_CLASS``)."""
+
+    ARCH = BACKEND = MODEL_CLASS = None
     SEED = 24
     NEW = NEW
     VOCAB = (5, 760)
@@ -60,8 +66,8 @@ class TestQwen3NextServing(GreedyHits, unittest.TestCase):
 
     def test_0_launch_and_writer(self):
         log = self.server.log_text()
-        self.assertIn("mamba-radix: exact prefix checkpoints with GDNAttnBackend (in-chunk Triton writer)", log)
-        self.assertIn("Qwen3NextForCausalLM", log)
+        self.assertIn(f"mamba-radix: exact prefix checkpoints with {self.BACKEND} (in-chunk Triton writer) for "
+                      f"{self.MODEL_CLASS}", log)
 
     def test_1_resend_hits_len_minus_1_and_matches_reference(self):
         p = self.tokens(150)
@@ -119,6 +125,17 @@ class TestQwen3NextServing(GreedyHits, unittest.TestCase):
         load = idle_and_checked(self.server)
         self.assertEqual(load["num_running_reqs"], 0)
         self.assertEqual(load["num_used_tokens"], 0, load)
+
+
+class TestQwen3NextServing(FamilyServing, unittest.TestCase):
+    ARCH, BACKEND, MODEL_CLASS = "qwen3_next", "GDNAttnBackend", "Qwen3NextForCausalLM"
+
+
+class TestNemotronHServing(FamilyServing, unittest.TestCase):
+    """Mamba2 / SSD (SGLang's ``Mamba2AttnBackend``): the hooks on its conv and chunked-scan
+    kernels (``plugin/inchunk_conv_ssd.py``)."""
+
+    ARCH, BACKEND, MODEL_CLASS = "nemotron_h", "Mamba2AttnBackend", "NemotronHForCausalLM"
 
 
 if __name__ == "__main__":
