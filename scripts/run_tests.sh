@@ -4,14 +4,15 @@
 #   scripts/run_tests.sh -m "not e2e and not slow"   # the fast part (no SGLang server)
 #   scripts/run_tests.sh -k core -x
 # Markers (pytest.ini): e2e = starts an SGLang server; slow = over ~30 s on 2 cores.
-# Two pytest-xdist workers by default (TEST_WORKERS=N to change, 0 for one process): each
-# test class runs whole on one worker, the multi-server classes one after another
-# (tests/conftest.py lays out the work); progress lines name the worker (gw0, gw1).
+# One process by default; TEST_WORKERS=N runs N pytest-xdist workers: each test class runs
+# whole on one worker, the multi-server classes one after another (tests/conftest.py lays
+# out the work), progress lines name the worker (gw0, gw1). On 2 cores two workers gained
+# about 10 % (docs/testing.md): the server tests already keep both cores busy.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 vpy="$("$root/scripts/setup_env.sh" | tail -n 1)"
 cd "$root"
-workers="${TEST_WORKERS:-2}"
+workers="${TEST_WORKERS:-0}"
 if [ "$workers" != "0" ]; then
   set -- -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
 fi

@@ -25,11 +25,20 @@ CHECKED_ENV = {
 }
 
 
+#: Added to every test server: an idle SGLang scheduler otherwise polls its sockets without
+#: sleeping and takes a whole core, which the other test worker (``-n 2``) and the test's
+#: own reference computations need. With it the idle scheduler still runs its idle checks
+#: (``CHECKED_ENV``), then waits up to 1 s for the next request (SGLang's ``IdleSleeper``).
+TEST_SERVER_FLAGS = ["--sleep-on-idle"]
+
+
 class Server(ServerProcess):
     """The package's :class:`~sglang_mamba_ext.testing.server.ServerProcess` with a fixed
-    log file; :meth:`wait_healthy` starts it and waits for ``/health``."""
+    log file and :data:`TEST_SERVER_FLAGS`; :meth:`wait_healthy` starts it and waits for
+    ``/health``."""
 
     def __init__(self, model_dir: str, args: List[str], log_path: str, env: Optional[Dict[str, str]] = None):
+        args = [*args, *(f for f in TEST_SERVER_FLAGS if f not in args)]
         super().__init__(model_dir, args, env=env, start_timeout_s=START_TIMEOUT_S, log_path=log_path)
 
     def wait_healthy(self) -> None:
