@@ -3,6 +3,7 @@
 # the server (e2e) and slow tests included. Extra arguments go to pytest, e.g.
 #   scripts/run_tests.sh -m "not e2e and not slow"   # the fast part (no SGLang server)
 #   scripts/run_tests.sh -k core -x
+#   scripts/run_tests.sh tests/test_core_pools.py   # one file (a path replaces `tests`)
 # Markers (pytest.ini): e2e = starts an SGLang server; slow = over ~30 s on 2 cores.
 # One process by default; TEST_WORKERS=N runs N pytest-xdist workers: each test class runs
 # whole on one worker, the multi-server classes one after another (tests/conftest.py lays
@@ -16,4 +17,13 @@ workers="${TEST_WORKERS:-0}"
 if [ "$workers" != "0" ]; then
   set -- -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
 fi
-exec "$vpy" -m pytest -q tests "$@"
+# A test path among the arguments (tests/test_x.py, tests/e2e/test_y.py::TestZ) replaces the
+# default `tests`.
+target=tests
+for arg in "$@"; do
+  case "$arg" in
+    -*) ;;
+    *) if [ -e "${arg%%::*}" ]; then target=; fi ;;
+  esac
+done
+exec "$vpy" -m pytest -q $target "$@"
