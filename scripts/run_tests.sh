@@ -7,8 +7,8 @@
 # Markers (pytest.ini): e2e = starts an SGLang server; slow = over ~30 s on 2 cores.
 # One process by default; TEST_WORKERS=N runs N pytest-xdist workers: each test class runs
 # whole on one worker, the multi-server classes one after another (tests/conftest.py lays
-# out the work), progress lines name the worker (gw0, gw1). On 2 cores two workers gained
-# about 10 % (docs/testing.md): the server tests already keep both cores busy.
+# out the work), progress lines name the worker (gw0, gw1). On 2 cores two workers ran
+# 0.7x-1.1x as fast (docs/testing.md): the server tests already keep both cores busy.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 vpy="$("$root/scripts/setup_env.sh" | tail -n 1)"
