@@ -108,3 +108,22 @@ def small_cache_params(layout: str, layers):
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=2, head_dim=8,
                                     state_size=8, conv_kernel=4)
     return Mamba2CacheParams(shape=shape, layers=list(layers), dtype=dtype)
+
+
+def planned_pool_standin(pool, layer_ids, prefix_checkpoints, writer: bool):
+    """Stand-in for the plugin's request pool as the in-chunk writers see it: SGLang's real
+    ``MambaPool`` (``pool``) behind ``mamba2_layer_cache(layer_id)``, the planned
+    ``{request row: [(seqlen, SSM slot), ...]}`` and the plugin's own
+    ``MambaRadixReqToTokenPool.prefix_checkpoint_plan`` over them."""
+    from types import SimpleNamespace
+
+    from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
+
+    index = {lid: i for i, lid in enumerate(layer_ids)}
+    rtp = SimpleNamespace(
+        prefix_checkpoint_writer=writer,
+        prefix_checkpoints=prefix_checkpoints,
+        mamba2_layer_cache=lambda lid: pool.mamba2_layer_cache(index[lid]),
+    )
+    rtp.prefix_checkpoint_plan = lambda fb: MambaRadixReqToTokenPool.prefix_checkpoint_plan(rtp, fb)
+    return rtp

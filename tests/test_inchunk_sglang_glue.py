@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 
 from conftest import SGLANG_INSTALLED, requires_sglang
-from sglang_glue_fixtures import small_cache_params
+from sglang_glue_fixtures import planned_pool_standin, small_cache_params
 
 if SGLANG_INSTALLED:
     from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
@@ -29,7 +29,6 @@ if SGLANG_INSTALLED:
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
     from sglang_mamba_ext.plugin import inchunk_checkpoints as ic
-    from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.speculative.deferred import LAYOUTS
@@ -93,16 +92,11 @@ class TestInchunkHookKda(unittest.TestCase):
                                  A_log=m.A_log.detach(), dt_bias=m.dt_bias.detach())
             for lid, m in zip(LAYER_IDS, self.mixers)
         ]
-        lmap = dict(zip(LAYER_IDS, range(len(LAYER_IDS))))
-        self.rtp = SimpleNamespace(
-            prefix_checkpoint_writer=False,
-            # request row -> planned (seqlen, slot): row 1 (no prefix, 20 new tokens): the
-            # branch point at 7 and prompt-1 at 19; row 2 (prefix 10, 9 new): 14 inside this
-            # extend, 30 beyond it (not written now)
-            prefix_checkpoints={1: [(7, 4), (19, 5)], 2: [(14, 6), (30, 7)]},
-            mamba2_layer_cache=lambda lid: self.pool.mamba2_layer_cache(lmap[lid]),
-        )
-        self.rtp.prefix_checkpoint_plan = lambda fb: MambaRadixReqToTokenPool.prefix_checkpoint_plan(self.rtp, fb)
+        # request row -> planned (seqlen, slot): row 1 (no prefix, 20 new tokens): the
+        # branch point at 7 and prompt-1 at 19; row 2 (prefix 10, 9 new): 14 inside this
+        # extend, 30 beyond it (not written now)
+        self.rtp = planned_pool_standin(self.pool, LAYER_IDS, {1: [(7, 4), (19, 5)], 2: [(14, 6), (30, 7)]},
+                                        writer=False)
         cls = KDAAttnBackend if self.LAYOUT == "kda" else GDNAttnBackend
         self.backend = cls.__new__(cls)
         self.backend.req_to_token_pool = self.rtp

@@ -70,7 +70,7 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
         from sglang.srt.mem_cache.memory_pool import MambaPool
 
         from sglang_mamba_ext.plugin import inchunk_checkpoints as ic
-        from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
+        from sglang_glue_fixtures import planned_pool_standin
 
         torch.manual_seed(0)
         shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=HV * P, n_groups=G, num_heads=HV,
@@ -88,16 +88,11 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
                                        bias=torch.randn(D, device=DEV) * 0.1),
                 A=-torch.rand(HV, device=DEV) - 0.2, dt_bias=torch.randn(HV, device=DEV) * 0.5,
                 head_dim=P, ssm_state_size=N, activation="silu"))
-        lmap = dict(zip(LAYER_IDS, range(len(LAYER_IDS))))
         # request row -> planned (seqlen, slot): row 1 (no prefix, 37 new tokens): a branch
         # point at 7 and prompt-1 at 36 (inside SGLang's third 16-token chunk); row 2 (prefix
         # 10, 21 new): 29 inside this extend, 40 beyond it (not written now); row 3: none
-        self.rtp = SimpleNamespace(
-            prefix_checkpoint_writer=True,
-            prefix_checkpoints={1: [(7, 4), (36, 5)], 2: [(29, 6), (40, 7)]},
-            mamba2_layer_cache=lambda lid: self.pool.mamba2_layer_cache(lmap[lid]),
-        )
-        self.rtp.prefix_checkpoint_plan = lambda fb: MambaRadixReqToTokenPool.prefix_checkpoint_plan(self.rtp, fb)
+        self.rtp = planned_pool_standin(self.pool, LAYER_IDS, {1: [(7, 4), (36, 5)], 2: [(29, 6), (40, 7)]},
+                                        writer=True)
         self.backend = Mamba2AttnBackend.__new__(Mamba2AttnBackend)
         self.backend.req_to_token_pool = self.rtp
         setattr(self.backend, ic.WRITER_ATTR, "mamba2")
