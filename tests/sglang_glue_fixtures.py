@@ -127,3 +127,16 @@ def planned_pool_standin(pool, layer_ids, prefix_checkpoints, writer: bool):
     )
     rtp.prefix_checkpoint_plan = lambda fb: MambaRadixReqToTokenPool.prefix_checkpoint_plan(rtp, fb)
     return rtp
+
+
+class ExtendMode:
+    """``forward_batch.forward_mode`` of a plain prefill (extend), for the writers' tests."""
+
+    def is_extend(self):
+        return True
+
+    def is_target_verify(self):
+        return False
+
+    def is_draft_extend_v2(self):
+        return False

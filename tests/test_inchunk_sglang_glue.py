@@ -20,7 +20,7 @@ from unittest import mock
 import torch
 
 from conftest import SGLANG_INSTALLED, requires_sglang
-from sglang_glue_fixtures import planned_pool_standin, small_cache_params
+from sglang_glue_fixtures import ExtendMode, planned_pool_standin, small_cache_params
 
 if SGLANG_INSTALLED:
     from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
@@ -52,17 +52,6 @@ LAYER_IDS = (1, 3)
 def _pool(layout):
     cp = small_cache_params(layout, LAYER_IDS)
     return MambaPool(size=8, spec_state_size=0, cache_params=cp, mamba_layer_ids=list(LAYER_IDS), device=DEV)
-
-
-class _Mode:
-    def is_extend(self):
-        return True
-
-    def is_target_verify(self):
-        return False
-
-    def is_draft_extend_v2(self):
-        return False
 
 
 def _model_runner(rtp, **kw):
@@ -107,7 +96,7 @@ class TestInchunkHookKda(unittest.TestCase):
         self.backend.forward_metadata = SimpleNamespace(
             mamba_cache_indices=torch.tensor([2, 3, 1], dtype=torch.int32, device=DEV))
         self.fb = SimpleNamespace(
-            forward_mode=_Mode(), req_pool_indices=torch.tensor([1, 2, 3], device=DEV),
+            forward_mode=ExtendMode(), req_pool_indices=torch.tensor([1, 2, 3], device=DEV),
             extend_prefix_lens_cpu=self.prefix, extend_seq_lens_cpu=self.lens,
             extend_prefix_lens=torch.tensor(self.prefix, device=DEV),
         )

@@ -32,17 +32,6 @@ CHUNK = 16
 LAYER_IDS = (0, 2)
 
 
-class _Mode:
-    def is_extend(self):
-        return True
-
-    def is_target_verify(self):
-        return False
-
-    def is_draft_extend_v2(self):
-        return False
-
-
 def _kernels():
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_fn
     from sglang.kernels.ops.mamba.triton_ops.ssd_combined import mamba_chunk_scan_combined
@@ -70,7 +59,7 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
         from sglang.srt.mem_cache.memory_pool import MambaPool
 
         from sglang_mamba_ext.plugin import inchunk_checkpoints as ic
-        from sglang_glue_fixtures import planned_pool_standin
+        from sglang_glue_fixtures import ExtendMode, planned_pool_standin
 
         torch.manual_seed(0)
         shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=HV * P, n_groups=G, num_heads=HV,
@@ -101,7 +90,7 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
         self.slots = torch.tensor([2, 3, 1], dtype=torch.int32, device=DEV)
         self.backend.forward_metadata = SimpleNamespace(mamba_cache_indices=self.slots)
         self.fb = SimpleNamespace(
-            forward_mode=_Mode(), req_pool_indices=torch.tensor([1, 2, 3], device=DEV),
+            forward_mode=ExtendMode(), req_pool_indices=torch.tensor([1, 2, 3], device=DEV),
             extend_prefix_lens_cpu=self.prefix, extend_seq_lens_cpu=self.lens,
             extend_prefix_lens=torch.tensor(self.prefix, device=DEV),
         )
