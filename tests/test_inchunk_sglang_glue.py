@@ -9,7 +9,8 @@ lacks — and its CPU kernels need ``sgl_kernel``), so a stand-in for SGLang's f
 the working slots after the hook wrote the checkpoints; the expected states come from the
 tiny model's mixer math from the same start states. The hook functions are called directly
 (the process-wide HookRegistry is left alone); the Triton writer runs interpreted on CPU, in
-a subprocess started with ``TRITON_INTERPRET=1`` when SGLang was imported first.
+a subprocess started with ``TRITON_INTERPRET=1`` when SGLang was imported first, and the torch
+writer (CPU serving's default) in-process.
 """
 
 import os
@@ -60,11 +61,19 @@ def _model_runner(rtp, **kw):
 
 
 @requires_sglang
-@unittest.skipUnless(_CAN_TRITON, "needs CUDA or TRITON_INTERPRET=1 from the start (see TestUnderTritonInterpreter)")
 class TestInchunkHookKda(unittest.TestCase):
+    """The writer as served: Triton (``SGLANG_MAMBA_EXT_INCHUNK_IMPL=triton``); the ``Torch``
+    subclasses run the torch writer, the CPU default (``ic.writer_impl``)."""
+
     LAYOUT = "kda"
+    IMPL = "triton"
 
     def setUp(self):
+        if self.IMPL == "triton" and not _CAN_TRITON:
+            self.skipTest("needs CUDA or TRITON_INTERPRET=1 from the start (see TestUnderTritonInterpreter)")
+        env = mock.patch.dict(os.environ, {ic.IMPL_ENV: self.IMPL})
+        env.start()
+        self.addCleanup(env.stop)
         torch.manual_seed(0)
         self.pool = _pool(self.LAYOUT)
         with torch.no_grad():
@@ -120,6 +129,7 @@ class TestInchunkHookKda(unittest.TestCase):
         ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
         self.assertTrue(self.rtp.prefix_checkpoint_writer)
         self.assertEqual(getattr(self.backend, ic.WRITER_ATTR), self.LAYOUT)
+        self.assertEqual(getattr(self.backend, ic.IMPL_ATTR), self.IMPL)
         before = [tuple(v.clone() for v in self._views(l)) for l in range(2)]
         calls = []
 
@@ -177,11 +187,13 @@ class TestInchunkHookKda(unittest.TestCase):
         self.assertIn("safe gate", ic.why_not_writer(self.backend, mr))
         mr = _model_runner(self.rtp)
         mr.device = "cpu"
-        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}):
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", ic.IMPL_ENV: "triton"}):
             self.assertIn("needs CUDA", ic.why_not_writer(self.backend, mr))
             ic.backend_init_after(None, self.backend, mr)  # refused: nothing set
         self.assertFalse(self.rtp.prefix_checkpoint_writer)
         self.assertFalse(hasattr(self.backend, ic.WRITER_ATTR))
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", ic.IMPL_ENV: "auto"}):
+            self.assertIsNone(ic.why_not_writer(self.backend, mr))  # the torch writer on CPU
         if self.LAYOUT == "kda":
             self.backend.supports_prefill_graph_extend = lambda: True
             target = "sglang.srt.layers.attention.hybrid_linear_attn_backend.check_cuda_graph_backend"
@@ -205,6 +217,30 @@ class TestInchunkHookKda(unittest.TestCase):
 
 class TestInchunkHookGdn(TestInchunkHookKda):
     LAYOUT = "gdn"
+
+
+class TestInchunkHookKdaTorch(TestInchunkHookKda):
+    IMPL = "torch"
+
+
+class TestInchunkHookGdnTorch(TestInchunkHookKda):
+    LAYOUT, IMPL = "gdn", "torch"
+
+
+@requires_sglang
+class TestWriterImpl(unittest.TestCase):
+    def test_auto_is_triton_on_cuda_torch_elsewhere_and_bad_values_fail(self):
+        with mock.patch.dict(os.environ, {ic.IMPL_ENV: ""}):
+            self.assertEqual(ic.writer_impl("cuda:1"), "triton")
+            self.assertEqual(ic.writer_impl("cpu"), "torch")
+        with mock.patch.dict(os.environ, {ic.IMPL_ENV: "Triton"}):
+            self.assertEqual(ic.writer_impl("cpu"), "triton")
+        with mock.patch.dict(os.environ, {ic.IMPL_ENV: "torch"}):
+            self.assertEqual(ic.writer_impl("cuda"), "torch")
+        with mock.patch.dict(os.environ, {ic.IMPL_ENV: "cuda"}):
+            with self.assertRaisesRegex(ValueError, "SGLANG_MAMBA_EXT_INCHUNK_IMPL='cuda': expected one of auto, "
+                                                    "triton, torch"):
+                ic.writer_impl("cpu")
 
 
 @requires_sglang
@@ -250,7 +286,7 @@ class TestMamba2ShortConvBackendLog(unittest.TestCase):
 
     def test_mamba2_becomes_a_writer(self):
         backend, pool = self._mamba2(), SimpleNamespace(prefix_checkpoint_writer=False)
-        with self.assertLogs(ic.logger, level="INFO") as logs:
+        with mock.patch.dict(os.environ, {ic.IMPL_ENV: "auto"}), self.assertLogs(ic.logger, level="INFO") as logs:
             ic.backend_init_after(None, backend, self._runner(pool))
         self.assertEqual(logs.output, [
             "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: exact prefix checkpoints with "
@@ -258,14 +294,25 @@ class TestMamba2ShortConvBackendLog(unittest.TestCase):
         self.assertTrue(pool.prefix_checkpoint_writer)
         self.assertEqual(getattr(backend, ic.WRITER_ATTR), "mamba2")
 
+    def test_mamba2_on_cpu_gets_the_torch_writer(self):
+        backend, pool = self._mamba2(), SimpleNamespace(prefix_checkpoint_writer=False)
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", ic.IMPL_ENV: "auto"}), \
+                self.assertLogs(ic.logger, level="INFO") as logs:
+            ic.backend_init_after(None, backend, self._runner(pool, device="cpu"))
+        self.assertEqual(logs.output, [
+            "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: exact prefix checkpoints with "
+            "Mamba2AttnBackend (in-chunk torch writer) for NemotronHForCausalLM"])
+        self.assertEqual(getattr(backend, ic.IMPL_ATTR), "torch")
+
     def test_mamba2_refusal_names_family_reason_grid(self):
         backend, pool = self._mamba2(), SimpleNamespace(prefix_checkpoint_writer=False)
-        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}), self.assertLogs(ic.logger, level="INFO") as logs:
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", ic.IMPL_ENV: "triton"}), \
+                self.assertLogs(ic.logger, level="INFO") as logs:
             ic.backend_init_after(None, backend, self._runner(pool, device="cpu"))
         self.assertEqual(logs.output, [
             "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: NemotronHForCausalLM: prefix checkpoints "
-            "stay on the 128-token grid with Mamba2AttnBackend: device cpu (the Triton writer needs CUDA, or "
-            "TRITON_INTERPRET=1)"])
+            "stay on the 128-token grid with Mamba2AttnBackend: device cpu with SGLANG_MAMBA_EXT_INCHUNK_IMPL=triton "
+            "(the Triton writer needs CUDA, or TRITON_INTERPRET=1)"])
         self.assertFalse(pool.prefix_checkpoint_writer)
         sub = type("Sub", (type(backend),), {"forward": lambda self, *a, **k: None})
         self.assertIn("overrides forward", ic.why_not_writer(sub.__new__(sub), self._runner(pool)))
@@ -275,7 +322,8 @@ class TestMamba2ShortConvBackendLog(unittest.TestCase):
 
         backend = ShortConvAttnBackend.__new__(ShortConvAttnBackend)
         pool = SimpleNamespace(prefix_checkpoint_writer=False)
-        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0"}), self.assertLogs(ic.logger, level="INFO") as logs:
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", ic.IMPL_ENV: "triton"}), \
+                self.assertLogs(ic.logger, level="INFO") as logs:
             ic.backend_init_after(None, backend, self._runner(pool, device="cpu"))
         self.assertIn("on the 64-token grid with ShortConvAttnBackend: device cpu", logs.output[0])
         ic.backend_init_after(None, backend, self._runner(pool))

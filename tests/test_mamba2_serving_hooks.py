@@ -53,6 +53,11 @@ def _hooked(fn, before):
 @requires_sglang
 @unittest.skipUnless(_INTERPRETED, "kernels imported without the Triton interpreter (see TestUnderTritonInterpreter)")
 class TestMamba2HooksAgainstSGLang(unittest.TestCase):
+    """The Triton writers (as on CUDA); ``TestMamba2HooksAgainstSGLangTorchWriter``: the torch
+    writers (CPU serving's default, ``inchunk_checkpoints.writer_impl``)."""
+
+    IMPL = "triton"
+
     def setUp(self):
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
         from sglang.srt.layers.attention.hybrid_linear_attn_backend import Mamba2AttnBackend
@@ -85,6 +90,7 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
         self.backend = Mamba2AttnBackend.__new__(Mamba2AttnBackend)
         self.backend.req_to_token_pool = self.rtp
         setattr(self.backend, ic.WRITER_ATTR, "mamba2")
+        setattr(self.backend, ic.IMPL_ATTR, self.IMPL)
         # batch rows: request rows 1, 2, 3 with working slots 2, 3, 1
         self.lens, self.prefix = [37, 21, 5], [0, 10, 0]
         self.slots = torch.tensor([2, 3, 1], dtype=torch.int32, device=DEV)
@@ -204,6 +210,7 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
         backend.req_to_token_pool = self.rtp
         backend.forward_metadata = self.backend.forward_metadata
         setattr(backend, ic.WRITER_ATTR, "shortconv")
+        setattr(backend, ic.IMPL_ATTR, self.IMPL)
         hooked = _hooked(conv_fn, ics.conv_fn_before)
         for li, lid in enumerate(LAYER_IDS):
             ics.short_conv_metadata_after(None, backend, lid, self.fb)
@@ -226,6 +233,10 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
         ics.mamba2_forward_before(self.backend, self.mixers[0], None, None, LAYER_IDS[0], self.fb)
         self.assertIsNone(ics._current())
         self.assertIsNone(ics.conv_fn_before(self.xbc[0].t(), None, None, conv_states=None))
+
+
+class TestMamba2HooksAgainstSGLangTorchWriter(TestMamba2HooksAgainstSGLang):
+    IMPL = "torch"
 
 
 @requires_sglang

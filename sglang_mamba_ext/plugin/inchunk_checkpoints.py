@@ -7,7 +7,7 @@ rounds a branch point down to the grid and has no prompt-end checkpoint. Under
 ``--enable-mamba-radix`` two hooks per backend class change that:
 
 - AFTER ``KDAAttnBackend.__init__`` / ``GDNAttnBackend.__init__`` (:func:`backend_init_after`):
-  when the backend can be helped (CUDA device, or Triton's interpreter; no overlap scheduling,
+  when the backend can be helped (no overlap scheduling,
   as for the tiny backend; the extend not captured in SGLang's breakable prefill CUDA graph;
   no KDA safe gate, ``lower_bound``, which the kernel does not implement; the class does not
   override ``forward_extend``), it sets the pool's ``prefix_checkpoint_writer`` so that the
@@ -15,7 +15,8 @@ rounds a branch point down to the grid and has no prompt-end checkpoint. Under
 - BEFORE ``forward_extend`` (:func:`forward_extend_before`): for an extend batch with planned
   checkpoints (``MambaRadixReqToTokenPool.prefix_checkpoint_plan``), *before* SGLang's forward
   advances the rows' working slots, the in-chunk writer
-  (:func:`sglang_mamba_ext.speculative.ops.inchunk.write_checkpoints`, Triton) writes each
+  (:func:`sglang_mamba_ext.speculative.ops.inchunk.write_checkpoints`: Triton on CUDA, its
+  torch reference on CPU, :func:`writer_impl`) writes each
   planned slot's conv window and SSM state from the layer's raw inputs (``mixed_qkv``, raw
   gate ``a``, raw ``b``).
 
@@ -57,6 +58,37 @@ HOOK_TARGETS = [
 ]
 #: Attribute set on a backend the plugin writes checkpoints for: its layout name.
 WRITER_ATTR = "_mamba_radix_inchunk_layout"
+#: Attribute set beside :data:`WRITER_ATTR`: the writers' implementation, ``"triton"`` or
+#: ``"torch"`` (:func:`writer_impl`); a backend without it uses Triton.
+IMPL_ATTR = "_mamba_radix_inchunk_impl"
+#: Environment variable choosing the in-chunk writers' implementation: ``auto`` (the default:
+#: Triton on CUDA, torch elsewhere), ``triton`` or ``torch``.
+IMPL_ENV = "SGLANG_MAMBA_EXT_INCHUNK_IMPL"
+IMPLS = ("auto", "triton", "torch")
+
+
+def writer_impl(device) -> str:
+    """The in-chunk writers' implementation for a backend on ``device``: ``$SGLANG_MAMBA_EXT_
+    INCHUNK_IMPL`` when it names one, else (``auto``) ``"triton"`` on CUDA and ``"torch"``
+    elsewhere. On CPU the Triton kernels only run under Triton's interpreter, about 1000x
+    slower than the torch loops at the tiny models' shapes (20 s against 17 ms per layer for a
+    150-token prompt, measured on the 2-core machine); both compute the same states (their
+    tests compare them, and each against SGLang's kernels).
+
+    Raises:
+        ValueError: the variable holds something else (the message names it and the choices).
+    """
+    choice = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if choice not in IMPLS:
+        raise ValueError(f"error: {IMPL_ENV}={os.environ.get(IMPL_ENV)!r}: expected one of {', '.join(IMPLS)}")
+    if choice != "auto":
+        return choice
+    return "triton" if str(device).startswith("cuda") else "torch"
+
+
+def backend_impl(backend) -> str:
+    """The implementation :func:`backend_init_after` chose for ``backend`` (Triton if none)."""
+    return getattr(backend, IMPL_ATTR, "triton")
 
 
 def register_inchunk_hooks() -> None:
@@ -104,8 +136,9 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
     if not getattr(sa, "disable_overlap_schedule", True):
         return "overlap scheduling (a planned slot could be reused while the forward that writes it is in flight)"
     device = str(getattr(model_runner, "device", "cuda"))
-    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"device {device} (the Triton writer needs CUDA, or TRITON_INTERPRET=1)"
+    if (not device.startswith("cuda") and writer_impl(device) == "triton"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        return f"device {device} with {IMPL_ENV}=triton (the Triton writer needs CUDA, or TRITON_INTERPRET=1)"
     hf = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
     for cfg in (hf, getattr(hf, "text_config", None)):
         if cfg is not None and getattr(cfg, "kda_safe_gate", False):
@@ -152,16 +185,22 @@ def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
         logger.info("mamba-radix: %s: prefix checkpoints stay on the %s-token grid with %s: %s",
                     family, grid, type(backend).__name__, reason)
         return result
+    impl = writer_impl(getattr(model_runner, "device", "cuda"))
     setattr(backend, WRITER_ATTR, _layout_name(backend))
+    setattr(backend, IMPL_ATTR, impl)
     pool.prefix_checkpoint_writer = True
-    logger.info("mamba-radix: exact prefix checkpoints with %s (in-chunk Triton writer) for %s",
-                type(backend).__name__, family)
+    logger.info("mamba-radix: exact prefix checkpoints with %s (in-chunk %s writer) for %s",
+                type(backend).__name__, "Triton" if impl == "triton" else "torch", family)
     return result
 
 
 def _layer_weights(backend, layer, per_head_gate: bool):
-    """The layer's :class:`ReplayWeights` (``L = 1``), cached on the backend by layer id."""
-    from sglang_mamba_ext.models.linear_attn import LinearAttnShape
+    """The layer's :class:`ReplayWeights` (``L = 1``), cached on the backend by layer id; for
+    the torch writer (:func:`backend_impl`) with a
+    :class:`~sglang_mamba_ext.models.linear_attn.GatedDeltaRuleMixer` holding the layer's conv
+    taps, ``A_log`` and ``dt_bias`` (float32 copies; its projections are unused), the math the
+    torch reference steps."""
+    from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
     from sglang_mamba_ext.speculative.replay import ReplayWeights
 
     cache: Dict[int, object] = backend.__dict__.setdefault("_mamba_radix_inchunk_weights", {})
@@ -182,6 +221,16 @@ def _layer_weights(backend, layer, per_head_gate: bool):
             layer.dt_bias.detach().reshape(1, -1).float().contiguous(),
             per_head_gate=per_head_gate,
         )
+        if backend_impl(backend) == "torch":
+            mixer = GatedDeltaRuleMixer(1, shape, conv_bias=w.conv_bias is not None,
+                                        gate="gdn" if per_head_gate else "kda").to(cw.device)
+            with torch.no_grad():
+                mixer.conv_weight.copy_(w.conv_weight[0].float())
+                if w.conv_bias is not None:
+                    mixer.conv_bias.copy_(w.conv_bias[0].float())
+                mixer.A_log.copy_(w.A_log[0])
+                mixer.dt_bias.copy_(w.dt_bias[0])
+            w.mixers = [mixer.requires_grad_(False)]
         cache[layer.layer_id] = w
     return w
 
@@ -266,5 +315,5 @@ def forward_extend_before(backend, layer, forward_batch, mixed_qkv, a, b, **kwar
     if getattr(backend, WRITER_ATTR, None) is not None:
         plan = _plan_for(backend, forward_batch)
         if plan:
-            write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, plan)
+            write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, plan, backend_impl(backend))
     return None

@@ -34,6 +34,8 @@ Hooks (all BEFORE / AFTER; targets in :data:`HOOK_TARGETS`, listed in ``docs/sgl
   (the conv kernel has advanced them), then the Mamba2 writer stores each planned slot's
   conv window and SSM state, and the advanced windows are restored.
 
+The writers run as Triton kernels on CUDA and as their torch loops on CPU, where Triton only
+runs interpreted (:func:`..inchunk_checkpoints.writer_impl`, ``SGLANG_MAMBA_EXT_INCHUNK_IMPL``).
 With no context (SGLang's own cache, a backend not marked, no plan, decode) every hook returns
 at once and SGLang's call runs unchanged. A context is per thread (one forward at a time).
 """
@@ -50,6 +52,7 @@ from sglang_mamba_ext.plugin.inchunk_checkpoints import (
     MAMBA2_BACKEND,
     SHORT_CONV_BACKEND,
     WRITER_ATTR,
+    backend_impl,
     _plan_for,
     _writes_for,
 )
@@ -174,7 +177,7 @@ def conv_fn_before(x, weight=None, bias=None, *args, **kwargs) -> None:
     if ctx.kind == "shortconv":
         from sglang_mamba_ext.speculative.ops.inchunk.shortconv import write_conv_window_checkpoints
 
-        write_conv_window_checkpoints(conv_in, writes, conv_states.unsqueeze(0))
+        write_conv_window_checkpoints(conv_in, writes, conv_states.unsqueeze(0), impl=backend_impl(ctx.backend))
     else:
         ctx.xbc = conv_in
         ctx.prefixed = _prefixed_rows(ctx, writes)
@@ -211,7 +214,7 @@ def _mamba2_weights(backend, layer_id: int, mixer):
 def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
     """BEFORE SGLang's ``mamba_chunk_scan_combined(x, dt [1, T, HV] raw, A, B, C, ...,
     dt_bias=..., dt_softplus=True, dt_limit=(0, inf), ...)``: write the layer's planned conv
-    windows and SSM states (Mamba2 writer, Triton) from the start states, while the SSM pool
+    windows and SSM states (Mamba2 writer, :func:`backend_impl`) from the start states, while the SSM pool
     still holds them."""
     ctx = _current()
     if ctx is None or ctx.kind != "mamba2" or ctx.scan_done:
@@ -233,7 +236,8 @@ def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
     conv_pool[ctx.prefixed] = ctx.start_windows
     try:
         write_mamba2_checkpoints(ctx.xbc, dt_raw, writes, conv_pool.unsqueeze(0), ssm_pool.unsqueeze(0),
-                                 _mamba2_weights(ctx.backend, ctx.layer_id, mixer), check_offsets=False)
+                                 _mamba2_weights(ctx.backend, ctx.layer_id, mixer), impl=backend_impl(ctx.backend),
+                                 check_offsets=False)
     finally:
         conv_pool[ctx.prefixed] = advanced
     ctx.scan_done = True

@@ -66,7 +66,7 @@ class FamilyServing(GreedyHits):
 
     def test_0_launch_and_writer(self):
         log = self.server.log_text()
-        self.assertIn(f"mamba-radix: exact prefix checkpoints with {self.BACKEND} (in-chunk Triton writer) for "
+        self.assertIn(f"mamba-radix: exact prefix checkpoints with {self.BACKEND} (in-chunk torch writer) for "
                       f"{self.MODEL_CLASS}", log)
 
     def test_1_resend_hits_len_minus_1_and_matches_reference(self):

@@ -7,7 +7,8 @@ SGLang's chunked Gated-DeltaNet Triton kernels, causal-conv kernels and packed d
 with ``kda`` (``TinyHybridKDAForCausalLM``, Kimi-Linear's pool layout) through its
 ``KDAAttnBackend``; on CPU under Triton's interpreter (``plugin/triton_interpret.py``), float16. Those kernels keep states only on their 64-token
 chunk grid; the plugin's in-chunk writer (``plugin/inchunk_checkpoints.py``) writes the
-planned checkpoints before SGLang's forward, so hits are exact:
+planned checkpoints before SGLang's forward (the GDN class with the Triton writer,
+interpreted; the KDA class with the torch writer, CPU's default), so hits are exact:
 
 - a resent prompt of 100 tokens hits 99 (SGLang's grid would give 64);
 - a sibling branching at token 41 of an earlier request hits 41 (the grid would give 0);
@@ -42,6 +43,9 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
     GATE = "gdn"
     BACKEND = "GDNAttnBackend"
     SEED = 16
+    #: the in-chunk writer (``SGLANG_MAMBA_EXT_INCHUNK_IMPL``): this class serves the Triton
+    #: writer (interpreted, as on CUDA but ~1000x slower), the KDA class CPU's default, torch
+    WRITER = "Triton"
 
     @classmethod
     def setUpClass(cls):
@@ -51,7 +55,8 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
                                      config_overrides={"linear_gate": cls.GATE}, linear_kernels="sglang")
         cls.ref = TinyHybridReference.from_pretrained(cls.model)
         args = ["--device", "cpu", "--enable-mamba-radix", "--chunked-prefill-size", "64"]
-        cls.server = Server(cls.model, args, os.path.join(tmp.name, "server.log"), env=dict(CHECKED_ENV))
+        env = {**CHECKED_ENV, "SGLANG_MAMBA_EXT_INCHUNK_IMPL": cls.WRITER.lower()}
+        cls.server = Server(cls.model, args, os.path.join(tmp.name, "server.log"), env=env)
         cls.addClassCleanup(cls.server.stop)
         cls.server.wait_healthy()
         cls.rng = random.Random(cls.SEED)
@@ -66,7 +71,7 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
 
     def test_0_backend_is_sglangs(self):
         log = self.server.log_text()
-        self.assertIn(f"mamba-radix: exact prefix checkpoints with {self.BACKEND} (in-chunk Triton writer)", log)
+        self.assertIn(f"mamba-radix: exact prefix checkpoints with {self.BACKEND} (in-chunk {self.WRITER} writer)", log)
         self.assertIn("type=TinyHybridSGLangKernelsForCausalLM", log)
 
     def test_resend_hits_len_minus_1(self):
@@ -108,6 +113,7 @@ class TestSGLangKDABackendServing(TestSGLangGDNBackendServing):
     #: seed of the prompts: the reference's smallest top-2 log-prob gap over them is 0.02
     #: (some seeds give ~1e-3 near-ties that float16 may flip)
     SEED = 20
+    WRITER = "torch"
 
 
 if __name__ == "__main__":
