@@ -104,10 +104,13 @@ _FAMILIES: Dict[str, Dict] = {
     ),
     "granitemoehybrid": dict(
         cls="GraniteMoeHybridForCausalLM",
+        # One B/C group (as the released Granite 4.0 checkpoints): with two, SGLang's MambaMixer2
+        # normalizes the gated output per group and transformers' GraniteMoeHybridRMSNormGated
+        # over the whole width; their outputs then differ (logprobs by ~0.7 nats here).
         config=dict(
             model_type="granitemoehybrid", hidden_size=_HIDDEN, intermediate_size=32, num_hidden_layers=_LAYERS,
             layer_types=["mamba", "attention"] * (_LAYERS // 2), num_attention_heads=4, num_key_value_heads=2,
-            hidden_act="silu", mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+            hidden_act="silu", mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
             mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=64, mamba_conv_bias=True, mamba_proj_bias=False,
             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
             position_embedding_type="nope", attention_multiplier=0.25, embedding_multiplier=1.0,
