@@ -5,7 +5,6 @@ class. Skip decorator for hosts without sglang-router or mooncake's transfer eng
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
 import os
 import signal
@@ -17,7 +16,7 @@ from typing import Dict, List, Optional
 
 import requests
 
-from server_util import Server
+from server_util import Server, start_together
 
 #: SGLang's PD request fields (``bootstrap_host`` etc.) aside, the flags both sides share.
 PD_FLAGS = ["--device", "cpu", "--disaggregation-transfer-backend", "mooncake_tcp", "--enable-cache-report",
@@ -49,11 +48,7 @@ def start_pd_pair(cls, model: str, tmp: str, prefill_flags: List[str], decode_fl
                          os.path.join(tmp, "prefill.log"), env=env)
     cls.decode = Server(model, [*PD_FLAGS, "--disaggregation-mode", "decode", *decode_flags],
                         os.path.join(tmp, "decode.log"), env=env)
-    for s in (cls.prefill, cls.decode):
-        cls.addClassCleanup(s.stop)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
-        for started in [pool.submit(s.wait_healthy) for s in (cls.prefill, cls.decode)]:
-            started.result()
+    start_together(cls, [cls.prefill, cls.decode])
     return bootstrap
 
 

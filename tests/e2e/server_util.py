@@ -52,6 +52,19 @@ class Server(ServerProcess):
         progress(f"  server {name}: ready in {time.time() - t0:.0f} s")
 
 
+def start_together(cls, servers: List[Server]) -> None:
+    """Start ``servers`` at once (each in a thread; start-up is mostly one process's imports
+    and compiles, so two overlap on 2 cores) and register each one's stop as a class cleanup.
+    Raises what the first failing start-up raised."""
+    import concurrent.futures
+
+    for s in servers:
+        cls.addClassCleanup(s.stop)
+    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
+        for started in [pool.submit(s.wait_healthy) for s in servers]:
+            started.result()
+
+
 def idle_and_checked(server: ServerProcess, settle_s: float = 3.0, timeout_s: float = 120) -> dict:
     """Wait until the scheduler has no running or waiting request, let it idle ``settle_s``
     seconds (its idle checks run on every idle pass), then require the server still

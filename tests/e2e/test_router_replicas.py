@@ -6,7 +6,6 @@ left on the shared path (its prompt's ``len - 1`` checkpoint or its finish state
 ``sglang_router`` is not installed (``scripts/setup_env.sh`` installs it).
 """
 
-import concurrent.futures
 import importlib.util
 import os
 import signal
@@ -19,7 +18,7 @@ import unittest
 import pytest
 import requests
 
-from server_util import CHECKED_ENV, Server, common_prefix
+from server_util import CHECKED_ENV, Server, common_prefix, start_together
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,11 +47,7 @@ class TestRouterReplicas(unittest.TestCase):
         flags = ["--device", "cpu", "--enable-mamba-radix", "--max-total-tokens", "2048",
                  "--max-mamba-cache-size", "32", "--max-running-requests", "4"]
         cls.replicas = [Server(model, flags, os.path.join(tmp.name, f"r{i}.log"), env=CHECKED_ENV) for i in (0, 1)]
-        for r in cls.replicas:
-            cls.addClassCleanup(r.stop)
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
-            for started in [pool.submit(r.wait_healthy) for r in cls.replicas]:
-                started.result()
+        start_together(cls, cls.replicas)
         port = free_port()
         cls.url = f"http://127.0.0.1:{port}"
         log = open(os.path.join(tmp.name, "router.log"), "w")
