@@ -73,7 +73,10 @@ _FAMILIES: Dict[str, Dict] = {
             num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
             n_shared_experts=1, moe_router_activation_func="sigmoid", moe_renormalize=True,
             use_grouped_topk=True, num_expert_group=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-            rope_theta=10000.0, rms_norm_eps=1e-6,
+            # 1e-5 as released: SGLang's KimiDeltaAttention builds its gated output norm with
+            # eps 1e-5 whatever the config says, transformers' with rms_norm_eps; the KDA
+            # outputs are small enough here that 1e-6 against 1e-5 changed greedy tokens.
+            rope_theta=10000.0, rms_norm_eps=1e-5,
         ),
     ),
     "nemotron_h": dict(
