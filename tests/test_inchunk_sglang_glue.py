@@ -284,32 +284,32 @@ class TestMamba2ShortConvBackendLog(unittest.TestCase):
         backend._mamba_chunk_size = 128  # SGLang reads it from the config on first use
         return backend
 
-    def test_mamba2_becomes_a_writer(self):
+    def _init_mamba2(self, env, **runner_kw):
+        """Run the init hook on a fresh Mamba2 backend under ``env``; returns ``(backend,
+        pool, log lines)``."""
         backend, pool = self._mamba2(), SimpleNamespace(prefix_checkpoint_writer=False)
-        with mock.patch.dict(os.environ, {ic.IMPL_ENV: "auto"}), self.assertLogs(ic.logger, level="INFO") as logs:
-            ic.backend_init_after(None, backend, self._runner(pool))
-        self.assertEqual(logs.output, [
+        with mock.patch.dict(os.environ, env), self.assertLogs(ic.logger, level="INFO") as logs:
+            ic.backend_init_after(None, backend, self._runner(pool, **runner_kw))
+        return backend, pool, logs.output
+
+    def test_mamba2_becomes_a_writer(self):
+        backend, pool, output = self._init_mamba2({ic.IMPL_ENV: "auto"})
+        self.assertEqual(output, [
             "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: exact prefix checkpoints with "
             "Mamba2AttnBackend (in-chunk Triton writer) for NemotronHForCausalLM"])
         self.assertTrue(pool.prefix_checkpoint_writer)
         self.assertEqual(getattr(backend, ic.WRITER_ATTR), "mamba2")
 
     def test_mamba2_on_cpu_gets_the_torch_writer(self):
-        backend, pool = self._mamba2(), SimpleNamespace(prefix_checkpoint_writer=False)
-        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", ic.IMPL_ENV: "auto"}), \
-                self.assertLogs(ic.logger, level="INFO") as logs:
-            ic.backend_init_after(None, backend, self._runner(pool, device="cpu"))
-        self.assertEqual(logs.output, [
+        backend, _, output = self._init_mamba2({"TRITON_INTERPRET": "0", ic.IMPL_ENV: "auto"}, device="cpu")
+        self.assertEqual(output, [
             "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: exact prefix checkpoints with "
             "Mamba2AttnBackend (in-chunk torch writer) for NemotronHForCausalLM"])
         self.assertEqual(getattr(backend, ic.IMPL_ATTR), "torch")
 
     def test_mamba2_refusal_names_family_reason_grid(self):
-        backend, pool = self._mamba2(), SimpleNamespace(prefix_checkpoint_writer=False)
-        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", ic.IMPL_ENV: "triton"}), \
-                self.assertLogs(ic.logger, level="INFO") as logs:
-            ic.backend_init_after(None, backend, self._runner(pool, device="cpu"))
-        self.assertEqual(logs.output, [
+        backend, pool, output = self._init_mamba2({"TRITON_INTERPRET": "0", ic.IMPL_ENV: "triton"}, device="cpu")
+        self.assertEqual(output, [
             "INFO:sglang_mamba_ext.plugin.inchunk_checkpoints:mamba-radix: NemotronHForCausalLM: prefix checkpoints "
             "stay on the 128-token grid with Mamba2AttnBackend: device cpu with SGLANG_MAMBA_EXT_INCHUNK_IMPL=triton "
             "(the Triton writer needs CUDA, or TRITON_INTERPRET=1)"])
