@@ -149,14 +149,15 @@ class GreedyHits:
     def tokens(self, n):
         return [self.rng.randrange(*self.VOCAB) for _ in range(n)]
 
-    def gen(self, ids, cold=False):
-        """Greedy ``NEW`` tokens; ``cold``: in a fresh ``cache_salt`` (nothing to hit; asserted).
-        Returns ``(output_ids, cached_tokens, logprobs)``."""
+    def gen(self, ids, cold=False, server=None):
+        """Greedy ``NEW`` tokens from ``server`` (default ``cls.server``); ``cold``: in a fresh
+        ``cache_salt`` (nothing to hit; asserted). Returns ``(output_ids, cached_tokens,
+        logprobs)``."""
         extra = {"return_logprob": True}
         if cold:
             type(self).salt += 1
             extra["cache_salt"] = f"cold-{self.salt}"
-        r = self.server.generate(input_ids=ids, max_new_tokens=self.NEW, **extra)
+        r = (server or self.server).generate(input_ids=ids, max_new_tokens=self.NEW, **extra)
         meta = r["meta_info"]
         if cold:
             self.assertEqual(meta["cached_tokens"], 0)
