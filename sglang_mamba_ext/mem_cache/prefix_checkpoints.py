@@ -19,7 +19,7 @@ from .req import CacheReq
 from .tree_node import InsertResult, TreeNode
 
 #: What a finished request donates to the tree (``MambaRadixCache(finish_state=...)``).
-FINISH_STATES = ("working", "checkpoint")
+FINISH_STATES = ("working", "checkpoint", "overlap")
 
 
 class PrefixCheckpoints:
@@ -213,7 +213,8 @@ class PrefixCheckpoints:
         """``(tokens, slot)`` of the state a finished request donates, at most ``limit``
         tokens (and at most ``mamba_working_len`` when that is given): the working slot if it
         holds exactly that many tokens (``kv_committed_len``, or ``mamba_working_len``; a whole number of
-        pages, no copy-on-write or clear pending) under ``finish_state="working"``, else
+        pages, no copy-on-write or clear pending, not ``mamba_working_stale``) under
+        ``finish_state="working"`` or ``"overlap"``, else
         the newest ping-pong checkpoint not past ``limit`` if it ends on a page boundary,
         else (without overlap scheduling) the older one still held in the other entry;
         ``(0, None)`` if neither (``docs/design.md``, "Ping-pong checkpoints"). The KV
@@ -226,7 +227,8 @@ class PrefixCheckpoints:
             working = req.mamba_working_len
             limit = min(limit, working)
         if (
-            self.finish_state == "working"
+            self.finish_state != "checkpoint"
+            and not req.mamba_working_stale
             and working == limit
             and 0 < working <= done
             and working % self.page_size == 0
@@ -242,8 +244,8 @@ class PrefixCheckpoints:
             return c, slot
         # A stop before the newest checkpoint (``limit`` below it): the older checkpoint
         # still sits in the other entry, as SGLang's finish falls back to it. Only
-        # without overlap scheduling, where no forward of this request is in flight to
-        # overwrite that entry.
+        # without overlap scheduling (``"working"``), where no forward of this request is
+        # in flight to overwrite that entry.
         c = req.mamba_prev_track_seqlen
         buf = req.mamba_ping_pong_track_buffer
         if self.finish_state == "working" and c is not None and buf and 0 < c <= min(done, limit) and c % ps == 0:

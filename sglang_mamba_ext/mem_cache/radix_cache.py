@@ -39,9 +39,11 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             ``page_size``).
         finish_state: which state a finished request donates (:meth:`checkpoint`):
             ``"working"`` (its working slot, exact at the sequence end; safe when no
-            forward can still be writing it, i.e. without overlap scheduling) or
-            ``"checkpoint"`` (its newest ping-pong checkpoint; safe under overlap
-            scheduling).
+            forward can still be writing it, i.e. without overlap scheduling),
+            ``"checkpoint"`` (its newest ping-pong checkpoint) or ``"overlap"`` (the
+            working slot unless the request is marked ``mamba_working_stale``, then the
+            newest checkpoint; the caller puts an exact copy in the working slot first,
+            ``docs/design.md``, "Overlap scheduling").
         branch_checkpoints: save extra SSM checkpoints during prefill where they pay off
             (:meth:`plan_prefix_checkpoints`).
         max_states_per_path: at most this many SSM states on any root-to-node path
@@ -83,7 +85,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
                 f"page_size ({page_size}); pass --mamba-track-interval as a multiple of --page-size"
             )
         if finish_state not in FINISH_STATES:
-            raise ValueError(f"finish_state must be 'working' or 'checkpoint', got {finish_state!r}")
+            raise ValueError(f"finish_state must be one of {', '.join(FINISH_STATES)}, got {finish_state!r}")
         self._use_policy(make_eviction_policy(eviction_policy, self))
         self.token_to_kv_pool_allocator = kv_allocator
         self.req_to_token_pool = req_to_token_pool
@@ -579,6 +581,12 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
     def _count_evicted(self, res: EvictResult) -> None:
         self.evicted_tokens_total += res.num_tokens_evicted
         self.evicted_states_total += res.mamba_num_evicted
+
+    def alloc_mamba_slot(self) -> Optional[int]:
+        """One SSM slot for the caller (e.g. the adapter's finish copy under overlap
+        scheduling), evicting one unlocked state if none is free; ``None`` if none can be
+        freed. The caller frees it with ``mamba_pool.free``."""
+        return self._alloc_mamba_slot()
 
     def _alloc_mamba_slot(self, protect: Optional[TreeNode] = None) -> Optional[int]:
         """One SSM slot, evicting one unlocked state if the pool is empty (``protect`` is

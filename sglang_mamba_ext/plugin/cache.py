@@ -128,6 +128,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         for name, core_name in self._CORE_QUERIES.items():
             setattr(self, name, getattr(core, core_name))
         req_to_token_pool.tree_cache = self
+        # overlap scheduling's exact finish: decode forwards keep a copy of the state they
+        # start from (MambaRadixReqToTokenPool.write_finish_copies)
+        req_to_token_pool.finish_copies_enabled = core.finish_state == "overlap"
         #: SGLang ``Req`` -> its last copy-on-write match (``MambaRadixCache.hit_of``),
         #: counted when the request gets its row (:meth:`count_admitted`); weak, so a
         #: request dropped while waiting leaves nothing behind.
@@ -242,6 +245,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         creq = req_bridge.pull(req, tokens, pool=pool)
         row = creq.req_pool_idx
         finished = req.finished()
+        if finished and pool.finish_copies_enabled:
+            pool.use_finish_copy(creq)
         # The insert frees duplicate KV and a slot allocation may evict: one batched free.
         group = self._free_group_begin()
         try:
@@ -385,23 +390,33 @@ def _token_list(tokens) -> List[int]:
     return tolist() if tolist is not None else list(tokens)
 
 
-#: Environment override of what a finished request donates: ``auto`` (default: the newest
-#: ping-pong checkpoint under overlap scheduling, else the live state), ``working`` or
-#: ``checkpoint`` (e.g. to run the overlap-safe path on CPU).
+#: Environment override of what a finished request donates: ``auto`` (default: under
+#: overlap scheduling ``overlap``, the exact state through a finish copy, or ``checkpoint``
+#: where no finish copy is taken; else the live state), ``working``, ``checkpoint`` or
+#: ``overlap`` (``docs/design.md``, "Overlap scheduling").
 FINISH_STATE_ENV = "SGLANG_MAMBA_EXT_FINISH_STATE"
 
 
-def _finish_state(overlap: bool, extra_buffer: bool) -> str:
+def _finish_state(overlap: bool, extra_buffer: bool, finish_copies: bool = True) -> str:
+    """The core's ``finish_state``. ``finish_copies``: decode forwards can keep the copy the
+    exact finish needs (not with speculative decoding or ``--enable-mixed-chunk``, whose
+    decode rows run in verify / extend forwards).
+
+    Raises:
+        ValueError: a bad ``SGLANG_MAMBA_EXT_FINISH_STATE`` value, or one the strategy
+            cannot serve."""
     choice = os.environ.get(FINISH_STATE_ENV, "auto") or "auto"
-    if choice not in ("auto", "working", "checkpoint"):
-        raise ValueError(f"{FINISH_STATE_ENV}={choice!r}: expected auto, working or checkpoint")
-    if choice == "checkpoint" and not extra_buffer:
+    if choice not in ("auto", "working", "checkpoint", "overlap"):
+        raise ValueError(f"{FINISH_STATE_ENV}={choice!r}: expected auto, working, checkpoint or overlap")
+    if choice in ("checkpoint", "overlap") and not extra_buffer:
         raise ValueError(
-            f"{FINISH_STATE_ENV}=checkpoint needs ping-pong checkpoints "
+            f"{FINISH_STATE_ENV}={choice} needs ping-pong checkpoints "
             "(not --mamba-radix-cache-strategy no_buffer)"
         )
     if choice == "auto":
-        return "checkpoint" if (overlap and extra_buffer) else "working"
+        if not (overlap and extra_buffer):
+            return "working"
+        return "overlap" if finish_copies else "checkpoint"
     return choice
 
 
@@ -469,7 +484,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         token_to_kv_pool_allocator=params.token_to_kv_pool_allocator,
         page_size=params.page_size,
         mamba_track_interval=get_exec().mamba.mamba_track_interval,
-        finish_state=_finish_state(overlap, extra_buffer),
+        finish_state=_finish_state(overlap, extra_buffer, not algo and not get_schedule().enable_mixed_chunk),
         enable_mamba_extra_buffer=extra_buffer,
         checkpoint_grid=grid,
         enable_metrics=params.enable_metrics,

@@ -7,8 +7,7 @@ rounds a branch point down to the grid and has no prompt-end checkpoint. Under
 ``--enable-mamba-radix`` two hooks per backend class change that:
 
 - AFTER ``KDAAttnBackend.__init__`` / ``GDNAttnBackend.__init__`` (:func:`backend_init_after`):
-  when the backend can be helped (no overlap scheduling,
-  as for the tiny backend; the extend not captured in SGLang's breakable prefill CUDA graph;
+  when the backend can be helped (the extend not captured in SGLang's breakable prefill CUDA graph;
   no KDA safe gate, ``lower_bound``, which the kernel does not implement; the class does not
   override ``forward_extend``), it sets the pool's ``prefix_checkpoint_writer`` so that the
   core plans exact positions (``MambaRadixReqToTokenPool._plan_prefix_checkpoints``);
@@ -132,9 +131,6 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
     if name is None:
         method = next((m for cls, _, m in _backend_kinds() if isinstance(backend, cls)), None)
         return f"{type(backend).__name__} overrides {method}" if method else "no writer for this backend"
-    sa = getattr(model_runner, "server_args", None)
-    if not getattr(sa, "disable_overlap_schedule", True):
-        return "overlap scheduling (a planned slot could be reused while the forward that writes it is in flight)"
     device = str(getattr(model_runner, "device", "cuda"))
     if (not device.startswith("cuda") and writer_impl(device) == "triton"
             and os.environ.get("TRITON_INTERPRET") != "1"):

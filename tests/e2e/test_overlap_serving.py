@@ -1,57 +1,118 @@
-"""End to end: SGLang's overlap scheduler with the plugin on CPU (issue 13, item 4).
+"""End to end: SGLang's overlap scheduler with the plugin on CPU (issue 25).
 
-SGLang 0.5.23 runs its overlap scheduler on CPU; the plugin turns it off there by default
-(under overlap no exact prefix checkpoint is planned) and ``SGLANG_MAMBA_EXT_CPU_OVERLAP=1``
-keeps it on. With it on, a forward may be in flight while the previous batch's results
-(finishes, cache inserts) are processed: the finish path donates the request's newest
-ping-pong checkpoint (``finish_state="checkpoint"``, ``docs/design.md``, "Ping-pong
-checkpoints") and never a slot a running forward could still write. Greedy output must equal
-the reference, concurrent finishes must leave no leak (SGLang's strict idle checks), and a
-follow-up turn hits the donated checkpoint exactly.
+SGLang 0.5.23 runs its overlap scheduler on CPU; ``SGLANG_MAMBA_EXT_CPU_OVERLAP=1`` keeps it
+on with the plugin. Under overlap the batch after a request's last token is launched before
+that token's result is processed, so it advances the finished request once more; the exact
+finish comes from the copy each decode forward keeps of the state it starts from
+(``finish_state="overlap"``, ``docs/design.md``, "Overlap scheduling"). Planned checkpoints
+(branch point, prompt - 1) are written as without overlap. Every hit below is the exact
+value of the scheduler without overlap; greedy output equals the reference model; aborts and
+concurrent finishes leave nothing behind (SGLang's strict idle checks).
 """
 
+import random
+import threading
+import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from server_util import CHECKED_ENV, idle_and_checked, start_tiny_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 INTERVAL = 8
+CHUNK = 64
 
 
 class TestOverlapOnCPU(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         flags = ["--device", "cpu", "--enable-mamba-radix", "--mamba-track-interval", str(INTERVAL),
-                 "--max-total-tokens", "2048", "--max-mamba-cache-size", "32", "--max-running-requests", "4"]
+                 "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
+                 "--max-mamba-cache-size", "48", "--max-running-requests", "4"]
         start_tiny_server(cls, flags, {**CHECKED_ENV, "SGLANG_MAMBA_EXT_CPU_OVERLAP": "1"})
+        cls.rng = random.Random(25)
 
-    def gen(self, ids, n):
-        r = self.server.generate(input_ids=ids, max_new_tokens=n)
+    def tokens(self, n):
+        return [self.rng.randrange(5, 600) for _ in range(n)]
+
+    def gen(self, ids, n, **extra):
+        r = self.server.generate(input_ids=ids, max_new_tokens=n, **extra)
         self.assertEqual(r["output_ids"], self.ref.generate_greedy(ids, n), f"prompt of {len(ids)}")
-        return r
+        return r["output_ids"], r["meta_info"]["cached_tokens"]
 
     def test_a_overlap_is_on(self):
-        self.assertIn("'disable_overlap_schedule': False", self.server.log_text())
+        log = self.server.log_text()
+        self.assertIn("'disable_overlap_schedule': False", log)
+        self.assertIn("finish_state=overlap", log)
+
+    def test_resend_hits_len_minus_1(self):
+        for n in (150, 120):  # 120: no ping-pong checkpoint of the prefill is near its end
+            p = self.tokens(n)
+            self.assertEqual(self.gen(p, 5)[1], 0)
+            self.assertEqual(self.gen(p, 5)[1], n - 1, n)
+
+    def test_branch_point_hits_exactly(self):
+        shared = self.tokens(77)
+        self.gen(shared + self.tokens(30), 3)
+        # the KV is cached to 77, the deepest state is the first prompt's at its first chunk
+        # end; the branch point is planned here
+        self.assertEqual(self.gen(shared + self.tokens(25), 3)[1], CHUNK)
+        self.assertEqual(self.gen(shared + self.tokens(20), 3)[1], 77)
+
+    def test_next_turn_hits_len_plus_out_minus_1(self):
+        for n, new in ((150, 8), (37, 11), (64, 1)):  # 1: finished by its prefill
+            p = self.tokens(n)
+            out, _ = self.gen(p, new)
+            self.assertEqual(self.gen(p + out + self.tokens(3), 4)[1], n + new - 1, (n, new))
 
     def test_concurrent_finishes_and_follow_up(self):
-        prompts = [[(7 * i + s) % 600 + 5 for i in range(n)] for s, n in ((1, 37), (2, 45), (3, 29), (4, 52))]
+        """Four requests finishing at different steps of shared decode batches: each next turn
+        hits ``len + out - 1``."""
+        prompts = [self.tokens(n) for n in (37, 45, 29, 52)]
+        news = (11, 6, 14, 9)
         with ThreadPoolExecutor(4) as pool:
-            firsts = list(pool.map(lambda p: self.gen(p, 11), prompts))
-        for p, first in zip(prompts, firsts):
-            out = first["output_ids"]
-            nxt = p + out + [3, 4]
-            r = self.gen(nxt, 4)
-            got = r["meta_info"]["cached_tokens"]
-            # the donated state is the newest ping-pong checkpoint: the last multiple of the
-            # track interval not past the finished request's len - 1
-            done = len(p) + len(out) - 1
-            self.assertEqual(got, done // INTERVAL * INTERVAL, (got, done))
+            firsts = list(pool.map(lambda a: self.gen(*a)[0], zip(prompts, news)))
+        for p, out in zip(prompts, firsts):
+            self.assertEqual(self.gen(p + out + [3, 4], 4)[1], len(p) + len(out) - 1)
         load = idle_and_checked(self.server)
         self.assertEqual(load["num_used_tokens"], 0)
+
+    def test_chunked_prefills_sharing_forwards(self):
+        """Two 150-token prompts prefilled in 64-token chunks side by side (their chunks share
+        forwards with each other's decode steps): resends hit 149 each."""
+        prompts = [self.tokens(150) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda p: self.gen(p, 6), prompts))
+        with ThreadPoolExecutor(2) as pool:
+            hits = list(pool.map(lambda p: self.gen(p, 2)[1], prompts))
+        self.assertEqual(hits, [149, 149])
+
+    def test_z_abort_in_flight_then_idle(self):
+        result = {}
+        prompt = self.tokens(40)
+
+        def run():
+            result["out"] = self.server.generate(input_ids=prompt, max_new_tokens=3000, rid="overlap-abort")
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(2.0)
+        r = requests.post(self.server.base_url + "/abort_request", json={"rid": "overlap-abort"}, timeout=60)
+        self.assertEqual(r.status_code, 200, r.text)
+        t.join(timeout=300)
+        self.assertFalse(t.is_alive())
+        self.assertEqual(result["out"]["meta_info"]["finish_reason"]["type"], "abort")
+        load = idle_and_checked(self.server)
+        self.assertEqual(load["num_running_reqs"], 0)
+        self.assertEqual(load["num_used_tokens"], 0, load)
+        # the server still serves exactly after it
+        p = self.tokens(60)
+        self.gen(p, 3)
+        self.assertEqual(self.gen(p, 3)[1], 59)
 
 
 if __name__ == "__main__":

@@ -49,12 +49,11 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
         self._plan: CheckpointPlan = {}
-        overlap = not getattr(getattr(model_runner, "server_args", None), "disable_overlap_schedule", True)
-        if hasattr(model_runner.req_to_token_pool, "prefix_checkpoint_writer") and not overlap:
+        if hasattr(model_runner.req_to_token_pool, "prefix_checkpoint_writer"):
             # This backend writes a state at any token position: the mamba-radix pool may
-            # plan exact branch-point and prompt-end checkpoints. Not under
-            # overlap scheduling, where the pool could give a planned slot away while the
-            # forward that writes it is in flight.
+            # plan exact branch-point and prompt-end checkpoints (with overlap scheduling
+            # too: every state write is inside a forward, in batch order; docs/design.md,
+            # "Overlap scheduling").
             model_runner.req_to_token_pool.prefix_checkpoint_writer = True
         # MambaAttnBackendBase's extend track metadata reads the conv window length here.
         self.conv_states_shape = tuple(model_runner.req_to_token_pool.mamba_pool.mamba_cache.conv[0].shape)
