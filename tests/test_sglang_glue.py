@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 import unittest
+from unittest import mock
 from types import SimpleNamespace
 
 import torch
@@ -220,7 +221,7 @@ class TestFlags(unittest.TestCase):
         with F.in_context(ctx):
             self.assertEqual(get_memory().radix_cache_backend, "mamba_radix_ext")
             self.assertTrue(get_exec().mamba.enable_mamba_extra_buffer)  # CPU refusal lifted
-            self.assertTrue(get_schedule().disable_overlap_schedule)
+            self.assertFalse(get_schedule().disable_overlap_schedule)  # overlap on, as on a GPU
             settings = current_settings()
         self.assertEqual(settings["warmup_prompts_file"], f.name)
         self.assertTrue(settings["enable"])
@@ -407,7 +408,27 @@ class TestPoolAndCacheCreation(_ContextTest):
         cache, _ = F.build_tree_cache(pool, KV_SIZE)
         self.assertIsInstance(cache, MambaRadixCacheAdapter)
         self.assertTrue(cache.supports_mamba())
-        self.assertEqual(cache.core.finish_state, "working")  # overlap off on CPU
+        self.assertEqual(cache.core.finish_state, "overlap")  # overlap on (the default)
+        self.assertTrue(pool.finish_copies_enabled)
+
+    def test_cpu_overlap_environment(self):
+        """``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` turns overlap off on CPU (the live-state finish);
+        a value other than 0 or 1 fails at start-up naming the variable."""
+        from sglang.srt.runtime_context import get_schedule
+
+        from sglang_mamba_ext.plugin.args import CPU_OVERLAP_ENV
+
+        with mock.patch.dict(os.environ, {CPU_OVERLAP_ENV: "0"}):
+            ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix"))
+        with F.in_context(ctx):
+            self.assertTrue(get_schedule().disable_overlap_schedule)
+            pool = F.build_req_pool()
+            cache, _ = F.build_tree_cache(pool, KV_SIZE)
+            self.assertEqual(cache.core.finish_state, "working")
+            self.assertFalse(pool.finish_copies_enabled)
+        with mock.patch.dict(os.environ, {CPU_OVERLAP_ENV: "yes"}):
+            with self.assertRaisesRegex(ValueError, f"{CPU_OVERLAP_ENV}='yes': expected 1"):
+                F.scheduler_context(F.base_argv("--enable-mamba-radix"))
 
     def test_flag_off_gives_sglang_cache_and_pool(self):
         from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool

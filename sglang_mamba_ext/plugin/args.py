@@ -37,7 +37,8 @@ from sglang_mamba_ext.plugin.startup_errors import FlagError, remember_parser
 
 logger = logging.getLogger(__name__)
 
-#: Set to 1 to keep SGLang's overlap scheduler on ``--device cpu`` with ``--enable-mamba-radix``.
+#: SGLang's overlap scheduler on ``--device cpu`` with ``--enable-mamba-radix``: ``1`` (the
+#: default, as on a GPU) or ``0`` (off, as ``--disable-overlap-schedule``).
 CPU_OVERLAP_ENV = "SGLANG_MAMBA_EXT_CPU_OVERLAP"
 
 ENABLE_FLAG = "--enable-mamba-radix"
@@ -89,8 +90,12 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     With ``enable``: ``radix_cache_backend = "mamba_radix_ext"``; strategy ``auto`` becomes
     ``extra_buffer`` (SGLang's ping-pong tracking pipeline feeds the cache's checkpoints);
     with ``no_buffer`` overlap scheduling is turned off, as SGLang's no_buffer path requires,
-    and on ``--device cpu`` too unless ``SGLANG_MAMBA_EXT_CPU_OVERLAP=1`` (overlap plans no
-    exact prefix checkpoints). A user's explicit strategy wins.
+    and with ``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` on ``--device cpu``; otherwise it stays as
+    SGLang sets it (on unless ``--disable-overlap-schedule``), on CPU as on a GPU. A user's
+    explicit strategy wins.
+
+    Raises:
+        FlagError: ``SGLANG_MAMBA_EXT_CPU_OVERLAP`` other than ``0`` or ``1``.
 
     Returns:
         the plugin settings stored on ``server_args``.
@@ -164,16 +169,17 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     server_args.radix_cache_backend = S.BACKEND_NAME
     if strategy == "auto":
         server_args.mamba_radix_cache_strategy = "extra_buffer"
-    # SGLang's overlap scheduler runs on CPU too (checked with the tiny model); the plugin
-    # still turns it off there by default, because under overlap the exact prefix
-    # checkpoints (branch point, prompt - 1) are not planned. CPU_OVERLAP_ENV=1 keeps it on.
-    cpu_overlap = os.environ.get(CPU_OVERLAP_ENV, "0") not in ("", "0")
-    if ((server_args.device == "cpu" and not cpu_overlap) or server_args.mamba_radix_cache_strategy == "no_buffer") and (
+    # SGLang's overlap scheduler runs on CPU too, and the cache is as exact under it as
+    # without it (docs/design.md, "Overlap scheduling"): kept on, as on a GPU.
+    cpu_overlap = os.environ.get(CPU_OVERLAP_ENV, "1") or "1"
+    if cpu_overlap not in ("0", "1"):
+        raise FlagError(f"{CPU_OVERLAP_ENV}={cpu_overlap!r}: expected 1 (overlap scheduling on CPU, the "
+                        "default) or 0 (off, as --disable-overlap-schedule)")
+    if ((server_args.device == "cpu" and cpu_overlap == "0") or server_args.mamba_radix_cache_strategy == "no_buffer") and (
         not server_args.disable_overlap_schedule
     ):
         server_args.disable_overlap_schedule = True
-        logger.info("%s: overlap scheduling off (CPU or no_buffer; %s=1 keeps it on CPU)", ENABLE_FLAG,
-                    CPU_OVERLAP_ENV)
+        logger.info("%s: overlap scheduling off (no_buffer, or %s=0 on CPU)", ENABLE_FLAG, CPU_OVERLAP_ENV)
     settings["strategy"] = server_args.mamba_radix_cache_strategy
     _check_mamba_cache_size(server_args)
     return settings

@@ -1,7 +1,7 @@
 """End to end: SGLang's overlap scheduler with the plugin on CPU (issue 25).
 
-SGLang 0.5.23 runs its overlap scheduler on CPU; ``SGLANG_MAMBA_EXT_CPU_OVERLAP=1`` keeps it
-on with the plugin. Under overlap the batch after a request's last token is launched before
+SGLang 0.5.23 runs its overlap scheduler on CPU, and with the plugin it stays on there as on a
+GPU (``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` or ``--disable-overlap-schedule`` turn it off). Under overlap the batch after a request's last token is launched before
 that token's result is processed, so it advances the finished request once more; the exact
 finish comes from the copy each decode forward keeps of the state it starts from
 (``finish_state="overlap"``, ``docs/design.md``, "Overlap scheduling"). Planned checkpoints
@@ -33,7 +33,7 @@ class TestOverlapOnCPU(unittest.TestCase):
         flags = ["--device", "cpu", "--enable-mamba-radix", "--mamba-track-interval", str(INTERVAL),
                  "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096",
                  "--max-mamba-cache-size", "48", "--max-running-requests", "4"]
-        start_tiny_server(cls, flags, {**CHECKED_ENV, "SGLANG_MAMBA_EXT_CPU_OVERLAP": "1"})
+        start_tiny_server(cls, flags, CHECKED_ENV)  # overlap on: the plugin's default
         cls.rng = random.Random(25)
 
     def tokens(self, n):

@@ -17,7 +17,9 @@ interpreted; the KDA class with the torch writer, CPU's default), so hits are ex
 with ``--chunked-prefill-size 64``, so the planned checkpoints fall in either chunk of a
 prompt. Every output equals the same prompt run cold (no hit; another ``cache_salt``), and the
 served log-probabilities match the plain-torch reference model within float16 error. The
-server then survives SGLang's strict leak and tree checks when idle.
+server then survives SGLang's strict leak and tree checks when idle. The classes run with
+SGLang's overlap scheduler on (the plugin's default); the KDA class runs again with it off,
+with the same exact values.
 """
 
 import os
@@ -46,6 +48,8 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
     #: the in-chunk writer (``SGLANG_MAMBA_EXT_INCHUNK_IMPL``): this class serves the Triton
     #: writer (interpreted, as on CUDA but ~1000x slower), the KDA class CPU's default, torch
     WRITER = "Triton"
+    #: more server environment (the overlap class)
+    EXTRA_ENV = {}
 
     @classmethod
     def setUpClass(cls):
@@ -55,7 +59,7 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
                                      config_overrides={"linear_gate": cls.GATE}, linear_kernels="sglang")
         cls.ref = TinyHybridReference.from_pretrained(cls.model)
         args = ["--device", "cpu", "--enable-mamba-radix", "--chunked-prefill-size", "64"]
-        env = {**CHECKED_ENV, "SGLANG_MAMBA_EXT_INCHUNK_IMPL": cls.WRITER.lower()}
+        env = {**CHECKED_ENV, "SGLANG_MAMBA_EXT_INCHUNK_IMPL": cls.WRITER.lower(), **cls.EXTRA_ENV}
         cls.server = Server(cls.model, args, os.path.join(tmp.name, "server.log"), env=env)
         cls.addClassCleanup(cls.server.stop)
         cls.server.wait_healthy()
@@ -114,6 +118,21 @@ class TestSGLangKDABackendServing(TestSGLangGDNBackendServing):
     #: (some seeds give ~1e-3 near-ties that float16 may flip)
     SEED = 20
     WRITER = "torch"
+
+
+
+class TestSGLangKDABackendNoOverlap(TestSGLangKDABackendServing):
+    """The KDA class with SGLang's overlap scheduler off (``SGLANG_MAMBA_EXT_CPU_OVERLAP=0``;
+    the classes above run it on, the plugin's default, issue 25): the same exact hits with the
+    live-state finish (``finish_state=working``)."""
+
+    EXTRA_ENV = {"SGLANG_MAMBA_EXT_CPU_OVERLAP": "0"}
+
+    def test_0_backend_is_sglangs(self):
+        super().test_0_backend_is_sglangs()
+        log = self.server.log_text()
+        self.assertIn("'disable_overlap_schedule': True", log)
+        self.assertIn("finish_state=working", log)
 
 
 if __name__ == "__main__":
