@@ -85,6 +85,12 @@ Variants (``--only`` names; see VARIANTS below):
 * ``ours-branch-adaptive``: branch-point + prompt-end checkpoints, adaptive eviction
   (``--radix-eviction-policy adaptive``: the same, weighted by each state's expected future
   hits, learned online per class of states; ``mem_cache/eviction.py``).
+* ``ours-branch-lru-overlap``, ``ours-branch-adaptive-overlap``: the same two under overlap
+  scheduling's timing (:class:`.ours.OursOverlapDriver`): each finish is processed after the
+  next request's prefill was scheduled, and a decoding request holds its finish copy (one
+  more SSM slot) until then. The gap to the rows without overlap is what overlap costs the
+  cache: the next request cannot hit the state the previous one donates, and both
+  requests' slots are held at that admission.
 * ``oracle-belady``, ``oracle-belady-cost``, ``oracle-belady-naive``: ``ours-branch-*``
   with offline victims (:class:`.oracle.OracleDriver`): Belady with deeper states
   shadowing shallower ones; the same weighted by the tokens a miss recomputes per request
@@ -253,14 +259,15 @@ def _upstream(driver_cls: str, name: str, **kw) -> Callable[[int, int], CacheDri
     return factory
 
 
-def _ours(name: str, **kw) -> Callable[[int, int], CacheDriver]:
+def _ours(name: str, overlap: bool = False, **kw) -> Callable[[int, int], CacheDriver]:
     """The factory of one of this project's variants: ``ours.OursDriver(kv_size,
-    mamba_size, name=name, **kw)``."""
+    mamba_size, name=name, **kw)`` (``OursOverlapDriver`` with ``overlap``)."""
 
     def factory(kv_size: int, mamba_size: int) -> CacheDriver:
-        from sglang_mamba_ext.benchmarks.ours import OursDriver
+        from sglang_mamba_ext.benchmarks.ours import OursDriver, OursOverlapDriver
 
-        return OursDriver(kv_size, mamba_size, name=name, **kw)
+        cls = OursOverlapDriver if overlap else OursDriver
+        return cls(kv_size, mamba_size, name=name, **kw)
 
     return factory
 
@@ -332,6 +339,16 @@ VARIANTS: dict[str, Variant] = {
         "ours",
         _ours("ours-branch-adaptive", prefix_checkpoints=True, eviction_policy="adaptive"),
         "MambaRadixCache, branch-point checkpoints + adaptive eviction (hit expectations learned per state class)",
+    ),
+    "ours-branch-lru-overlap": Variant(
+        "ours",
+        _ours("ours-branch-lru-overlap", overlap=True, prefix_checkpoints=True),
+        "ours-branch-lru under overlap scheduling's timing (finish one batch late, finish copy held)",
+    ),
+    "ours-branch-adaptive-overlap": Variant(
+        "ours",
+        _ours("ours-branch-adaptive-overlap", overlap=True, prefix_checkpoints=True, eviction_policy="adaptive"),
+        "ours-branch-adaptive under overlap scheduling's timing (finish one batch late, finish copy held)",
     ),
     "oracle-belady": Variant(
         "oracle",
