@@ -402,6 +402,49 @@ class OursVariantsTest(TraceDriverCase):
                 )
 
 
+@requires_sglang
+class OursOverlapTimingTest(unittest.TestCase):
+    """``ours-*-overlap`` rows (``OursOverlapDriver``): a finish is processed after the next
+    request's prefill was scheduled, unless that request continues the finished one's
+    conversation (``parent``), and each request holds a finish copy until its finish."""
+
+    @staticmethod
+    def records():
+        a = TraceRecord(0, tuple(range(10, 50)), tuple(range(50, 56)), 0, None)
+        b = TraceRecord(1, a.tokens + (7, 8, 9), (11, 12), 0, None)  # shares a's prompt only
+        c = TraceRecord(2, a.tokens + a.output + (60, 61), (62, 63), 0, 0)  # a's next turn
+        d = TraceRecord(3, b.tokens + b.output + (64,), (65,), 0, 1)  # b's next turn
+        return [a, b, c, d]
+
+    def _run(self, name, mamba_size=64):
+        driver = bench_hit_rate.VARIANTS[name].factory(8192, mamba_size)
+        res = run_hit_trace(driver, self.records(), side="ours")
+        self.assertTrue(res.leak_ok, res.leak_details)
+        self.assertEqual(driver.req_to_token_pool.finish_copies, {})
+        if name.endswith("-overlap"):
+            self.assertEqual(driver.finish_copies_taken, 4)  # one per request
+        return res
+
+    def test_late_finish_and_continuations(self):
+        # without overlap b hits a's prompt - 1 checkpoint (39); with it a's finish, which
+        # inserts that checkpoint, is processed only after b's prefill was scheduled; the
+        # next turns hit the finished sequences either way (the benchmark's finish inserts
+        # prompt + output: 46 = 40 + 6, 45 = 43 + 2)
+        self.assertEqual(self._run("ours-branch-lru").prefix_lens, [0, 39, 46, 45])
+        res = self._run("ours-branch-lru-overlap")
+        self.assertEqual(res.prefix_lens, [0, 0, 46, 45])
+
+    def test_small_pools_evict_without_leak(self):
+        for name in ("ours-branch-lru-overlap", "ours-branch-adaptive-overlap"):
+            with self.subTest(variant=name):
+                driver = bench_hit_rate.VARIANTS[name].factory(8192, 6)
+                res = run_hit_trace(driver, self.records(), side="ours")
+                self.assertTrue(res.leak_ok, res.leak_details)
+                pool = driver.req_to_token_pool
+                self.assertEqual((pool.finish_copies, pool.prefix_checkpoints), ({}, {}))
+                self.assertEqual(pool.mamba_allocator.available_size() + driver.cache.mamba_evictable_size(), 6)
+
+
 class BeladyRuleTest(unittest.TestCase):
     """The oracle's victim rule (``benchmarks/oracle.py``) on the core cache through the seam
     ``set_victim_priority``, against LRU, on a hand-built trace (no SGLang).

@@ -218,6 +218,8 @@ class OursOverlapDriver(OursDriver):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._pending: Optional[Handle] = None
+        #: finish copies taken (one per request with a free or evictable slot)
+        self.finish_copies_taken = 0
 
     def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
         cache, allocator, pool = super().build(kv_size, mamba_size, max_context_len)
@@ -238,8 +240,7 @@ class OursOverlapDriver(OursDriver):
     def begin(self, rec):
         h = self._pending
         if h is not None:
-            done = list(h.req.origin_input_ids) + h.output[:-1]
-            if list(rec.tokens[: len(done)]) == done:
+            if rec.parent is not None and str(rec.parent) == h.req.rid:
                 # the next turn of the pending request's conversation: its client had the
                 # reply, so that finish was processed before this request arrived
                 self._process_pending_finish()
@@ -257,6 +258,7 @@ class OursOverlapDriver(OursDriver):
         else:
             pool.finish_copies[row] = (slot, -1)
             self.state_copies += 1
+            self.finish_copies_taken += 1
 
     def after_decode(self, h: Handle) -> None:
         super().after_decode(h)
