@@ -58,9 +58,9 @@ class TestFinishFallsBackToOlderCheckpoint(unittest.TestCase):
 
 
     def test_overlap_finish_state(self):
-        """``finish_state="overlap"``: the working slot at the committed length (the adapter
-        has put the exact finish copy there); a request marked ``mamba_working_stale``
-        donates its newest checkpoint; the older entry is never read."""
+        """``finish_state="overlap"``: the working slot at the committed length (SGLang
+        commits the step it still runs for a request finishing under overlap); a stop
+        below the newest checkpoint never reads the older entry."""
         cache, sim, r = self._two_checkpoints("overlap")
         working = r.mamba_pool_idx
         self.assertEqual(cache.checkpoint(r, up_to=12, finished=True), 12)
@@ -69,16 +69,6 @@ class TestFinishFallsBackToOlderCheckpoint(unittest.TestCase):
         sim.check_tree()  # the state after exactly 12 tokens
         cache.check_slot_accounting()
         self.assertEqual(cache.mamba_pool.available_size(), 16 - 1)
-
-        cache, sim, r = self._two_checkpoints("overlap")
-        newest = r.last_track_slot()
-        sim._write_state(r.mamba_pool_idx, r.token_ids[:11])  # not the state of 12 tokens
-        r.mamba_working_stale = True
-        self.assertEqual(cache.checkpoint(r, up_to=12, finished=True), 12)
-        self.assertEqual([(n.seq_len, n.mamba_value) for n in cache.nodes()], [(12, newest)])
-        sim.release(r, checkpoint=False)
-        sim.check_tree()
-        cache.check_slot_accounting()
 
         cache, sim, r = self._two_checkpoints("overlap")
         self.assertEqual(cache.checkpoint(r, up_to=10, finished=True), 0)  # not the older entry

@@ -409,7 +409,6 @@ class TestPoolAndCacheCreation(_ContextTest):
         self.assertIsInstance(cache, MambaRadixCacheAdapter)
         self.assertTrue(cache.supports_mamba())
         self.assertEqual(cache.core.finish_state, "overlap")  # overlap on (the default)
-        self.assertTrue(pool.finish_copies_enabled)
 
     def test_cpu_overlap_environment(self):
         """``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` turns overlap off on CPU (the live-state finish);
@@ -425,7 +424,6 @@ class TestPoolAndCacheCreation(_ContextTest):
             pool = F.build_req_pool()
             cache, _ = F.build_tree_cache(pool, KV_SIZE)
             self.assertEqual(cache.core.finish_state, "working")
-            self.assertFalse(pool.finish_copies_enabled)
         with mock.patch.dict(os.environ, {CPU_OVERLAP_ENV: "yes"}):
             with self.assertRaisesRegex(ValueError, f"{CPU_OVERLAP_ENV}='yes': expected 1"):
                 F.scheduler_context(F.base_argv("--enable-mamba-radix"))

@@ -87,10 +87,10 @@ Variants (``--only`` names; see VARIANTS below):
   hits, learned online per class of states; ``mem_cache/eviction.py``).
 * ``ours-branch-lru-overlap``, ``ours-branch-adaptive-overlap``: the same two under overlap
   scheduling's timing (:class:`.ours.OursOverlapDriver`): each finish is processed after the
-  next request's prefill was scheduled, and a decoding request holds its finish copy (one
-  more SSM slot) until then. The gap to the rows without overlap is what overlap costs the
-  cache: the next request cannot hit the state the previous one donates, and both
-  requests' slots are held at that admission.
+  next request's prefill was scheduled (unless that request is the next turn of the same
+  conversation). The gap to the rows without overlap is what overlap costs the cache: the
+  next request cannot hit the state the previous one donates, and both requests' slots are
+  held at that admission.
 * ``oracle-belady``, ``oracle-belady-cost``, ``oracle-belady-naive``: ``ours-branch-*``
   with offline victims (:class:`.oracle.OracleDriver`): Belady with deeper states
   shadowing shallower ones; the same weighted by the tokens a miss recomputes per request
@@ -343,12 +343,12 @@ VARIANTS: dict[str, Variant] = {
     "ours-branch-lru-overlap": Variant(
         "ours",
         _ours("ours-branch-lru-overlap", overlap=True, prefix_checkpoints=True),
-        "ours-branch-lru under overlap scheduling's timing (finish one batch late, finish copy held)",
+        "ours-branch-lru under overlap scheduling's timing (finish one batch late)",
     ),
     "ours-branch-adaptive-overlap": Variant(
         "ours",
         _ours("ours-branch-adaptive-overlap", overlap=True, prefix_checkpoints=True, eviction_policy="adaptive"),
-        "ours-branch-adaptive under overlap scheduling's timing (finish one batch late, finish copy held)",
+        "ours-branch-adaptive under overlap scheduling's timing (finish one batch late)",
     ),
     "oracle-belady": Variant(
         "oracle",

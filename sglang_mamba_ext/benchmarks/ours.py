@@ -208,23 +208,17 @@ class OursOverlapDriver(OursDriver):
     """:class:`OursDriver` under overlap scheduling's timing (``docs/design.md``, "Overlap
     scheduling"): a request's finish is processed one batch late, after the next request's
     prefill was scheduled (that request cannot hit the finished one's state, and the
-    finished one still holds its slots at that admission) unless the next request continues
-    its conversation (its prompt starts with the finished prompt and output, so its client
-    had the reply first); and a decoding request holds its
-    finish copy (one more SSM slot, taken at its first decode step, evicting a cold state if
-    none is free) until its finish, where the copy is the state donated
-    (``finish_state="overlap"``)."""
+    finished one still holds its slots at that admission), unless the next request is the
+    next turn of its conversation (``TraceRecord.parent``: its client had the reply first).
+    The finish donates the live state (``finish_state="overlap"``)."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self._pending: Optional[Handle] = None
-        #: finish copies taken (one per request with a free or evictable slot)
-        self.finish_copies_taken = 0
 
     def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
         cache, allocator, pool = super().build(kv_size, mamba_size, max_context_len)
         cache.core.finish_state = "overlap"
-        pool.finish_copies_enabled = True
         return cache, allocator, pool
 
     def describe(self) -> str:
@@ -239,34 +233,14 @@ class OursOverlapDriver(OursDriver):
 
     def begin(self, rec):
         h = self._pending
-        if h is not None:
-            if rec.parent is not None and str(rec.parent) == h.req.rid:
-                # the next turn of the pending request's conversation: its client had the
-                # reply, so that finish was processed before this request arrived
-                self._process_pending_finish()
+        if h is not None and rec.parent is not None and str(rec.parent) == h.req.rid:
+            self._process_pending_finish()
         return super().begin(rec)
 
     def after_prefill(self, h: Handle) -> None:
         # the previous request's last result is processed once this prefill is launched
         self._process_pending_finish()
         super().after_prefill(h)
-        pool = self.req_to_token_pool
-        slot = pool._alloc_finish_slot()  # the first decode step's finish copy
-        row = h.req.kv.req_pool_idx
-        if slot is None:
-            pool.finish_copy_missing.add(row)
-        else:
-            pool.finish_copies[row] = (slot, -1)
-            self.state_copies += 1
-            self.finish_copies_taken += 1
-
-    def after_decode(self, h: Handle) -> None:
-        super().after_decode(h)
-        pool = self.req_to_token_pool
-        row = h.req.kv.req_pool_idx
-        if row in pool.finish_copies:
-            # the step after the last token copied the state of exactly kv_committed_len
-            pool.finish_copies[row] = (pool.finish_copies[row][0], h.req.kv.kv_committed_len)
 
     def finish(self, h: Handle) -> None:
         self._pending = h

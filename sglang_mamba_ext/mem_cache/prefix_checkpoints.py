@@ -213,10 +213,10 @@ class PrefixCheckpoints:
         """``(tokens, slot)`` of the state a finished request donates, at most ``limit``
         tokens (and at most ``mamba_working_len`` when that is given): the working slot if it
         holds exactly that many tokens (``kv_committed_len``, or ``mamba_working_len``; a whole number of
-        pages, no copy-on-write or clear pending, not ``mamba_working_stale``) under
-        ``finish_state="working"`` or ``"overlap"``, else
+        pages, no copy-on-write or clear pending) under ``finish_state="working"`` or
+        ``"overlap"``, else
         the newest ping-pong checkpoint not past ``limit`` if it ends on a page boundary,
-        else (without overlap scheduling) the older one still held in the other entry;
+        else (``"working"`` only: no overlap scheduling) the older one still held in the other entry;
         ``(0, None)`` if neither (``docs/design.md``, "Ping-pong checkpoints"). The KV
         past the returned length stays the caller's, which frees it with the row."""
         done = req.kv_committed_len
@@ -228,7 +228,6 @@ class PrefixCheckpoints:
             limit = min(limit, working)
         if (
             self.finish_state != "checkpoint"
-            and not req.mamba_working_stale
             and working == limit
             and 0 < working <= done
             and working % self.page_size == 0

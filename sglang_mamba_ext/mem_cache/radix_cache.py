@@ -40,10 +40,9 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         finish_state: which state a finished request donates (:meth:`checkpoint`):
             ``"working"`` (its working slot, exact at the sequence end; safe when no
             forward can still be writing it, i.e. without overlap scheduling),
-            ``"checkpoint"`` (its newest ping-pong checkpoint) or ``"overlap"`` (the
-            working slot unless the request is marked ``mamba_working_stale``, then the
-            newest checkpoint; the caller puts an exact copy in the working slot first,
-            ``docs/design.md``, "Overlap scheduling").
+            ``"checkpoint"`` (its newest ping-pong checkpoint) or ``"overlap"`` (as
+            ``"working"``, but never the older ping-pong entry, which a step of the
+            request still in flight may rewrite; ``docs/design.md``, "Overlap scheduling").
         branch_checkpoints: save extra SSM checkpoints during prefill where they pay off
             (:meth:`plan_prefix_checkpoints`).
         max_states_per_path: at most this many SSM states on any root-to-node path
@@ -581,12 +580,6 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
     def _count_evicted(self, res: EvictResult) -> None:
         self.evicted_tokens_total += res.num_tokens_evicted
         self.evicted_states_total += res.mamba_num_evicted
-
-    def alloc_mamba_slot(self) -> Optional[int]:
-        """One SSM slot for the caller (e.g. the adapter's finish copy under overlap
-        scheduling), evicting one unlocked state if none is free; ``None`` if none can be
-        freed. The caller frees it with ``mamba_pool.free``."""
-        return self._alloc_mamba_slot()
 
     def _alloc_mamba_slot(self, protect: Optional[TreeNode] = None) -> Optional[int]:
         """One SSM slot, evicting one unlocked state if the pool is empty (``protect`` is

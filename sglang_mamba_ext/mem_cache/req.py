@@ -51,10 +51,6 @@ class CacheReq:
             ``kv_committed_len`` (``None``: it is). The deferred speculative verify replays a
             finishing request to exactly ``prompt + output[:-1]`` although the KV of drafts
             accepted past the stop is committed (``docs/design.md``, "Deferred update").
-        mamba_working_stale: the working slot may hold a state past ``kv_committed_len``:
-            under overlap scheduling the forward launched after a request's last token
-            advances it once more; a finished request marked so donates its newest
-            ping-pong checkpoint instead (``finish_state="overlap"``).
         user: free slot for the adapter (e.g. SGLang's ``Req``).
     """
 
@@ -76,7 +72,6 @@ class CacheReq:
     mamba_prev_track_seqlen: Optional[int] = None
     mamba_prefix_checkpoints: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
     mamba_working_len: Optional[int] = None
-    mamba_working_stale: bool = False
     user: Any = None
 
     def last_track_slot(self) -> Optional[int]:

@@ -90,7 +90,8 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     With ``enable``: ``radix_cache_backend = "mamba_radix_ext"``; strategy ``auto`` becomes
     ``extra_buffer`` (SGLang's ping-pong tracking pipeline feeds the cache's checkpoints);
     with ``no_buffer`` overlap scheduling is turned off, as SGLang's no_buffer path requires,
-    and with ``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` on ``--device cpu``; otherwise it stays as
+    and on ``--device cpu`` with ``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` or for a PD prefill
+    server (``--disaggregation-mode prefill``); otherwise it stays as
     SGLang sets it (on unless ``--disable-overlap-schedule``), on CPU as on a GPU. A user's
     explicit strategy wins.
 
@@ -175,11 +176,14 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     if cpu_overlap not in ("0", "1"):
         raise FlagError(f"{CPU_OVERLAP_ENV}={cpu_overlap!r}: expected 1 (overlap scheduling on CPU, the "
                         "default) or 0 (off, as --disable-overlap-schedule)")
-    if ((server_args.device == "cpu" and cpu_overlap == "0") or server_args.mamba_radix_cache_strategy == "no_buffer") and (
-        not server_args.disable_overlap_schedule
-    ):
+    # The prefill side of PD disaggregation is served and tested on CPU without overlap
+    # only (SGLang's overlapped prefill loop with the CPU transfer backend is untested).
+    pd_cpu = server_args.device == "cpu" and str(getattr(server_args, "disaggregation_mode", "null")) == "prefill"
+    if ((server_args.device == "cpu" and (cpu_overlap == "0" or pd_cpu))
+            or server_args.mamba_radix_cache_strategy == "no_buffer") and not server_args.disable_overlap_schedule:
         server_args.disable_overlap_schedule = True
-        logger.info("%s: overlap scheduling off (no_buffer, or %s=0 on CPU)", ENABLE_FLAG, CPU_OVERLAP_ENV)
+        logger.info("%s: overlap scheduling off (no_buffer, a PD prefill server on CPU, or %s=0 on CPU)",
+                    ENABLE_FLAG, CPU_OVERLAP_ENV)
     settings["strategy"] = server_args.mamba_radix_cache_strategy
     _check_mamba_cache_size(server_args)
     return settings

@@ -128,9 +128,6 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         for name, core_name in self._CORE_QUERIES.items():
             setattr(self, name, getattr(core, core_name))
         req_to_token_pool.tree_cache = self
-        # overlap scheduling's exact finish: decode forwards keep a copy of the state they
-        # start from (MambaRadixReqToTokenPool.write_finish_copies)
-        req_to_token_pool.finish_copies_enabled = core.finish_state == "overlap"
         #: SGLang ``Req`` -> its last copy-on-write match (``MambaRadixCache.hit_of``),
         #: counted when the request gets its row (:meth:`count_admitted`); weak, so a
         #: request dropped while waiting leaves nothing behind.
@@ -245,8 +242,6 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         creq = req_bridge.pull(req, tokens, pool=pool)
         row = creq.req_pool_idx
         finished = req.finished()
-        if finished and pool.finish_copies_enabled:
-            pool.use_finish_copy(creq)
         # The insert frees duplicate KV and a slot allocation may evict: one batched free.
         group = self._free_group_begin()
         try:
@@ -391,16 +386,16 @@ def _token_list(tokens) -> List[int]:
 
 
 #: Environment override of what a finished request donates: ``auto`` (default: under
-#: overlap scheduling ``overlap``, the exact state through a finish copy, or ``checkpoint``
-#: where no finish copy is taken; else the live state), ``working``, ``checkpoint`` or
+#: overlap scheduling ``overlap``, the live state, or with speculative decoding
+#: ``checkpoint``; else ``working``, the live state), ``working``, ``checkpoint`` or
 #: ``overlap`` (``docs/design.md``, "Overlap scheduling").
 FINISH_STATE_ENV = "SGLANG_MAMBA_EXT_FINISH_STATE"
 
 
-def _finish_state(overlap: bool, extra_buffer: bool, finish_copies: bool = True) -> str:
-    """The core's ``finish_state``. ``finish_copies``: decode forwards can keep the copy the
-    exact finish needs (not with speculative decoding or ``--enable-mixed-chunk``, whose
-    decode rows run in verify / extend forwards).
+def _finish_state(overlap: bool, extra_buffer: bool, live_state: bool = True) -> str:
+    """The core's ``finish_state``. ``live_state``: under overlap the working slot of a
+    finished request holds ``kv_committed_len`` tokens (not with speculative decoding,
+    whose committed length lags the device's by up to one verify under overlap).
 
     Raises:
         ValueError: a bad ``SGLANG_MAMBA_EXT_FINISH_STATE`` value, or one the strategy
@@ -416,7 +411,7 @@ def _finish_state(overlap: bool, extra_buffer: bool, finish_copies: bool = True)
     if choice == "auto":
         if not (overlap and extra_buffer):
             return "working"
-        return "overlap" if finish_copies else "checkpoint"
+        return "overlap" if live_state else "checkpoint"
     return choice
 
 
@@ -484,7 +479,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         token_to_kv_pool_allocator=params.token_to_kv_pool_allocator,
         page_size=params.page_size,
         mamba_track_interval=get_exec().mamba.mamba_track_interval,
-        finish_state=_finish_state(overlap, extra_buffer, not algo and not get_schedule().enable_mixed_chunk),
+        finish_state=_finish_state(overlap, extra_buffer, not algo),
         enable_mamba_extra_buffer=extra_buffer,
         checkpoint_grid=grid,
         enable_metrics=params.enable_metrics,

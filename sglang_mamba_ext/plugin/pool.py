@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -191,14 +191,6 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         #: ``plugin/inchunk_checkpoints.py``); other backends write only their checkpoint
         #: grid, so without it no prefix checkpoint is planned.
         self.prefix_checkpoint_writer = False
-        #: Overlap scheduling's exact finish (``docs/design.md``, "Overlap scheduling"), on
-        #: when the tree cache runs ``finish_state="overlap"``: row -> ``(slot, seqlen)``, a
-        #: copy of the row's working state taken at the start of its latest decode forward
-        #: (the state after ``seqlen`` tokens, before that forward advanced it).
-        self.finish_copies_enabled = False
-        self.finish_copies: Dict[int, Tuple[int, int]] = {}
-        #: rows whose latest decode forward ran without a finish copy (no free slot).
-        self.finish_copy_missing: Set[int] = set()
         #: The tree cache planning the checkpoints (set by ``MambaRadixCacheAdapter``).
         self.tree_cache = None
         #: ``(req_generation, numpy view of it)`` for :meth:`_rows_taken`.
@@ -253,21 +245,19 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             for index in indices:
                 self._aux_cache.free(index)
         self._drop_prefix_checkpoints(indices)
-        self._drop_finish_copies(indices)
         self.core.free_rows(indices)
 
     def reclaimable_prefix_checkpoints(self) -> int:
-        """SSM slots held by planned (not yet written) prefix checkpoints and by finish
-        copies (:meth:`write_finish_copies`)."""
-        return sum(len(v) for v in self.prefix_checkpoints.values()) + len(self.finish_copies)
+        """SSM slots held by planned (not yet written) prefix checkpoints."""
+        return sum(len(v) for v in self.prefix_checkpoints.values())
 
     def reclaim_prefix_checkpoints(self, num: int) -> int:
         """Give up to ``num`` planned prefix checkpoints back to the SSM pool (message
         boundaries first, deepest first, then the others deepest first: a prompt-end
         checkpoint before a branch point) so that a request's own slots never wait for an
-        optional checkpoint. Safe without overlap scheduling (the only mode the planning
-        backend runs in): no forward is in flight, and the next forward's plan is read from
-        :attr:`prefix_checkpoints` after this. Returns slots freed."""
+        optional checkpoint. Safe with overlap scheduling too: a forward in flight read its
+        plan at launch, and a freed slot's next owner first writes it in a later forward
+        (``docs/design.md``, "Overlap scheduling"). Returns slots freed."""
         freed: List[int] = []
         core = self.tree_cache.core if self.tree_cache is not None else None
         while len(freed) < num and self.prefix_checkpoints:
@@ -281,101 +271,9 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             freed.append(planned.pop(i)[1])
             if not planned:
                 del self.prefix_checkpoints[row]
-        while len(freed) < num and self.finish_copies:
-            # then finish copies, newest row first: the request falls back to its newest
-            # ping-pong checkpoint if it finishes before its next decode forward
-            row = max(self.finish_copies)
-            freed.append(self.finish_copies.pop(row)[0])
-            self.finish_copy_missing.add(row)
         if freed:
             self.core_mamba_pool.free(freed)
         return len(freed)
-
-    # -- overlap scheduling: the exact finish state ---------------------------------------
-    def write_finish_copies(self, forward_batch) -> None:
-        """At the start of a decode forward (before any layer advances a state), copy each
-        row's working state into the row's finish-copy slot (allocated once per request,
-        evicting one cold tree state if none is free; a row without one is recorded in
-        :attr:`finish_copy_missing`).
-
-        Under overlap scheduling the forward launched after a request's last token still
-        advances the request once more; its finish copy is then exactly the state after
-        ``kv_committed_len`` tokens (:meth:`use_finish_copy`). One state copy per decode
-        row and forward, on the forward's stream (``docs/design.md``, "Overlap
-        scheduling"). No-op unless :attr:`finish_copies_enabled`; extend forwards mark their
-        rows that hold a copy as missing (their state moves without one)."""
-        if not self.finish_copies_enabled:
-            return
-        mode = getattr(forward_batch, "forward_mode", None)
-        if mode is None or mode.is_idle():
-            return
-        rows = forward_batch.req_pool_indices.tolist()
-        if not mode.is_decode():
-            for row in rows:
-                if self.finish_copies.get(row) is not None:
-                    self.core_mamba_pool.free([self.finish_copies.pop(row)[0]])
-                    self.finish_copy_missing.add(row)
-            return
-        seq = forward_batch.seq_lens_cpu
-        seq = seq.tolist() if seq is not None else forward_batch.seq_lens.tolist()
-        working = self.req_index_to_mamba_index_mapping[forward_batch.req_pool_indices].tolist()
-        src: List[int] = []
-        dst: List[int] = []
-        for row, n, w in zip(rows, seq, working):
-            entry = self.finish_copies.get(row)
-            if entry is not None:
-                slot = entry[0]
-            else:
-                slot = self._alloc_finish_slot()
-                if slot is None:
-                    self.finish_copy_missing.add(row)
-                    continue
-            src.append(int(w))
-            dst.append(slot)
-            self.finish_copies[row] = (slot, int(n) - 1)
-            self.finish_copy_missing.discard(row)
-        if src:
-            self.core_mamba_pool.copy_from(src, dst)
-
-    def _alloc_finish_slot(self) -> Optional[int]:
-        """A slot for a finish copy: a free one, else one cold tree state evicted for it."""
-        if self.tree_cache is not None:
-            return self.tree_cache.core.alloc_mamba_slot()
-        got = self.core_mamba_pool.alloc(1)
-        return None if got is None else int(got[0])
-
-    def use_finish_copy(self, creq) -> None:
-        """Before a finished request's :meth:`checkpoint`: if its latest decode forward ran
-        after its last committed token (overlap scheduling), the finish copy holds exactly
-        ``kv_committed_len`` tokens: it becomes the working slot and the advanced working
-        slot is freed. Without a copy of that forward the request is marked
-        ``mamba_working_stale`` (it donates its newest ping-pong checkpoint). A copy of an
-        earlier forward is freed: the working state is then exact."""
-        row = creq.req_pool_idx
-        if row is None:
-            return
-        stale = row in self.finish_copy_missing
-        self.finish_copy_missing.discard(row)
-        entry = self.finish_copies.pop(row, None)
-        creq.mamba_working_stale = stale
-        if entry is None:
-            return
-        slot, seqlen = entry
-        if seqlen == creq.kv_committed_len and creq.mamba_pool_idx is not None:
-            self.core_mamba_pool.free([creq.mamba_pool_idx])
-            creq.mamba_pool_idx = slot
-            self.req_index_to_mamba_index_mapping[row] = slot
-            creq.mamba_working_stale = False
-        else:
-            self.core_mamba_pool.free([slot])
-
-    def _drop_finish_copies(self, rows) -> None:
-        """Free the finish copies of ``rows`` (released requests)."""
-        slots = [self.finish_copies.pop(row)[0] for row in rows if row in self.finish_copies]
-        for row in rows:
-            self.finish_copy_missing.discard(row)
-        if slots:
-            self.core_mamba_pool.free(slots)
 
     def make_mamba_room(self, num: int) -> None:
         """Free up to ``num`` SSM slots for an allocation: cold tree states first (the tree
@@ -472,8 +370,6 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             self._aux_cache.free(row)
         self.core.free(creq)
         self.prefix_checkpoints.pop(row, None)
-        if row is not None:
-            self._drop_finish_copies([row])
         req.kv.req_pool_idx = None
         if held_mamba:
             req_bridge.push_mamba_released(req)
@@ -488,8 +384,6 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             keep = slot if slot >= 0 else None
         self.core.free_mamba_slots(creq, keep_slot=keep)
         self.prefix_checkpoints.pop(creq.req_pool_idx, None)
-        if creq.req_pool_idx is not None:
-            self._drop_finish_copies([creq.req_pool_idx])
         req_bridge.push_mamba_released(req)
 
     def clear(self) -> None:
@@ -502,8 +396,6 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         self.short_conv_pool.clear()
         self.ngram_pool.clear()
         self.prefix_checkpoints.clear()
-        self.finish_copies.clear()
-        self.finish_copy_missing.clear()
         self.core.clear()
 
 
@@ -541,12 +433,3 @@ def build_hybrid_req_pool_around(original, configurator, **kwargs):
         pool.mamba_initial_tracking_slots,
     )
     return pool
-
-
-def model_runner_forward_before(runner, forward_batch, *args, **kwargs) -> None:
-    """BEFORE ``ModelRunner.forward``: the finish copies of a decode forward
-    (:meth:`MambaRadixReqToTokenPool.write_finish_copies`), on the forward's stream before
-    any layer runs. Only the target worker of a mamba-radix pool with finish copies on."""
-    pool = getattr(runner, "req_to_token_pool", None)
-    if getattr(pool, "finish_copies_enabled", False) and not getattr(runner, "is_draft_worker", False):
-        pool.write_finish_copies(forward_batch)

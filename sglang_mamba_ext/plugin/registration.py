@@ -42,7 +42,6 @@ VALIDATE_EXTRA_BUFFER = "sglang.srt.arg_groups.mamba_hook.validate_mamba_extra_b
 HANDLE_MAMBA_RADIX = "sglang.srt.arg_groups.model_hook.handle_mamba_radix_cache"
 BUILD_HYBRID_REQ_POOL = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool"
 PREPARE_FOR_DECODE = "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode"
-MODEL_RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 VALIDATE_ONE_REQUEST = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 CHAT_CONVERT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._convert_to_internal_request"
 CHAT_RENDER = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._render_and_encode_chat_template"
@@ -65,7 +64,7 @@ def install_mamba_radix() -> None:
     from sglang_mamba_ext.plugin.cpu_pin_memory import prepare_for_decode_around
     from sglang_mamba_ext.plugin.metrics import server_info_after
     from sglang_mamba_ext.plugin.request_validation import validate_one_request_before
-    from sglang_mamba_ext.plugin.pool import build_hybrid_req_pool_around, model_runner_forward_before
+    from sglang_mamba_ext.plugin.pool import build_hybrid_req_pool_around
     from sglang_mamba_ext.plugin.settings import BACKEND_NAME
     from sglang_mamba_ext.plugin.warmup import register_warmup
 
@@ -75,7 +74,6 @@ def install_mamba_radix() -> None:
     HookRegistry.register(HANDLE_MAMBA_RADIX, args.handle_mamba_radix_cache_around, HookType.AROUND)
     HookRegistry.register(BUILD_HYBRID_REQ_POOL, build_hybrid_req_pool_around, HookType.AROUND)
     HookRegistry.register(PREPARE_FOR_DECODE, prepare_for_decode_around, HookType.AROUND)
-    HookRegistry.register(MODEL_RUNNER_FORWARD, model_runner_forward_before, HookType.BEFORE)
     HookRegistry.register(VALIDATE_ONE_REQUEST, validate_one_request_before, HookType.BEFORE)
     HookRegistry.register(GET_INTERNAL_STATE, server_info_after, HookType.AFTER)
     HookRegistry.register(CHAT_CONVERT, chat_boundaries.convert_to_internal_request_around, HookType.AROUND)

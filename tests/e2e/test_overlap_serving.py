@@ -1,13 +1,15 @@
 """End to end: SGLang's overlap scheduler with the plugin on CPU (issue 25).
 
 SGLang 0.5.23 runs its overlap scheduler on CPU, and with the plugin it stays on there as on a
-GPU (``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` or ``--disable-overlap-schedule`` turn it off). Under overlap the batch after a request's last token is launched before
-that token's result is processed, so it advances the finished request once more; the exact
-finish comes from the copy each decode forward keeps of the state it starts from
-(``finish_state="overlap"``, ``docs/design.md``, "Overlap scheduling"). Planned checkpoints
+GPU (``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` or ``--disable-overlap-schedule`` turn it off). Under
+overlap the batch after a request's last token is launched before that token's result is
+processed; SGLang commits that extra step (a request finishing by length is left out of it),
+so the finish donates the live state (``finish_state="overlap"``, ``docs/design.md``,
+"Overlap scheduling"). Planned checkpoints
 (branch point, prompt - 1) are written as without overlap. Every hit below is the exact
-value of the scheduler without overlap; greedy output equals the reference model; aborts and
-concurrent finishes leave nothing behind (SGLang's strict idle checks).
+value of the scheduler without overlap (a stop-token finish: one more); greedy output
+equals the reference model; aborts and concurrent finishes leave nothing behind (SGLang's
+strict idle checks).
 """
 
 import random
@@ -25,6 +27,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 INTERVAL = 8
 CHUNK = 64
+#: the tiny model's end-of-sequence id (its generation_config.json)
+EOS = 2
 
 
 class TestOverlapOnCPU(unittest.TestCase):
@@ -68,6 +72,23 @@ class TestOverlapOnCPU(unittest.TestCase):
             p = self.tokens(n)
             out, _ = self.gen(p, new)
             self.assertEqual(self.gen(p + out + self.tokens(3), 4)[1], n + new - 1, (n, new))
+
+    def test_stop_token_finish_next_turn(self):
+        """A request that ends on a stop token: SGLang cannot tell before its result is
+        processed, so the next batch runs and commits one more step of it, the stop token's
+        (a finish by length is left out of that batch, ``Scheduler._reqs_finishing_inflight``).
+        The next turn then hits ``len + out`` (one more than without overlap, where the stop
+        token is never forwarded) and is served exactly."""
+        for n in (50, 150):
+            p, ref = next((p, r) for p in (self.tokens(n) for _ in range(20))
+                          for r in [self.ref.generate_greedy(p, 16)] if EOS not in r)
+            k = next(i for i in range(4, 16) if ref[i] not in ref[:i])
+            r = self.server.generate(input_ids=p, sampling_params={  # ignore_eos would ignore the stop id too
+                "temperature": 0, "max_new_tokens": 16, "stop_token_ids": [ref[k]]})
+            out = r["output_ids"]
+            self.assertEqual(out, ref[: k + 1])
+            self.assertEqual(r["meta_info"]["finish_reason"]["type"], "stop")
+            self.assertEqual(self.gen(p + out + self.tokens(3), 4)[1], n + len(out), n)
 
     def test_concurrent_finishes_and_follow_up(self):
         """Four requests finishing at different steps of shared decode batches: each next turn
