@@ -91,6 +91,36 @@ def idle_and_checked(server: ServerProcess, settle_s: float = 3.0, timeout_s: fl
     return server.loads()
 
 
+def abort_mid_generation(server: ServerProcess, input_ids: List[int], rid: str, max_new_tokens: int = 3000,
+                         after_s: float = 2.0) -> dict:
+    """Start a greedy generation of ``max_new_tokens`` with request id ``rid``, abort it
+    through ``/abort_request`` after ``after_s`` seconds, and return its response (finish
+    reason ``abort`` asserted).
+
+    Raises:
+        AssertionError: the abort was refused, the request did not end, or it ended
+            otherwise than aborted."""
+    import threading
+
+    import requests
+
+    result = {}
+
+    def run():
+        result["out"] = server.generate(input_ids=input_ids, max_new_tokens=max_new_tokens, rid=rid)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(after_s)
+    r = requests.post(server.base_url + "/abort_request", json={"rid": rid}, timeout=60)
+    assert r.status_code == 200, r.text
+    t.join(timeout=300)
+    assert not t.is_alive(), f"request {rid} still running 300 s after its abort"
+    reason = result["out"]["meta_info"]["finish_reason"]["type"]
+    assert reason == "abort", f"request {rid} ended with {reason!r}, not abort"
+    return result["out"]
+
+
 def wait_for(predicate, timeout_s: float = 120, poll_s: float = 0.5):
     deadline = time.time() + timeout_s
     while time.time() < deadline:

@@ -13,15 +13,12 @@ strict idle checks).
 """
 
 import random
-import threading
-import time
 import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
-from server_util import CHECKED_ENV, idle_and_checked, start_tiny_server
+from server_util import CHECKED_ENV, abort_mid_generation, idle_and_checked, start_tiny_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -113,20 +110,7 @@ class TestOverlapOnCPU(unittest.TestCase):
         self.assertEqual(hits, [149, 149])
 
     def test_z_abort_in_flight_then_idle(self):
-        result = {}
-        prompt = self.tokens(40)
-
-        def run():
-            result["out"] = self.server.generate(input_ids=prompt, max_new_tokens=3000, rid="overlap-abort")
-
-        t = threading.Thread(target=run)
-        t.start()
-        time.sleep(2.0)
-        r = requests.post(self.server.base_url + "/abort_request", json={"rid": "overlap-abort"}, timeout=60)
-        self.assertEqual(r.status_code, 200, r.text)
-        t.join(timeout=300)
-        self.assertFalse(t.is_alive())
-        self.assertEqual(result["out"]["meta_info"]["finish_reason"]["type"], "abort")
+        abort_mid_generation(self.server, self.tokens(40), "overlap-abort")
         load = idle_and_checked(self.server)
         self.assertEqual(load["num_running_reqs"], 0)
         self.assertEqual(load["num_used_tokens"], 0, load)

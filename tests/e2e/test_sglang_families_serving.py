@@ -28,13 +28,10 @@ loops (``docs/design.md``, "Which implementation writes"). About 1.5-3.5 minutes
 import os
 import random
 import tempfile
-import threading
-import time
 import unittest
 
 import pytest
-import requests
-from server_util import CHECKED_ENV, GreedyHits, Server, idle_and_checked, start_together
+from server_util import CHECKED_ENV, GreedyHits, Server, abort_mid_generation, idle_and_checked, start_together
 
 from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model, reference_greedy
 
@@ -131,20 +128,7 @@ class FamilyServing(GreedyHits):
         self.assert_same_as_stock(turn, hit)
 
     def test_4_abort_then_idle_checks(self):
-        result = {}
-        prompt = self.tokens(40)
-
-        def run():
-            result["out"] = self.server.generate(input_ids=prompt, max_new_tokens=2000, rid="family-abort")
-
-        t = threading.Thread(target=run)
-        t.start()
-        time.sleep(3.0)
-        r = requests.post(self.server.base_url + "/abort_request", json={"rid": "family-abort"}, timeout=60)
-        self.assertEqual(r.status_code, 200, r.text)
-        t.join(timeout=300)
-        self.assertFalse(t.is_alive())
-        self.assertEqual(result["out"]["meta_info"]["finish_reason"]["type"], "abort")
+        abort_mid_generation(self.server, self.tokens(40), "family-abort", max_new_tokens=2000, after_s=3.0)
         load = idle_and_checked(self.server)
         self.assertEqual(load["num_running_reqs"], 0)
         self.assertEqual(load["num_used_tokens"], 0, load)
