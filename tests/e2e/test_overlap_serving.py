@@ -120,5 +120,40 @@ class TestOverlapOnCPU(unittest.TestCase):
         self.assertEqual(self.gen(p, 3)[1], 59)
 
 
+
+class TestOverlapRetraction(unittest.TestCase):
+    """Overlap on and SGLang's retraction test mode (``SGLANG_TEST_RETRACT=1``: the running
+    batch is retracted every 3 forwards, while the batch launched before is in flight):
+    retracted requests are requeued and finish with the reference's output, their next
+    turns hit ``len + out - 1``, and nothing leaks (strict idle checks)."""
+
+    @classmethod
+    def setUpClass(cls):
+        flags = ["--device", "cpu", "--enable-mamba-radix", "--max-total-tokens", "4096",
+                 "--max-mamba-cache-size", "48", "--max-running-requests", "4"]
+        start_tiny_server(cls, flags, {**CHECKED_ENV, "SGLANG_TEST_RETRACT": "1"})
+        cls.rng = random.Random(2525)
+
+    def test_retracted_requests_finish_exactly(self):
+        prompts = [[self.rng.randrange(5, 600) for _ in range(n)] for n in (40, 57, 33)]
+        new = 24
+
+        def run(p):
+            r = self.server.generate(input_ids=p, max_new_tokens=new)
+            self.assertEqual(r["output_ids"], self.ref.generate_greedy(p, new))
+            return r["output_ids"]
+
+        with ThreadPoolExecutor(3) as pool:
+            outs = list(pool.map(run, prompts))
+        self.assertIn("Testing retraction", self.server.log_text())
+        for p, out in zip(prompts, outs):
+            nxt = p + out + [3, 4]
+            r = self.server.generate(input_ids=nxt, max_new_tokens=2)
+            self.assertEqual(r["output_ids"], self.ref.generate_greedy(nxt, 2))
+            self.assertEqual(r["meta_info"]["cached_tokens"], len(p) + new - 1)
+        load = idle_and_checked(self.server)
+        self.assertEqual(load["num_used_tokens"], 0, load)
+
+
 if __name__ == "__main__":
     unittest.main()
