@@ -96,3 +96,48 @@ class TestServerLauncher(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestForkLaunch(unittest.TestCase):
+    """``sglang_mamba_ext/testing/fork_launch.py``: SGLang's ``set_start_method("spawn")``
+    picks fork, other methods pass through, and the launcher runs the module it is given
+    as ``__main__`` with the arguments after it."""
+
+    def test_spawn_becomes_fork_and_others_pass_through(self):
+        import subprocess
+
+        code = (
+            "import multiprocessing as mp\n"
+            "from sglang_mamba_ext.testing.fork_launch import _fork_instead_of_spawn\n"
+            "_fork_instead_of_spawn()\n"
+            "mp.set_start_method('spawn', force=True); print(mp.get_start_method())\n"
+            "mp.set_start_method('forkserver', force=True); print(mp.get_start_method())\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        self.assertEqual(out.split(), ["fork", "forkserver"])
+
+    def test_command_names_the_launcher(self):
+        server = ServerProcess("m", ["--device", "cpu"])
+        spawned = server.command()
+        server.fork = True
+        forked = server.command()
+        self.assertEqual(spawned[1:3], ["-m", "sglang.launch_server"])
+        self.assertEqual(forked[1:3], ["-m", "sglang_mamba_ext.testing.fork_launch"])
+        self.assertEqual(spawned[3:], forked[3:])
+
+    def test_import_time_env_is_what_the_plugin_would_set(self):
+        from unittest import mock
+
+        from sglang_mamba_ext.testing.fork_launch import import_time_env
+
+        base = ["--model-path", "unused-dir", "--device", "cpu", "--enable-mamba-radix"]
+        spec = [*base, "--speculative-algorithm", "EAGLE"]
+        clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TORCHDYNAMO_DISABLE")}
+        with mock.patch.dict(os.environ, clean, clear=True):
+            self.assertEqual(import_time_env(base), {})
+            self.assertEqual(import_time_env(spec), {"TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1"})
+            os.environ["SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS"] = "1"
+            self.assertEqual(import_time_env(spec), {})
+            del os.environ["SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS"]
+            os.environ["TRITON_INTERPRET"] = "0"  # set by the caller: left alone
+            self.assertEqual(import_time_env(spec), {"TORCHDYNAMO_DISABLE": "1"})

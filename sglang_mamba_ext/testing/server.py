@@ -90,6 +90,9 @@ class ServerProcess:
         env: environment overrides (a ``None`` value removes the variable).
         start_timeout_s: seconds to wait for ``/health``.
         log_path: where the server's stdout/stderr go (default: a temp file).
+        fork: launch through :mod:`sglang_mamba_ext.testing.fork_launch` (SGLang's worker
+            processes forked from the launcher, not spawned: a start-up 2-3x shorter on the
+            2-core machine; the test suite's default, ``docs/testing.md``).
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`.
 
@@ -105,6 +108,7 @@ class ServerProcess:
         env: Optional[Dict[str, Optional[str]]] = None,
         start_timeout_s: float = 300.0,
         log_path: Optional[str] = None,
+        fork: bool = False,
     ):
         self.model_path = model_path
         self.flags = list(flags)
@@ -116,12 +120,13 @@ class ServerProcess:
             fd, log_path = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
+        self.fork = fork
         self.proc: Optional[subprocess.Popen] = None
         self.startup_s: Optional[float] = None
 
     def command(self) -> list:
         return [
-            sys.executable, "-m", "sglang.launch_server",
+            sys.executable, "-m", "sglang_mamba_ext.testing.fork_launch" if self.fork else "sglang.launch_server",
             "--model-path", self.model_path,
             "--host", "127.0.0.1", "--port", str(self.port),
             *self.flags,

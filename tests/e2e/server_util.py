@@ -32,21 +32,32 @@ CHECKED_ENV = {
 TEST_SERVER_FLAGS = ["--sleep-on-idle"]
 
 
+#: Set to 1 to fork the test servers' worker processes from the launcher
+#: (``sglang_mamba_ext/testing/fork_launch.py``) instead of spawning them: a start-up is mostly
+#: Python imports, which forked workers inherit (2-3x shorter start-ups measured,
+#: docs/testing.md). Off by default until a whole suite has run with it; the classes that
+#: test the launch itself pass ``spawn=True`` and are always launched as a user does.
+FORK_ENV = "SGLANG_MAMBA_EXT_TEST_FORK"
+
+
 class Server(ServerProcess):
     """The package's :class:`~sglang_mamba_ext.testing.server.ServerProcess` with a fixed
     log file and :data:`TEST_SERVER_FLAGS`; :meth:`wait_healthy` starts it and waits for
-    ``/health``."""
+    ``/health``. ``spawn``: launch as a user does even when :data:`FORK_ENV` is 1."""
 
-    def __init__(self, model_dir: str, args: List[str], log_path: str, env: Optional[Dict[str, str]] = None):
+    def __init__(self, model_dir: str, args: List[str], log_path: str, env: Optional[Dict[str, str]] = None,
+                 spawn: bool = False):
         args = [*args, *(f for f in TEST_SERVER_FLAGS if f not in args)]
-        super().__init__(model_dir, args, env=env, start_timeout_s=START_TIMEOUT_S, log_path=log_path)
+        fork = not spawn and os.environ.get(FORK_ENV, "0") == "1"
+        super().__init__(model_dir, args, env=env, start_timeout_s=START_TIMEOUT_S, log_path=log_path, fork=fork)
 
     def wait_healthy(self) -> None:
         from conftest import progress
 
         name = os.path.splitext(os.path.basename(self.log_path))[0]
         flags = " ".join(self.flags)
-        progress(f"  server {name}: starting ({flags if len(flags) <= 120 else '...' + flags[-117:]})")
+        how = "forked workers" if self.fork else "spawned workers"
+        progress(f"  server {name}: starting, {how} ({flags if len(flags) <= 110 else '...' + flags[-107:]})")
         t0 = time.time()
         self.start()
         progress(f"  server {name}: ready in {time.time() - t0:.0f} s")
@@ -157,11 +168,11 @@ def tiny_class_setup(cls) -> str:
     return cls.tmp_dir
 
 
-def start_tiny_server(cls, flags: List[str], env: Optional[Dict[str, str]] = None) -> None:
+def start_tiny_server(cls, flags: List[str], env: Optional[Dict[str, str]] = None, spawn: bool = False) -> None:
     """For a test class: :func:`tiny_class_setup` and one server with ``flags``
-    (``cls.server``), stopped with the class."""
+    (``cls.server``; ``spawn``: see :class:`Server`), stopped with the class."""
     tiny_class_setup(cls)
-    cls.server = Server(cls.model, flags, os.path.join(cls.tmp_dir, "server.log"), env=env)
+    cls.server = Server(cls.model, flags, os.path.join(cls.tmp_dir, "server.log"), env=env, spawn=spawn)
     cls.addClassCleanup(cls.server.stop)
     cls.server.wait_healthy()
 

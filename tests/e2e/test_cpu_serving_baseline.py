@@ -44,6 +44,7 @@ class _ServerCase(unittest.TestCase):
 
     FLAGS: list = []
     ENV: dict = {}
+    SPAWN = False
 
     @classmethod
     def setUpClass(cls):
@@ -60,7 +61,8 @@ class _ServerCase(unittest.TestCase):
 
         from server_util import Server
 
-        cls.server = Server(cls.model_dir, cls.FLAGS, os.path.join(tmp.name, "server.log"), env=cls.ENV)
+        cls.server = Server(cls.model_dir, cls.FLAGS, os.path.join(tmp.name, "server.log"), env=cls.ENV,
+                            spawn=cls.SPAWN)
         cls.addClassCleanup(cls.server.stop)
         cls.server.wait_healthy()
         cls.base_url = cls.server.base_url
@@ -167,6 +169,7 @@ class TestCpuServingPluginDefaults(_ServerCase):
 
     FLAGS = ["--device", "cpu"]
     ENV = {"SGLANG_MAMBA_CONV_DTYPE": None, "SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS": None}
+    SPAWN = True  # as a user launches it, also under server_util.FORK_ENV
 
     def test_tokens_and_logprobs_match_reference(self):
         import torch

@@ -85,8 +85,8 @@ class _Base(unittest.TestCase):
         cls.ref = TinyHybridReference.from_pretrained(cls.model_dir)
 
     @classmethod
-    def _start(cls, name, args, env=None):
-        server = Server(cls.model_dir, args, os.path.join(cls.tmp.name, f"{name}.log"), env=env)
+    def _start(cls, name, args, env=None, spawn=False):
+        server = Server(cls.model_dir, args, os.path.join(cls.tmp.name, f"{name}.log"), env=env, spawn=spawn)
         cls.addClassCleanup(server.stop)
         server.wait_healthy()
         return server
@@ -107,6 +107,7 @@ class TestProductLaunch(_Base):
             "product",
             ["--device", "cpu", "--enable-mamba-radix", "--warmups", "kda_cache", "--warmup-prompts-file", prompts],
             env=SERVER_ENV,
+            spawn=True,  # README's launch, as a user runs it
         )
 
     def test_a_warm_chat_system_prompt_hit_by_first_request(self):

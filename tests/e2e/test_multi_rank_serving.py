@@ -40,6 +40,7 @@ class _Ranks(unittest.TestCase):
     FLAGS: list = []
     ENV = CHECKED_ENV
     WARM = None  # prompts for --warmups kda_cache
+    SPAWN = False  # server_util.Server
 
     @classmethod
     def setUpClass(cls):
@@ -52,7 +53,7 @@ class _Ranks(unittest.TestCase):
                 for ids in cls.WARM:
                     f.write(json.dumps({"input_ids": ids}) + "\n")
             flags += ["--warmups", "kda_cache", "--warmup-prompts-file", path]
-        start_tiny_server(cls, flags, cls.ENV)
+        start_tiny_server(cls, flags, cls.ENV, spawn=cls.SPAWN)
 
     def gen(self, ids, n=NEW, **extra):
         r = self.server.generate(input_ids=ids, max_new_tokens=n, **extra)
@@ -121,6 +122,7 @@ class TestDP2Warm(_Ranks):
     """``--dp 2`` with the ``kda_cache`` warm-up: both ranks hold the warmed prompt."""
 
     WARM = [_ids(300, 40)]
+    SPAWN = True  # the data-parallel controller and its ranks started as a user's launch does
     FLAGS = ["--dp", "2", "--max-total-tokens", "2048", "--max-mamba-cache-size", "32", "--max-running-requests", "4"]
 
     def test_warm_prompt_hit_on_every_rank(self):

@@ -50,6 +50,9 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
     WRITER = "Triton"
     #: more server environment (the overlap class)
     EXTRA_ENV = {}
+    #: launched as a user does (server_util.Server): the plugin itself turns Triton's
+    #: interpreter on for SGLang's kernels (the subclasses' forked launches preset it)
+    SPAWN = True
 
     @classmethod
     def setUpClass(cls):
@@ -60,7 +63,7 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
         cls.ref = TinyHybridReference.from_pretrained(cls.model)
         args = ["--device", "cpu", "--enable-mamba-radix", "--chunked-prefill-size", "64"]
         env = {**CHECKED_ENV, "SGLANG_MAMBA_EXT_INCHUNK_IMPL": cls.WRITER.lower(), **cls.EXTRA_ENV}
-        cls.server = Server(cls.model, args, os.path.join(tmp.name, "server.log"), env=env)
+        cls.server = Server(cls.model, args, os.path.join(tmp.name, "server.log"), env=env, spawn=cls.SPAWN)
         cls.addClassCleanup(cls.server.stop)
         cls.server.wait_healthy()
         cls.rng = random.Random(cls.SEED)
@@ -118,6 +121,7 @@ class TestSGLangKDABackendServing(TestSGLangGDNBackendServing):
     #: (some seeds give ~1e-3 near-ties that float16 may flip)
     SEED = 20
     WRITER = "torch"
+    SPAWN = False
 
 
 
