@@ -183,14 +183,9 @@ class TestGpuCheckTinyMode(unittest.TestCase):
     """``scripts/gpu_check.sh``'s in-chunk section in its CPU mode (``--tiny``, interpreted)."""
 
     def test_tiny_mode_runs(self):
-        import os
-        import subprocess
-        import sys
+        from sglang_mamba_ext.testing.spec_pair import run_interpreted
 
-        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
-        r = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.speculative.ops.inchunk.gpu_check", "--tiny"],
-                           capture_output=True, text=True, env=env, timeout=900, cwd=root)
+        r = run_interpreted("sglang_mamba_ext.speculative.ops.inchunk.gpu_check", ["--tiny"], timeout=900)
         self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-3000:])
         self.assertIn("correctness OK", r.stdout)
         self.assertRegex(r.stdout.strip().splitlines()[-1], r"^inchunk_cost_ratio=\d+\.\d{4}$")

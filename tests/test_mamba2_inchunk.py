@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
-from sglang_mamba_ext.testing.spec_pair import load_kernel_modules_for_cpu, triton_subprocess_case
+from sglang_mamba_ext.testing.spec_pair import load_kernel_modules_for_cpu, run_interpreted, triton_subprocess_case
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HV, P, N, G, W = 4, 8, 16, 2, 4
@@ -221,9 +221,7 @@ class TestMamba2GpuCheckTinyMode(unittest.TestCase):
     def test_tiny_mode_runs(self):
         """``gpu_check_mamba2 --tiny`` (the GPU check's code path at toy shapes, interpreted):
         correctness OK and the last line carries the ratio."""
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2",
-                               "--tiny"], env=env, capture_output=True, text=True, timeout=600)
+        proc = run_interpreted("sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2", ["--tiny"], timeout=600)
         self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-2000:])
         self.assertIn(" OK", proc.stdout)
         last = proc.stdout.strip().splitlines()[-1]

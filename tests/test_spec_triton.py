@@ -251,14 +251,9 @@ class TestGpuCheckTinyMode(unittest.TestCase):
     passing (exit 0), including the glue's on-chip verify and the one-layer timing."""
 
     def test_tiny_mode_runs(self):
-        import os
-        import subprocess
-        import sys
+        from sglang_mamba_ext.testing.spec_pair import run_interpreted
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        r = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.speculative.ops.gpu_check", "--tiny"], env=env,
-                           capture_output=True, text=True, timeout=1200)
+        r = run_interpreted("sglang_mamba_ext.speculative.ops.gpu_check", ["--tiny"], timeout=1200)
         self.assertEqual(r.returncode, 0, (r.stdout + r.stderr)[-3000:])
         lines = r.stdout.splitlines()
         self.assertTrue(any(l.startswith("correctness: glue on-chip verify") for l in lines), r.stdout)

@@ -94,10 +94,6 @@ class TestServerLauncher(unittest.TestCase):
         self.assertFalse(server.alive())
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class TestForkLaunch(unittest.TestCase):
     """``sglang_mamba_ext/testing/fork_launch.py``: SGLang's ``set_start_method("spawn")``
     picks fork, other methods pass through, and the launcher runs the module it is given
@@ -116,15 +112,6 @@ class TestForkLaunch(unittest.TestCase):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         self.assertEqual(out.split(), ["fork", "forkserver"])
 
-    def test_command_names_the_launcher(self):
-        server = ServerProcess("m", ["--device", "cpu"])
-        spawned = server.command()
-        server.fork = True
-        forked = server.command()
-        self.assertEqual(spawned[1:3], ["-m", "sglang.launch_server"])
-        self.assertEqual(forked[1:3], ["-m", "sglang_mamba_ext.testing.fork_launch"])
-        self.assertEqual(spawned[3:], forked[3:])
-
     def test_import_time_env_is_what_the_plugin_would_set(self):
         from unittest import mock
 
@@ -141,3 +128,34 @@ class TestForkLaunch(unittest.TestCase):
             del os.environ["SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS"]
             os.environ["TRITON_INTERPRET"] = "0"  # set by the caller: left alone
             self.assertEqual(import_time_env(spec), {"TORCHDYNAMO_DISABLE": "1"})
+
+
+class TestZygote(unittest.TestCase):
+    """``sglang_mamba_ext/testing/zygote.py``: launches forked from one process that imported
+    SGLang once, each a session leader writing to its own log, with its exit status reported
+    as ``subprocess`` does. The launches here end at argument parsing (``--help``, a bad flag),
+    so no server starts."""
+
+    def test_two_launches_from_one_zygote(self):
+        from sglang_mamba_ext.testing import zygote
+
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_MAMBA_EXT_ZYGOTE_TEST=str(os.getpid()))
+        logs = [os.path.join(tmp.name, f"{i}.log") for i in range(2)]
+        helped = zygote.launch(["--help"], env, logs[0])
+        self.assertEqual(helped.wait(timeout=300), 0)
+        bad = zygote.launch(["--model-path", "m", "--no-such-flag"], env, logs[1])
+        self.assertEqual(bad.wait(timeout=120), 2)  # argparse's exit status
+        self.assertNotEqual(helped.pid, bad.pid)
+        with open(logs[0]) as f:
+            self.assertIn("--enable-mamba-radix", f.read())  # SGLang's help, with the plugin's flags
+        with open(logs[1]) as f:
+            self.assertIn("unrecognized arguments: --no-such-flag", f.read())
+        (z,) = [z for key, z in zygote._zygotes.items() if ("SGLANG_MAMBA_EXT_ZYGOTE_TEST", str(os.getpid())) in key]
+        self.assertIsNone(z.proc.poll())  # one zygote served both, still up
+        self.assertIn("import_s", z.ready)
+
+
+if __name__ == "__main__":
+    unittest.main()

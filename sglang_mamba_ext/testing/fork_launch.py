@@ -54,13 +54,22 @@ def import_time_env(argv) -> dict:
     return {k: v for k, v in env.items() if k in IMPORT_TIME_ENV and k not in os.environ}
 
 
-def main() -> None:
-    preset = import_time_env(sys.argv[1:])
+def run(args) -> int:
+    """Run ``python -m sglang.launch_server ARGS`` in this process with SGLang's workers
+    forked (:func:`_fork_instead_of_spawn`), after setting :func:`import_time_env`.
+    Returns 0 when the launcher returns (it exits through ``SystemExit`` otherwise)."""
+    preset = import_time_env(args)
     os.environ.update(preset)
     if preset:
         print("[fork_launch] set before import: " + ", ".join(f"{k}={v}" for k, v in preset.items()), flush=True)
     _fork_instead_of_spawn()
+    sys.argv = ["sglang.launch_server", *args]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    return 0
+
+
+def main() -> None:
+    sys.exit(run(sys.argv[1:]))
 
 
 if __name__ == "__main__":

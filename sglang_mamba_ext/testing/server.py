@@ -90,9 +90,10 @@ class ServerProcess:
         env: environment overrides (a ``None`` value removes the variable).
         start_timeout_s: seconds to wait for ``/health``.
         log_path: where the server's stdout/stderr go (default: a temp file).
-        fork: launch through :mod:`sglang_mamba_ext.testing.fork_launch` (SGLang's worker
-            processes forked from the launcher, not spawned: a start-up 2-3x shorter on the
-            2-core machine; the test suite's default, ``docs/testing.md``).
+        fork: fork the launch from a process that has imported SGLang already
+            (:mod:`sglang_mamba_ext.testing.zygote`; SGLang's workers forked from it too,
+            :mod:`sglang_mamba_ext.testing.fork_launch`): a start-up of a few seconds instead
+            of 30-60 s on the 2-core machine; the test suite's default, ``docs/testing.md``.
 
     Use as a context manager, or call :meth:`start` / :meth:`stop`.
 
@@ -121,12 +122,13 @@ class ServerProcess:
             os.close(fd)
         self.log_path = log_path
         self.fork = fork
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc = None  # subprocess.Popen, or zygote.ForkedProcess with fork
         self.startup_s: Optional[float] = None
 
     def command(self) -> list:
+        """The launch as a command line (with ``fork``, what the zygote's child runs)."""
         return [
-            sys.executable, "-m", "sglang_mamba_ext.testing.fork_launch" if self.fork else "sglang.launch_server",
+            sys.executable, "-m", "sglang.launch_server",
             "--model-path", self.model_path,
             "--host", "127.0.0.1", "--port", str(self.port),
             *self.flags,
@@ -166,9 +168,16 @@ class ServerProcess:
                 log.write(f"\n[sglang-mamba-ext test harness] port taken; relaunching on {self.port}\n")
                 log.flush()
             start_at = log.tell()
-            self.proc = subprocess.Popen(
-                self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            if not self.fork:
+                self.proc = subprocess.Popen(
+                    self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+        if self.fork:
+            from sglang_mamba_ext.testing import fork_launch, zygote
+
+            args = self.command()[3:]
+            env.update(fork_launch.import_time_env(args))
+            self.proc = zygote.launch(args, env, self.log_path)
         deadline = t0 + self.start_timeout_s
         while time.time() < deadline:
             if self._bind_failed(start_at):

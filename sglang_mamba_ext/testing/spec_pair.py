@@ -68,23 +68,36 @@ def tiny_spec_pair(
     return target.eval(), draft.eval()
 
 
-def run_tests_with_triton_interpreter(test_file: str, select: str = "") -> "subprocess.CompletedProcess":
-    """Run ``pytest test_file [-k select]`` in a fresh interpreter with ``TRITON_INTERPRET=1``.
+def run_interpreted(module: str, args=(), timeout: float = 1200) -> "subprocess.CompletedProcess":
+    """``python -m MODULE ARGS`` in a process that imported Triton and SGLang with
+    ``TRITON_INTERPRET=1`` (and this repository on ``PYTHONPATH``): forked from a zygote
+    (:mod:`sglang_mamba_ext.testing.zygote`), so the imports are paid once per test session,
+    not once per call. Returns what ``subprocess.run(..., capture_output=True, text=True)``
+    would.
 
-    For test modules imported after Triton was already loaded without the interpreter (and
-    with no CUDA): Triton reads the variable at import, so the CPU run needs a new process.
+    Raises:
+        subprocess.TimeoutExpired: not done in ``timeout`` seconds (it is killed first).
     """
     import os
-    import subprocess
-    import sys
+
+    from sglang_mamba_ext.testing import zygote
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+    return zygote.run(module, list(args), env, timeout=timeout, cwd=root)
+
+
+def run_tests_with_triton_interpreter(test_file: str, select: str = "") -> "subprocess.CompletedProcess":
+    """Run ``pytest test_file [-k select]`` with Triton's interpreter (:func:`run_interpreted`).
+
+    For test modules imported after Triton was already loaded without the interpreter (and
+    with no CUDA): Triton reads the variable at import, so the CPU run needs a new process.
+    """
+    args = ["-q", "-p", "no:cacheprovider", test_file]
     if select:
-        cmd += ["-k", select]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+        args += ["-k", select]
+    return run_interpreted("pytest", args)
 
 
 def load_triton_kernels_for_cpu() -> bool:

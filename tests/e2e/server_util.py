@@ -32,23 +32,24 @@ CHECKED_ENV = {
 TEST_SERVER_FLAGS = ["--sleep-on-idle"]
 
 
-#: Set to 1 to fork the test servers' worker processes from the launcher
-#: (``sglang_mamba_ext/testing/fork_launch.py``) instead of spawning them: a start-up is mostly
-#: Python imports, which forked workers inherit (2-3x shorter start-ups measured,
-#: docs/testing.md). Off by default until a whole suite has run with it; the classes that
-#: test the launch itself pass ``spawn=True`` and are always launched as a user does.
+#: Test servers are forked from a process that has imported SGLang already
+#: (``sglang_mamba_ext/testing/zygote.py``): a start-up is mostly Python imports, so it takes
+#: a few seconds instead of 30-60 (docs/testing.md, "Forked servers"). Set to 0 to launch
+#: every server as a user does; the classes that test the launch itself pass ``spawn=True``
+#: and are always launched that way.
 FORK_ENV = "SGLANG_MAMBA_EXT_TEST_FORK"
 
 
 class Server(ServerProcess):
     """The package's :class:`~sglang_mamba_ext.testing.server.ServerProcess` with a fixed
     log file and :data:`TEST_SERVER_FLAGS`; :meth:`wait_healthy` starts it and waits for
-    ``/health``. ``spawn``: launch as a user does even when :data:`FORK_ENV` is 1."""
+    ``/health``. ``spawn``: launch as a user does (``python -m sglang.launch_server``), not
+    forked (:data:`FORK_ENV`)."""
 
     def __init__(self, model_dir: str, args: List[str], log_path: str, env: Optional[Dict[str, str]] = None,
                  spawn: bool = False):
         args = [*args, *(f for f in TEST_SERVER_FLAGS if f not in args)]
-        fork = not spawn and os.environ.get(FORK_ENV, "0") == "1"
+        fork = not spawn and os.environ.get(FORK_ENV, "1") != "0"
         super().__init__(model_dir, args, env=env, start_timeout_s=START_TIMEOUT_S, log_path=log_path, fork=fork)
 
     def wait_healthy(self) -> None:
@@ -56,7 +57,7 @@ class Server(ServerProcess):
 
         name = os.path.splitext(os.path.basename(self.log_path))[0]
         flags = " ".join(self.flags)
-        how = "forked workers" if self.fork else "spawned workers"
+        how = "forked" if self.fork else "spawned"
         progress(f"  server {name}: starting, {how} ({flags if len(flags) <= 110 else '...' + flags[-107:]})")
         t0 = time.time()
         self.start()
