@@ -5,15 +5,17 @@
 #   scripts/run_tests.sh -k core -x
 #   scripts/run_tests.sh tests/test_core_pools.py   # one file (a path replaces `tests`)
 # Markers (pytest.ini): e2e = starts an SGLang server; slow = over ~30 s on 2 cores.
-# One process by default; TEST_WORKERS=N runs N pytest-xdist workers: each test class runs
-# whole on one worker, the multi-server classes one after another (tests/conftest.py lays
-# out the work), progress lines name the worker (gw0, gw1). On 2 cores two workers ran
-# 0.7x-1.1x as fast (docs/testing.md): the server tests already keep both cores busy.
+# Two pytest-xdist workers by default (TEST_WORKERS=N for N, TEST_WORKERS=0 for one
+# process): each test class runs whole on one worker, the multi-server classes one after
+# another (tests/conftest.py lays out the work), progress lines name the worker (gw0, gw1).
+# Test servers are forked from a pre-imported process (sglang_mamba_ext/testing/zygote.py),
+# so a start-up is seconds and a serving test keeps about one core busy: two workers use
+# both (docs/testing.md).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 vpy="$("$root/scripts/setup_env.sh" | tail -n 1)"
 cd "$root"
-workers="${TEST_WORKERS:-0}"
+workers="${TEST_WORKERS:-2}"
 if [ "$workers" != "0" ]; then
   set -- -n "$workers" --dist loadscope --no-loadscope-reorder "$@"
 fi
