@@ -1,11 +1,12 @@
 """``python -m sglang_mamba_ext.testing.fork_launch ARGS``: ``python -m sglang.launch_server
 ARGS`` with SGLang's scheduler and detokenizer processes forked from the launcher instead of
-spawned. Test harness only (:class:`sglang_mamba_ext.testing.server.ServerProcess` with
-``fork=True``); never what a user runs.
+spawned. Test harness only: what a zygote's child runs (:mod:`.zygote`, for
+:class:`sglang_mamba_ext.testing.server.ServerProcess` with ``fork=True``); never what a
+user runs.
 
 Why: on the 2-core test machine a server start-up is almost all Python imports — about 20 s in
 the launcher and 35 s more in the spawned children, which import SGLang again (the model,
-pools and tree take about 1 s; docs/testing.md, "Forked workers"). Forked children inherit the
+pools and tree take about 1 s; docs/testing.md, "Forked servers"). Forked children inherit the
 launcher's imports. SGLang 0.5.23 picks spawn in ``entrypoints/engine.py``
 (``multiprocessing.set_start_method("spawn", force=True)``); this wrapper makes that call
 pick fork, then runs ``sglang.launch_server`` as ``__main__``, so SGLang's plugin loading and
@@ -15,8 +16,9 @@ The environment the plugin's CPU defaults set in the launcher for its children
 (``plugin/cpu_defaults.py``) is read by the children when they run, except two variables
 read at import, which forked children would see too late: ``TRITON_INTERPRET`` (SGLang's
 Triton kernels) and ``TORCHDYNAMO_DISABLE`` (torch). Where the plugin would set them for
-this argv, they are set here first, before anything imports torch's or SGLang's kernels;
-the plugin then finds them set and does not list them in its "CPU defaults added" line.
+this argv, they are set here first, before anything imports torch's or SGLang's kernels (and
+the test harness passes them to the zygote, which imports with them); the plugin then finds
+them set and does not list them in its "CPU defaults added" line.
 """
 
 from __future__ import annotations
