@@ -44,10 +44,12 @@ PY
 sys_libs=(libibverbs.so.1 libnl-3.so.200 libnl-route-3.so.200)
 deb_pkgs=(libibverbs1 libnl-3-200 libnl-route-3-200)
 missing_libs() {
-  local lib
+  local lib known
+  # ldconfig lives in sbin, which a non-root PATH may lack; read its list once (piped into
+  # `grep -q`, ldconfig could die of SIGPIPE and, under pipefail, report a present library)
+  known="$(PATH="$PATH:/usr/sbin:/sbin" ldconfig -p 2>/dev/null || true)"
   for lib in "${sys_libs[@]}"; do
-    # ldconfig lives in sbin, which a non-root PATH may lack
-    PATH="$PATH:/usr/sbin:/sbin" ldconfig -p 2>/dev/null | grep -q "$lib" || echo "$lib"
+    grep -qF "$lib" <<<"$known" || echo "$lib"
   done
 }
 if [ -n "$(missing_libs)" ]; then

@@ -307,6 +307,16 @@ class TestFlags(unittest.TestCase):
         for page in ("4", "16"):
             F.scheduler_context(F.base_argv("--enable-mamba-radix", "--page-size", page, "--mamba-track-interval", "32"))
 
+    def test_track_interval_not_positive_is_refused_at_parse(self):
+        """``-5 % page_size == 0``: the page check alone let it through to a traceback in the
+        scheduler after the whole start-up."""
+        for interval in ("-5", "0"):
+            with self.subTest(interval=interval):
+                with self.assertRaises(ValueError) as cm:
+                    F.parse_args(F.base_argv("--enable-mamba-radix", "--mamba-track-interval", interval))
+                self.assertIn(f"--mamba-track-interval ({interval}) must be a positive number of tokens",
+                              str(cm.exception))
+
     def test_non_hybrid_model_is_refused(self):
         d = tempfile.TemporaryDirectory()
         self.addCleanup(d.cleanup)

@@ -103,7 +103,7 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
 
     Raises:
         FlagError: (a ``ValueError``) naming the flags, for combinations that cannot work,
-            and for a bad or missing prompts file (see :func:`sglang_mamba_ext.plugin.warmup.load_prompts`).
+            a ``--mamba-track-interval`` of 0 or less, and for a bad or missing prompts file (see :func:`sglang_mamba_ext.plugin.warmup.load_prompts`).
     """
     from sglang_mamba_ext.plugin.warmup import load_prompts
 
@@ -136,6 +136,12 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
 
     _check_disaggregation(server_args)
 
+    interval = getattr(server_args, "mamba_track_interval", None)
+    if interval is not None and interval <= 0:
+        raise FlagError(
+            f"--mamba-track-interval ({interval}) must be a positive number of tokens, a multiple of "
+            f"--page-size (SGLang's default is 256)"
+        )
     if server_args.disable_radix_cache:
         refuse("--disable-radix-cache", " (it is a radix prefix cache)")
     backend = server_args.radix_cache_backend

@@ -75,6 +75,7 @@ def _child(request: dict, close_fds: Sequence[int]) -> None:
         os.dup2(null, 0)
         os.close(null)
         os.chdir(request["cwd"])
+        sys.path[0] = request["cwd"]  # as ``python -m`` started there would have it
         sys.argv = [request["module"], *request["args"]]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         code = 0
