@@ -125,14 +125,13 @@ class ServerProcess:
         self.proc = None  # subprocess.Popen, or zygote.ForkedProcess with fork
         self.startup_s: Optional[float] = None
 
+    def launch_args(self) -> list:
+        """The arguments of ``sglang.launch_server`` (model, host, port, flags)."""
+        return ["--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port), *self.flags]
+
     def command(self) -> list:
-        """The launch as a command line (with ``fork``, what the zygote's child runs)."""
-        return [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            *self.flags,
-        ]
+        """The spawned launch's command line."""
+        return [sys.executable, "-m", "sglang.launch_server", *self.launch_args()]
 
     def start(self, bind_attempts: int = 3) -> "ServerProcess":
         """Launch the server and wait for ``/health``. If its HTTP port was taken meanwhile
@@ -175,7 +174,7 @@ class ServerProcess:
         if self.fork:
             from sglang_mamba_ext.testing import fork_launch, zygote
 
-            args = self.command()[3:]
+            args = self.launch_args()
             env.update(fork_launch.import_time_env(args))
             self.proc = zygote.launch(args, env, self.log_path)
         deadline = t0 + self.start_timeout_s

@@ -19,8 +19,8 @@ which leads its own session (kill its process group to stop the server). The zyg
 its children and reports each exit status.
 
 Protocol (one JSON object per line): the zygote writes ``{"ready": ...}`` once imported; then
-for each request ``{"args": [...], "log": path, "cwd": dir}`` on its stdin it forks and
-answers ``{"pid": N}``. It writes a child's exit status (``subprocess`` convention: negative
+for each request ``{"module": name, "args": [...], "log": path, "err": path or null, "cwd":
+dir}`` on its stdin it forks and answers ``{"pid": N}``. It writes a child's exit status (``subprocess`` convention: negative
 for a signal) to ``<state_dir>/<pid>.exit``, and exits at end of input.
 """
 
@@ -258,10 +258,10 @@ def start(module: str, args: Sequence[str], env: Dict[str, str], log_path: str,
         zygote = _zygotes.get(key)
         if zygote is None or zygote.proc.poll() is not None:
             zygote = _zygotes[key] = _Zygote(dict(env))
-            idle = sorted((z for z in _zygotes.values() if z is not zygote and not z.busy()),
-                          key=lambda z: z.last_used)
-            for old in idle[: max(0, len(_zygotes) - MAX_ZYGOTES)]:
-                _zygotes.pop(next(k for k, z in _zygotes.items() if z is old))
+            idle = sorted(((k, z) for k, z in _zygotes.items() if z is not zygote and not z.busy()),
+                          key=lambda kz: kz[1].last_used)
+            for old_key, old in idle[: max(0, len(_zygotes) - MAX_ZYGOTES)]:
+                del _zygotes[old_key]
                 old.close()
     return zygote.start(module, args, log_path, cwd or os.getcwd(), err_path)
 
