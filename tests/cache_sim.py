@@ -37,6 +37,8 @@ from sglang_mamba_ext.mem_cache import (
     MambaRadixCache,
     RadixKey,
 )
+from sglang_mamba_ext.mem_cache.checkpoint_pool import copy_on_write
+from sglang_mamba_ext.mem_cache.mamba_pool import SlotPool
 
 MOD = (1 << 31) - 1
 MUL = 1000003
@@ -54,6 +56,38 @@ def state_of(tokens: List[int], layer: int = 0):
     return len(tokens), h, window
 
 
+class ExactCheckpointPool(SlotPool):
+    """A separate pool for the tree's states, like the int8 checkpoint pool
+    (``mem_cache/checkpoint_pool.py``) but storing exact copies, so the oracle's hash states
+    survive: it tests the two-pool lifecycle (quantize-on-store and dequantize-on-hit
+    replaced by copies), while ``test_int8_checkpoints`` tests the numerics."""
+
+    #: States stored by every instance (the randomized test checks the path ran).
+    total_stores = 0
+
+    def __init__(self, size: int, active: MambaPool):
+        self.size = size
+        self.device = active.device
+        self.num_layers = active.num_layers
+        self.temporal_state = torch.zeros_like(active.temporal_state[:, :1]).repeat(1, size + 1, *[1] * (active.temporal_state.dim() - 2))
+        self.conv_state = torch.zeros_like(active.conv_state[:, :1]).repeat(1, size + 1, *[1] * (active.conv_state.dim() - 2))
+        self.stores = 0
+        self.clear_all()
+
+    def slot_bytes(self) -> int:
+        return self.num_layers * (self.temporal_state[0, 0].nbytes + self.conv_state[0, 0].nbytes)
+
+    def store_from_active(self, active, active_slots, ckpt_slots) -> None:
+        self.stores += len(ckpt_slots)
+        ExactCheckpointPool.total_stores += len(ckpt_slots)
+        self.temporal_state[:, list(ckpt_slots)] = active.temporal_state[:, list(active_slots)]
+        self.conv_state[:, list(ckpt_slots)] = active.conv_state[:, list(active_slots)]
+
+    def load_to_active(self, active, ckpt_slots, active_slots) -> None:
+        active.temporal_state[:, list(active_slots)] = self.temporal_state[:, list(ckpt_slots)]
+        active.conv_state[:, list(active_slots)] = self.conv_state[:, list(ckpt_slots)]
+
+
 def make_cache(
     kv_size: int = 256,
     mamba_size: int = 16,
@@ -64,11 +98,15 @@ def make_cache(
     mamba_track_interval: Optional[int] = None,
     num_layers: int = 2,
     finish_state: str = "working",
+    ckpt_size: int = 0,
     **cache_kwargs,
 ):
+    """``ckpt_size > 0``: the tree keeps its states in an :class:`ExactCheckpointPool` of
+    that many slots (the int8 checkpoint lifecycle)."""
     kv = KVSlotAllocator(kv_size, page_size)
     mp = MambaPool(mamba_size, num_layers, (CONV_W - 1,), (2,), dtype=torch.int64)
-    rp = HybridReqToTokenPool(rows, max_context_len, mp, track_slots_per_req=track_slots)
+    ckpt = ExactCheckpointPool(ckpt_size, mp) if ckpt_size > 0 else None
+    rp = HybridReqToTokenPool(rows, max_context_len, mp, track_slots_per_req=track_slots, mamba_ckpt_pool=ckpt)
     cache = MambaRadixCache(
         kv, rp, page_size=page_size, mamba_track_interval=mamba_track_interval or 4 * page_size,
         finish_state=finish_state,
@@ -90,12 +128,13 @@ class SimModel:
         self.page_size = cache.page_size
 
     # ------------------------------------------------------------------ oracle checks
-    def check_state(self, slot: int, tokens: List[int], what: str = "") -> None:
+    def check_state(self, slot: int, tokens: List[int], what: str = "", pool=None) -> None:
+        pool = self.mamba if pool is None else pool
         for layer in range(self.mamba.num_layers):
             count, h, window = state_of(tokens, layer)
-            got = self.mamba.temporal_state[layer, slot].tolist()
+            got = pool.temporal_state[layer, slot].tolist()
             assert got == [count, h], f"{what}: SSM slot {slot} layer {layer} holds {got}, want {[count, h]}"
-            assert self.mamba.conv_state[layer, slot].tolist() == window, f"{what}: conv window of slot {slot}"
+            assert pool.conv_state[layer, slot].tolist() == window, f"{what}: conv window of slot {slot}"
 
     def check_kv(self, slots: torch.Tensor, tokens: List[int], start: int, what: str = "") -> None:
         if not tokens:
@@ -115,7 +154,7 @@ class SimModel:
                 full = path + child.key
                 self.check_kv(child.value, child.key, len(path), f"node {child.id}")
                 if child.mamba_value is not None:
-                    self.check_state(child.mamba_value, full, f"node {child.id}")
+                    self.check_state(child.mamba_value, full, f"node {child.id}", self.cache.state_pool)
                 stack.append((child, full))
 
     # ------------------------------------------------------------------ scheduler side
@@ -235,7 +274,7 @@ class SimModel:
                 clear.append(r.mamba_pool_idx)
             r.mamba_needs_clear = False
         if src:
-            self.mamba.copy_from(src, dst)
+            copy_on_write(self.mamba, self.cache.mamba_ckpt_pool, src, dst)
         if clear:
             self.mamba.clear(clear)
         return len(src)

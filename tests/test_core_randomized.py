@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cache_sim import SimModel, make_cache
+from cache_sim import ExactCheckpointPool, SimModel, make_cache
 from sglang_mamba_ext.mem_cache import CacheReq, RadixKey
 
 TOTAL_OPS = int(os.environ.get("SGLANG_MAMBA_EXT_RANDOM_OPS", "100000"))
@@ -212,8 +212,10 @@ class CacheMachine(RuleBasedStateMachine):
             kv = cache.token_to_kv_pool_allocator
             assert kv.available_size() + cache.full_evictable_size() + cache.full_protected_size() == kv.size
             assert cache.full_protected_size() == 0 and cache.mamba_protected_size() == 0
-            pool = cache.mamba_pool
+            pool = cache.state_pool
             assert pool.available_size() + cache.mamba_evictable_size() + cache.mamba_protected_size() == pool.size
+            if cache.mamba_ckpt_pool is not None:  # the tree holds no active slot
+                assert cache.mamba_pool.available_size() == cache.mamba_pool.size
 
     def teardown(self):
         for req in list(self.live):
@@ -249,6 +251,16 @@ CONFIGS = {
     "page2_branch_lru_nobuffer": dict(
         page_size=2, track_slots=0, finish_state="working", cache_kwargs=dict(branch_checkpoints=True)
     ),
+    # the tree's states in a separate checkpoint pool (int8 checkpoints' lifecycle), smaller
+    # than the active pool so that storing a state evicts one
+    "page1_branch_ckpt": dict(
+        page_size=1, track_slots=2, finish_state="working", cache_kwargs=dict(
+            branch_checkpoints=True, ckpt_size=6, max_states_per_path=3)
+    ),
+    "page2_nobuffer_ckpt_recompute": dict(
+        page_size=2, track_slots=0, finish_state="working", cache_kwargs=dict(
+            branch_checkpoints=True, ckpt_size=5, eviction_policy="recompute", kv_bytes_per_token=64)
+    ),
 }
 
 
@@ -266,9 +278,13 @@ def _make_case(name, cfg):
     class Case(machine.TestCase):
         def runTest(self):
             before = CacheMachine.ops
+            stores = ExactCheckpointPool.total_stores
             super().runTest()
             # The machine really stepped (invariants run once per step).
             self.assertGreaterEqual(CacheMachine.ops - before, examples * STEPS // 2)
+            if cfg.get("cache_kwargs", {}).get("ckpt_size"):
+                # states really went through the checkpoint pool (several per example)
+                self.assertGreaterEqual(ExactCheckpointPool.total_stores - stores, examples)
 
     Case.__name__ = Case.__qualname__ = f"TestRandomized_{name}"
     return Case

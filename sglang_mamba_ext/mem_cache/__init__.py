@@ -4,6 +4,7 @@ SGLang-facing adapter in ``sglang_mamba_ext/plugin/`` translates SGLang's object
 """
 
 from .allocator import KVSlotAllocator
+from .checkpoint_pool import Int8CheckpointPool
 from .mamba_pool import MambaPool
 from .radix_cache import MambaRadixCache
 from .req import CacheReq
@@ -15,6 +16,7 @@ __all__ = [
     "EvictResult",
     "HybridReqToTokenPool",
     "InsertResult",
+    "Int8CheckpointPool",
     "KVSlotAllocator",
     "MambaPool",
     "MambaRadixCache",

@@ -129,7 +129,8 @@ class RecomputeEviction(LRUEviction):
         without this state a request reaching ``node`` falls back to ``a`` and recomputes
         the difference. The bytes are one SSM slot, plus the node's KV
         (``kv_bytes_per_token`` per token) when the node is a leaf, whose eviction frees
-        both."""
+        both; a slot is the tree's (an int8 checkpoint slot under int8 checkpoints, so a
+        stored state weighs its compressed bytes against the KV)."""
         cache = self.cache
         root = cache.root_node
         anc = node.parent
@@ -137,7 +138,7 @@ class RecomputeEviction(LRUEviction):
             anc = anc.parent
         size = 1.0
         if not node.children and cache.kv_bytes_per_token:
-            size += cache.kv_bytes_per_token * len(node.key) / (cache.mamba_pool.slot_bytes() or 1)
+            size += cache.kv_bytes_per_token * len(node.key) / (cache.state_pool.slot_bytes() or 1)
         return (node.seq_len - anc.seq_len) / size
 
     def _state_used(self, node: TreeNode, event: str) -> None:

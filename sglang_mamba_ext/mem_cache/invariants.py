@@ -61,7 +61,7 @@ def sanity_check(cache: "MambaRadixCache") -> None:
             if child.mamba_value is not None:
                 assert child.mamba_link.linked, f"{child!r} missing from the SSM LRU list"
                 assert child.mamba_value not in mamba_seen, f"SSM slot {child.mamba_value} in two nodes"
-                assert not cache.mamba_pool.is_free(child.mamba_value), (
+                assert not cache.state_pool.is_free(child.mamba_value), (
                     f"SSM slot {child.mamba_value} of {child!r} is on the free list"
                 )
                 mamba_seen.add(child.mamba_value)
@@ -100,7 +100,8 @@ def check_slot_accounting(cache: "MambaRadixCache", live_reqs: Sequence[CacheReq
     ``live_reqs`` (its KV ``[cache_protected_len, kv_allocated_len)`` of its row, whose last
     page may be partly used, and its working, ping-pong and planned checkpoint slots). At an
     idle point (no live requests) this is ``free + evictable + protected == size`` for both
-    pools.
+    pools (with int8 checkpoints, three: KV, active SSM slots held by requests only, and
+    checkpoint slots held by the tree only).
 
     Raises:
         AssertionError: naming the count of lost or doubly owned pages / slots.
@@ -134,11 +135,18 @@ def check_slot_accounting(cache: "MambaRadixCache", live_reqs: Sequence[CacheReq
     unit = "pages" if ps > 1 else "slots"
     assert uniq.numel() == owned.numel(), f"{owned.numel() - uniq.numel()} KV {unit} are owned twice"
     assert uniq.numel() == total, f"KV slots lost: {total - uniq.numel()} {unit} of {total} not accounted for"
-    mamba_all = cache.mamba_pool.free_slots() + tree_mamba + req_mamba
-    assert len(mamba_all) == len(set(mamba_all)), "an SSM slot is owned twice"
-    assert len(mamba_all) == cache.mamba_pool.size, (
-        f"SSM slots lost: {cache.mamba_pool.size - len(mamba_all)} of {cache.mamba_pool.size}"
-    )
+    if cache.mamba_ckpt_pool is None:
+        _check_slots("SSM", cache.mamba_pool, tree_mamba + req_mamba)
+    else:
+        # int8 checkpoints: the tree owns checkpoint slots only, requests active slots only
+        _check_slots("SSM", cache.mamba_pool, req_mamba)
+        _check_slots("int8 checkpoint", cache.mamba_ckpt_pool, tree_mamba)
+
+
+def _check_slots(what: str, pool, owned: List[int]) -> None:
+    every = pool.free_slots() + owned
+    assert len(every) == len(set(every)), f"an {what} slot is owned twice"
+    assert len(every) == pool.size, f"{what} slots lost: {pool.size - len(every)} of {pool.size}"
 
 
 def pretty_print(cache: "MambaRadixCache") -> str:

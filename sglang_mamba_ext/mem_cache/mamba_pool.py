@@ -31,7 +31,78 @@ def _as_list(slots: SlotsLike) -> List[int]:
     return [int(s) for s in slots]
 
 
-class MambaPool:
+class SlotPool:
+    """A free list of slots ``1 .. size`` (slot ``0`` is never handed out): the allocation half
+    of :class:`MambaPool` and of :class:`~.checkpoint_pool.Int8CheckpointPool`. Subclasses set
+    ``size`` and ``device`` and call :meth:`clear_all`; sizes are in slots."""
+
+    size: int
+    device: torch.device
+
+    def available_size(self) -> int:
+        """Free slots."""
+        return len(self._free)
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """Take ``need_size`` slots.
+
+        Returns:
+            int64 tensor ``[need_size]`` of slot ids, or ``None`` if fewer are free (nothing
+            is taken then). The slots' contents are not cleared.
+        """
+        slots = self.alloc_list(need_size)
+        if slots is None:
+            return None
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def alloc_list(self, need_size: int) -> Optional[List[int]]:
+        """Like :meth:`alloc` but returns a Python list (the scheduler hot path)."""
+        if need_size < 0:
+            raise ValueError(f"alloc({need_size}): size must be >= 0")
+        free = self._free
+        if need_size > len(free):
+            return None
+        out = free[len(free) - need_size :] if need_size else []
+        del free[len(free) - need_size :]
+        out.reverse()
+        is_free = self._is_free
+        for s in out:
+            is_free[s] = 0
+        return out
+
+    def free(self, slots: SlotsLike) -> None:
+        """Return slots to the pool.
+
+        Raises:
+            ValueError: if a slot is out of range or already free (double free).
+        """
+        lst = _as_list(slots)
+        is_free = self._is_free
+        for s in lst:
+            if s < 1 or s > self.size:
+                raise ValueError(f"{type(self).__name__}.free: slot {s} out of range [1, {self.size}]")
+            if is_free[s]:
+                raise ValueError(f"{type(self).__name__}.free: slot {s} is already free (double free)")
+            is_free[s] = 1
+        self._free.extend(lst)
+
+    def is_free(self, slot: int) -> bool:
+        """Whether allocatable slot ``slot`` is on the free list."""
+        return bool(self._is_free[slot])
+
+    def free_slots(self) -> List[int]:
+        """Sorted free slots (for leak checks and tests)."""
+        return sorted(self._free)
+
+    def clear_all(self) -> None:
+        """Free every slot (server flush); contents are left as they are."""
+        # LIFO stack of free slots (slot 1 handed out first); ``_is_free`` catches double
+        # frees and never marks slot 0 free.
+        self._free = list(range(self.size, 0, -1))
+        self._is_free = bytearray(b"\x00") + bytearray(b"\x01") * self.size
+
+
+class MambaPool(SlotPool):
     """Pool of SSM-state slots.
 
     Tensors (``L`` = number of linear-attention layers):
@@ -112,10 +183,6 @@ class MambaPool:
         self.clear_all()
 
     # -- sizes ------------------------------------------------------------------------
-    def available_size(self) -> int:
-        """Free slots (states)."""
-        return len(self._free)
-
     def slot_bytes(self) -> int:
         """Bytes of one slot over all layers (conv window + temporal state)."""
         conv = math.prod(self.conv_shape) * self.conv_state.element_size()
@@ -125,54 +192,6 @@ class MambaPool:
     def total_bytes(self) -> int:
         """Bytes held by the pool's tensors (``size + 1`` slots)."""
         return self.slot_bytes() * (self.size + 1)
-
-    # -- allocation -------------------------------------------------------------------
-    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
-        """Take ``need_size`` slots.
-
-        Returns:
-            int64 tensor ``[need_size]`` of slot ids, or ``None`` if fewer are free (nothing
-            is taken then). The states in the slots are not cleared (see :meth:`clear`).
-        """
-        slots = self.alloc_list(need_size)
-        if slots is None:
-            return None
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
-
-    def alloc_list(self, need_size: int) -> Optional[List[int]]:
-        """Like :meth:`alloc` but returns a Python list (the scheduler hot path)."""
-        if need_size < 0:
-            raise ValueError(f"alloc({need_size}): size must be >= 0")
-        free = self._free
-        if need_size > len(free):
-            return None
-        out = free[len(free) - need_size :] if need_size else []
-        del free[len(free) - need_size :]
-        out.reverse()
-        is_free = self._is_free
-        for s in out:
-            is_free[s] = 0
-        return out
-
-    def free(self, slots: SlotsLike) -> None:
-        """Return slots to the pool.
-
-        Raises:
-            ValueError: if a slot is out of range or already free (double free).
-        """
-        lst = _as_list(slots)
-        is_free = self._is_free
-        for s in lst:
-            if s < 1 or s > self.size:
-                raise ValueError(f"MambaPool.free: slot {s} out of range [1, {self.size}]")
-            if is_free[s]:
-                raise ValueError(f"MambaPool.free: slot {s} is already free (double free)")
-            is_free[s] = 1
-        self._free.extend(lst)
-
-    def is_free(self, slot: int) -> bool:
-        """Whether allocatable slot ``slot`` is on the free list."""
-        return bool(self._is_free[slot])
 
     # -- data movement ----------------------------------------------------------------
     def copy_from(self, src_slots: SlotsLike, dst_slots: SlotsLike) -> None:
@@ -200,14 +219,3 @@ class MambaPool:
         and ``[size+1, *temporal_shape]``, for a forward pass of linear layer ``layer``
         (0-based among linear layers)."""
         return self.conv_state[layer], self.temporal_state[layer]
-
-    def free_slots(self) -> List[int]:
-        """Sorted free slots (for leak checks and tests)."""
-        return sorted(self._free)
-
-    def clear_all(self) -> None:
-        """Free every slot (server flush); states are left as they are."""
-        # LIFO stack of free slots (slot 1 handed out first); ``_is_free`` catches double
-        # frees and never marks the padding slot 0 free.
-        self._free = list(range(self.size, 0, -1))
-        self._is_free = bytearray(b"\x00") + bytearray(b"\x01") * self.size

@@ -145,6 +145,10 @@ class PrefixCheckpoints:
             n = limit
             if n <= p or n % self.page_size:
                 return
+            if self.mamba_ckpt_pool is not None:
+                # quantized straight from the working slot, which the request keeps
+                self._adopt_prefix(req, n, req.mamba_pool_idx, "chunk", keep_active=True)
+                return
             slot = self._alloc_mamba_slot()
             if slot is None:
                 return
@@ -253,11 +257,16 @@ class PrefixCheckpoints:
                 return c, slot
         return 0, None
 
-    def _adopt_prefix(self, req: CacheReq, n: int, slot: int, origin: str = "insert") -> InsertResult:
+    def _adopt_prefix(
+        self, req: CacheReq, n: int, slot: int, origin: str = "insert", keep_active: bool = False
+    ) -> InsertResult:
         """Insert the request's first ``n`` tokens with SSM slot ``slot`` (the state after
         them; ``origin`` as in ``stats.STATE_ORIGINS``). When ``n`` passes ``cache_protected_len``, the request's lock moves to the
         node ending at ``n``, ``req_to_token[row, p:n]`` is pointed at the tree's KV slots
         and ``cache_protected_len`` becomes ``n``. The caller still owns ``slot`` when the
+        result says ``mamba_exist`` (or ``keep_active``: with int8 checkpoints the tree
+        stores a quantized copy and the caller keeps the slot). With int8 checkpoints and no
+        checkpoint slot to be had (every stored state locked) nothing is inserted and the
         result says ``mamba_exist``.
 
         Raises:
@@ -268,8 +277,11 @@ class PrefixCheckpoints:
         pool = self.req_to_token_pool
         row = req.req_pool_idx
         p = req.cache_protected_len
+        start = self._walk_start(req, n)
+        if not self._state_room():
+            return InsertResult(p, True, req.last_node)
         kv = pool.req_to_token[row, :n].to(torch.int64)
-        res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, self._walk_start(req, n), origin)
+        res = self._insert(req.token_ids[:n], req.extra_key, kv, slot, p, start, origin, keep_active)
         if n > p:
             node = res.last_node
             # Lock the new node before anything can evict (a replacement slot may).

@@ -89,6 +89,12 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         self.token_to_kv_pool_allocator = kv_allocator
         self.req_to_token_pool = req_to_token_pool
         self.mamba_pool = req_to_token_pool.mamba_pool
+        #: Where tree states live when they are stored compressed (``docs/design.md``, "int8
+        #: checkpoints"): a state entering the tree is quantized into a slot of this pool
+        #: and its active slot given back; ``None``: the tree holds active slots.
+        self.mamba_ckpt_pool = getattr(req_to_token_pool, "mamba_ckpt_pool", None)
+        #: The pool the tree's ``mamba_value`` slots belong to.
+        self.state_pool = self.mamba_ckpt_pool if self.mamba_ckpt_pool is not None else self.mamba_pool
         self.page_size = page_size
         self.mamba_track_interval = mamba_track_interval
         self.finish_state = finish_state
@@ -203,6 +209,8 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         Raises:
             ValueError: on a key not page aligned, a length mismatch, or new tokens without
                 ``mamba_value`` (that would make a tombstone leaf).
+            RuntimeError: with int8 checkpoints, no checkpoint slot can be freed for the
+                state (every stored state is locked).
         """
         tokens, extra_key = split_key(key)
         n = len(tokens)
@@ -212,6 +220,11 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             raise ValueError(f"insert: {value.numel()} KV slots for a key of {n} tokens")
         if isinstance(mamba_value, torch.Tensor):
             mamba_value = int(mamba_value.reshape(-1)[0])
+        if mamba_value is not None and not self._state_room():
+            raise RuntimeError(
+                "insert: the int8 checkpoint pool is full and holds no unlocked state; "
+                "raise --int8-mamba-ckpt-size"
+            )
         return self._insert(tokens, extra_key, value, mamba_value, prev_prefix_len, self.root_node, origin)
 
     def checkpoint(self, req: CacheReq, up_to: Optional[int] = None, finished: bool = False) -> int:
@@ -438,9 +451,13 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         prev_prefix_len: int,
         node: TreeNode,
         origin: str = "insert",
+        keep_active: bool = False,
     ) -> InsertResult:
         """:meth:`insert` starting the walk at ``node`` (a node on the key's path, e.g. the
-        request's locked ``last_node``), which skips re-comparing the locked prefix."""
+        request's locked ``last_node``), which skips re-comparing the locked prefix. With
+        int8 checkpoints a taken state is quantized into a checkpoint slot (one must be free:
+        :meth:`_state_room`) and its active slot freed, unless ``keep_active`` (the caller
+        keeps it either way)."""
         n = len(tokens)
         start = node.seq_len
         path, pos = self._walk(node, tokens, start, n, extra_key)
@@ -457,7 +474,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
                 raise ValueError("insert: new tokens without mamba_value would leave a leaf without SSM state")
             new = TreeNode(tokens[pos:], value[pos:], node, extra_key)
             node.children[self._child_key(new.key, 0, extra_key)] = new
-            new.mamba_value = mamba_value
+            new.mamba_value = self._stored_slot(mamba_value, keep_active)
             new.mamba_origin = origin
             self._full_evictable += n - pos
             self._mamba_evictable += 1
@@ -468,7 +485,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             mamba_exist = False
         elif mamba_value is not None and node is not self.root_node and node.mamba_value is None:
             node.mamba_origin = origin
-            self._set_state(node, mamba_value)
+            self._set_state(node, self._stored_slot(mamba_value, keep_active))
             mamba_exist = False
         else:
             mamba_exist = True
@@ -547,7 +564,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
 
     def _drop_state(self, node: TreeNode) -> None:
         """Tombstone ``node``: free its SSM slot (caller checked it is unlocked)."""
-        self.mamba_pool.free([node.mamba_value])
+        self.state_pool.free([node.mamba_value])
         node.mamba_value = None
         self._mamba_evictable -= 1
         self.mamba_lru_list.remove(node.mamba_link)
@@ -583,10 +600,13 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
 
     def _alloc_mamba_slot(self, protect: Optional[TreeNode] = None) -> Optional[int]:
         """One SSM slot, evicting one unlocked state if the pool is empty (``protect`` is
-        locked meanwhile so the eviction cannot take it). ``None`` if none can be freed."""
+        locked meanwhile so the eviction cannot take it). ``None`` if none can be freed
+        (with int8 checkpoints the tree holds no active slot, so nothing is evicted)."""
         pool = self.mamba_pool
         got = pool.alloc_list(1)
         if got is None:
+            if self.mamba_ckpt_pool is not None:
+                return None  # the tree holds no active slot: evicting frees none
             if protect is not None:
                 self.inc_lock_ref(protect)
             self.evict(mamba_num=1)
@@ -596,3 +616,25 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             if got is None:
                 return None
         return got[0]
+
+    def _state_room(self) -> bool:
+        """With int8 checkpoints: make sure one checkpoint slot is free, evicting one
+        unlocked tree state if none is; False if none can be freed. Always True without."""
+        ckpt = self.mamba_ckpt_pool
+        if ckpt is None or ckpt.available_size() > 0:
+            return True
+        self.evict(mamba_num=1)
+        return ckpt.available_size() > 0
+
+    def _stored_slot(self, active_slot: int, keep_active: bool = False) -> int:
+        """The slot a node keeps for the state in active slot ``active_slot``: that slot, or
+        with int8 checkpoints a checkpoint slot it is quantized into (the active slot is
+        freed unless ``keep_active``). The caller made room (:meth:`_state_room`)."""
+        ckpt = self.mamba_ckpt_pool
+        if ckpt is None:
+            return active_slot
+        slot = ckpt.alloc_list(1)[0]
+        ckpt.store_from_active(self.mamba_pool, [active_slot], [slot])
+        if not keep_active:
+            self.mamba_pool.free([active_slot])
+        return slot

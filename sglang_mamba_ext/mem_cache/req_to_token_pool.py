@@ -6,7 +6,7 @@ Plays the role of SGLang's ``HybridReqToTokenPool`` (``sglang/srt/mem_cache/memo
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -43,6 +43,10 @@ class HybridReqToTokenPool:
             of allocating (e.g. SGLang's ``HybridReqToTokenPool`` tensors, so SGLang's
             backends and this pool read the same maps); shapes as above (the ping-pong map
             only needs ``>= track_slots_per_req`` columns).
+        mamba_ckpt_pool: where the radix tree keeps its states instead of ``mamba_pool``
+            (:class:`~.checkpoint_pool.Int8CheckpointPool`, or the plugin's wrapper of
+            SGLang's ``MambaCheckpointPool``); ``None``: the tree holds slots of
+            ``mamba_pool`` (``docs/design.md``, "int8 checkpoints").
 
     Raises:
         ValueError: on non-positive sizes, ``track_slots_per_req`` not in (0, 2), or given
@@ -60,6 +64,7 @@ class HybridReqToTokenPool:
         req_to_token: Optional[torch.Tensor] = None,
         req_index_to_mamba_index_mapping: Optional[torch.Tensor] = None,
         req_index_to_mamba_ping_pong_track_buffer_mapping: Optional[torch.Tensor] = None,
+        mamba_ckpt_pool: Optional[Any] = None,
     ):
         if size < 1 or max_context_len < 1:
             raise ValueError(
@@ -70,6 +75,7 @@ class HybridReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.mamba_pool = mamba_pool
+        self.mamba_ckpt_pool = mamba_ckpt_pool
         self.track_slots_per_req = track_slots_per_req
         self.device = torch.device(device)
         rows = size + 1

@@ -1,0 +1,143 @@
+"""Compressed store for the SSM states the radix tree holds (``docs/design.md``, "int8
+checkpoints"): the working states of running requests stay in the full-precision
+:class:`~.mamba_pool.MambaPool`; a state entering the tree is quantized once into a slot here
+and the active slot is given back; a hit dequantizes it once into the request's fresh working
+slot (the copy-on-write). The same split as SGLang 0.5.23's ``--enable-int8-mamba-checkpoint``
+(``mem_cache/mamba_checkpoint_pool.py``), whose pool the plugin uses under SGLang
+(``plugin/pool.py``); this one is the core's, torch only, for the core's tests and benchmarks.
+
+Quantization: symmetric int8 with one scale per ``(layer, slot, channel)`` where a channel is
+every index of the temporal state except ``scale_axis`` (default ``-2``, the axis SGLang's store
+reduces over: each (head, last-axis channel) gets its own scale). The conv window is kept at
+its own dtype (``W - 1`` tokens; small). The error of one round trip is at most half a
+quantization step per entry: ``|x - deq(q(x))| <= amax / 254`` over the reduced axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .mamba_pool import MambaPool, SlotPool, SlotsLike, _as_index
+
+#: Largest magnitude of the int8 code (symmetric: -127 .. 127).
+QMAX = 127
+
+
+def quantize_int8(state: torch.Tensor, axis: int = -2) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of ``state`` with one scale per slice along ``axis``.
+
+    Args:
+        state: float tensor (any float dtype).
+        axis: the axis each scale covers (reduced by ``amax``).
+
+    Returns:
+        ``(q, scale)``: ``q`` int8 of ``state``'s shape; ``scale`` of ``state``'s dtype and
+        shape with ``axis`` of size 1 (computed in float32, then stored in ``state``'s dtype;
+        ``q`` is computed against the stored scale, so dequantization uses the same one).
+    """
+    x = state.float()
+    amax = x.abs().amax(dim=axis, keepdim=True)
+    scale = (amax / QMAX).clamp_min(torch.finfo(torch.float32).tiny).to(state.dtype)
+    q = torch.round(x / scale.float()).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale`` in float32, cast to ``dtype`` (the inverse of :func:`quantize_int8`)."""
+    return (q.float() * scale.float()).to(dtype)
+
+
+class Int8CheckpointPool(SlotPool):
+    """Slots ``1 .. size`` of int8 SSM states (slot 0 reserved, as in :class:`MambaPool`).
+
+    Tensors (``L`` layers; shapes as the active pool's):
+
+    - ``qdata``: int8 ``[L, size + 1, *temporal_shape]``;
+    - ``scale``: ``[L, size + 1, *temporal_shape]`` with ``scale_axis`` of size 1, dtype the
+      active pool's temporal dtype;
+    - ``conv_state``: ``[L, size + 1, *conv_shape]``, the active pool's conv dtype.
+
+    Args:
+        size: slots (states), >= 1.
+        active: the full-precision pool whose states this one stores (shapes, dtypes, device).
+        scale_axis: axis of the temporal state each scale covers (default ``-2``).
+
+    Raises:
+        ValueError: ``size < 1``.
+    """
+
+    def __init__(self, size: int, active: MambaPool, scale_axis: int = -2):
+        if size < 1:
+            raise ValueError(f"Int8CheckpointPool size must be >= 1 slot, got {size}")
+        self.size = size
+        self.device = active.device
+        self.num_layers = active.num_layers
+        self.scale_axis = scale_axis
+        lead = (active.num_layers, size + 1)
+        tshape = tuple(active.temporal_shape)
+        sshape = list(tshape)
+        sshape[scale_axis] = 1
+        self.qdata = torch.zeros(lead + tshape, dtype=torch.int8, device=self.device)
+        self.scale = torch.zeros(lead + tuple(sshape), dtype=active.temporal_state.dtype, device=self.device)
+        self.conv_state = torch.zeros(lead + tuple(active.conv_shape), dtype=active.conv_state.dtype, device=self.device)
+        self.clear_all()
+
+    def slot_bytes(self) -> int:
+        """Bytes of one stored state over all layers (int8 data + scales + conv window)."""
+        per_layer = sum(math.prod(t.shape[2:]) * t.element_size() for t in (self.qdata, self.scale, self.conv_state))
+        return self.num_layers * per_layer
+
+    def total_bytes(self) -> int:
+        """Bytes held by the pool's tensors (``size + 1`` slots)."""
+        return self.slot_bytes() * (self.size + 1)
+
+    def store_from_active(self, active: MambaPool, active_slots: SlotsLike, ckpt_slots: SlotsLike) -> None:
+        """Quantize the states of ``active_slots`` of ``active`` into ``ckpt_slots`` (a state
+        entering the tree).
+
+        Raises:
+            ValueError: the two slot lists differ in length."""
+        src = _as_index(active_slots, self.device)
+        dst = _as_index(ckpt_slots, self.device)
+        if src.numel() != dst.numel():
+            raise ValueError(f"store_from_active: {src.numel()} sources for {dst.numel()} destinations")
+        q, scale = quantize_int8(active.temporal_state[:, src], self.scale_axis)
+        self.qdata[:, dst] = q
+        self.scale[:, dst] = scale
+        self.conv_state[:, dst] = active.conv_state[:, src]
+
+    def load_to_active(self, active: MambaPool, ckpt_slots: SlotsLike, active_slots: SlotsLike) -> None:
+        """Dequantize ``ckpt_slots`` into ``active_slots`` of ``active`` (the copy-on-write of
+        a hit).
+
+        Raises:
+            ValueError: the two slot lists differ in length."""
+        src = _as_index(ckpt_slots, self.device)
+        dst = _as_index(active_slots, self.device)
+        if src.numel() != dst.numel():
+            raise ValueError(f"load_to_active: {src.numel()} sources for {dst.numel()} destinations")
+        active.temporal_state[:, dst] = dequantize_int8(self.qdata[:, src], self.scale[:, src], active.temporal_state.dtype)
+        active.conv_state[:, dst] = self.conv_state[:, src]
+
+
+def int8_slots_at_equal_bytes(active: MambaPool, slots: int, scale_axis: int = -2) -> int:
+    """How many int8 states fit in the bytes of ``slots`` full-precision ones of ``active``
+    (for sizing and for the benchmark's equal-memory rows)."""
+    probe = Int8CheckpointPool(1, active, scale_axis)
+    return max(1, (slots * active.slot_bytes()) // probe.slot_bytes())
+
+
+StatePool = Union[MambaPool, Int8CheckpointPool]
+
+
+def copy_on_write(active: MambaPool, ckpt: Optional[Int8CheckpointPool], src: SlotsLike, dst: SlotsLike) -> None:
+    """The copy-on-write of a hit: ``dst`` (active slots) gets the tree's states ``src`` —
+    dequantized from ``ckpt`` when the tree stores int8 states, else copied within
+    ``active``."""
+    if ckpt is None:
+        active.copy_from(src, dst)
+    else:
+        ckpt.load_to_active(active, src, dst)
