@@ -153,7 +153,6 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         ("enable_streaming_session", "--enable-streaming-session"),
         ("enable_unified_memory", "--enable-unified-memory"),
         ("enable_lmcache", "--enable-lmcache"),
-        ("enable_int8_mamba_checkpoint", "--enable-int8-mamba-checkpoint"),
         ("enable_linear_replayssm", "--enable-linear-replayssm"),
         ("enable_linear_replayssm_spec", "--enable-linear-replayssm-spec"),
     ]
@@ -373,6 +372,36 @@ def _check_page_grid(view, hf_config) -> None:
             f"{ENABLE_FLAG}: --chunked-prefill-size {prefill} must be a multiple of --page-size {page}; "
             f"use --chunked-prefill-size {prefill - prefill % page or page}"
         )
+
+
+def int8_mamba_checkpoint_step(server_args, previous) -> None:
+    """Override of SGLang's resolution step ``handle_int8_mamba_checkpoint``
+    (``arg_groups/mamba_hook.py``), which refuses ``--enable-int8-mamba-checkpoint`` with any
+    ``--radix-cache-backend`` because a custom cache would read checkpoint slots as active
+    ones. The plugin's cache keeps its states in SGLang's checkpoint pool
+    (``docs/design.md``, "int8 checkpoints"), so under ``--enable-mamba-radix`` the step runs
+    with the backend hidden: its other refusals (``--enable-hierarchical-cache``,
+    ``--enable-lmcache``) still apply, naming both flags."""
+    if not _ours(server_args):
+        return previous(server_args)
+    previous(_BackendHidden(server_args))
+
+
+class _BackendHidden:
+    """Read-only view of server arguments that shows no ``radix_cache_backend``."""
+
+    __slots__ = ("_server_args",)
+
+    def __init__(self, server_args):
+        object.__setattr__(self, "_server_args", server_args)
+
+    def __getattr__(self, name):
+        if name == "radix_cache_backend":
+            return None
+        return getattr(object.__getattribute__(self, "_server_args"), name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("read-only view of the server arguments")
 
 
 def handle_mamba_radix_cache_around(original, server_args, hf_config, *args, **kwargs):

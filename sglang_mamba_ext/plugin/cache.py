@@ -269,8 +269,11 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         start = time.perf_counter()
         # Every removed leaf frees its KV: one batched free for the whole eviction.
         group = self._free_group_begin()
+        # SGLang asks for SSM slots of the active pool; with int8 checkpoints the tree holds
+        # none there (its states are in the checkpoint pool), so it evicts KV only.
+        tree_mamba = 0 if self.core.mamba_ckpt_pool is not None else params.mamba_num
         try:
-            res = self.core.evict(num_tokens=params.num_tokens, mamba_num=params.mamba_num)
+            res = self.core.evict(num_tokens=params.num_tokens, mamba_num=tree_mamba)
         finally:
             if group:
                 self.token_to_kv_pool_allocator.free_group_end()
@@ -320,6 +323,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         counters of ``MambaRadixCache.stats_snapshot``; plain ints, strings and bools."""
         core = self.core
         pool = self.req_to_token_pool
+        ckpt = core.mamba_ckpt_pool
         return {
             "backend": BACKEND_NAME,
             "page_size": core.page_size,
@@ -338,6 +342,11 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "ssm_slots_free": pool.core_mamba_pool.available_size(),
             "ssm_evictable_states": core.mamba_evictable_size(),
             "ssm_protected_states": core.mamba_protected_size(),
+            # int8 checkpoints (--enable-int8-mamba-checkpoint): the tree's states are here,
+            # not in the SSM slots above; 0 without the flag
+            "int8_ckpt_slots_total": ckpt.size if ckpt is not None else 0,
+            "int8_ckpt_slots_free": ckpt.available_size() if ckpt is not None else 0,
+            "ssm_state_bytes": core.state_pool.slot_bytes(),
             **core.stats_snapshot(),
         }
 
@@ -351,7 +360,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         kv_free = self.token_to_kv_pool_allocator.available_size()
         ssm_free = self.req_to_token_pool.mamba_allocator.available_size()
         kv_evictable = self.core.full_evictable_size()
-        ssm_evictable = self.core.mamba_evictable_size()
+        # with int8 checkpoints the tree's states free no active SSM slot
+        ssm_evictable = self.core.mamba_evictable_size() if self.core.mamba_ckpt_pool is None else 0
         return (
             f"Available full tokens: {kv_free + kv_evictable} "
             f"(full_available_size={kv_free} + full_evictable_size_={kv_evictable})\n"

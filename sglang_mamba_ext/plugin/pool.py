@@ -27,6 +27,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
 from sglang_mamba_ext.mem_cache import HybridReqToTokenPool as CoreReqToTokenPool
 from sglang_mamba_ext.mem_cache import MambaPool as CoreMambaPool
+from sglang_mamba_ext.mem_cache.mamba_pool import SlotPool as CoreSlotPool
 from sglang_mamba_ext.plugin import chat_boundaries, req_bridge
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,39 @@ class SGLangStateMambaPool(CoreMambaPool):
             self.sglang_mamba_pool.clear_slots(idx)
 
 
+class SGLangCheckpointPool(CoreSlotPool):
+    """The core's checkpoint-pool protocol (:class:`sglang_mamba_ext.mem_cache.Int8CheckpointPool`:
+    a free list plus ``store_from_active`` / ``load_to_active``) over SGLang's int8
+    ``MambaCheckpointPool`` (``mem_cache/mamba_checkpoint_pool.py``, built by SGLang's
+    ``HybridReqToTokenPool`` under ``--enable-int8-mamba-checkpoint``; ``--int8-mamba-ckpt-size``
+    slots, default twice the active pool). SGLang's tensors and (de)quantization are used
+    as they are, so ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` dequantizes a
+    hit's source straight from them; the free list is the core's, and SGLang's pool's
+    ``allocator`` is replaced by a facade over it (its invariant check and ``clear`` read the
+    same list)."""
+
+    def __init__(self, sglang_ckpt_pool):
+        self.sglang_ckpt_pool = sglang_ckpt_pool
+        self.size = int(sglang_ckpt_pool.num_slots)
+        self.device = torch.device(sglang_ckpt_pool.device)
+        self.clear_all()
+        sglang_ckpt_pool.allocator = MambaSlotAllocatorFacade(self)
+
+    def slot_bytes(self) -> int:
+        """Bytes of one stored state (int8 data, scales, conv windows), all layers."""
+        return self.sglang_ckpt_pool.mem_usage_bytes() // (self.size + 1)
+
+    def store_from_active(self, active: "SGLangStateMambaPool", active_slots, ckpt_slots) -> None:
+        self.sglang_ckpt_pool.store_from_active(active.sglang_mamba_pool, _index(active_slots, self.device), _index(ckpt_slots, self.device))
+
+    def load_to_active(self, active: "SGLangStateMambaPool", ckpt_slots, active_slots) -> None:
+        self.sglang_ckpt_pool.load_to_active(active.sglang_mamba_pool, _index(ckpt_slots, self.device), _index(active_slots, self.device))
+
+
+def _index(slots, device) -> torch.Tensor:
+    return torch.as_tensor(slots, dtype=torch.int64, device=device).reshape(-1)
+
+
 class MambaSlotAllocatorFacade:
     """SGLang's ``MambaSlotAllocator`` API over the core pool's free list.
 
@@ -85,7 +119,7 @@ class MambaSlotAllocatorFacade:
     allocation is a Python list pop, so there is nothing to amortize.
     """
 
-    def __init__(self, core_pool: CoreMambaPool, owner: Optional["MambaRadixReqToTokenPool"] = None):
+    def __init__(self, core_pool: CoreSlotPool, owner: Optional["MambaRadixReqToTokenPool"] = None):
         self._pool = core_pool
         self._owner = owner
         self.size = core_pool.size
@@ -142,7 +176,7 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
     Raises:
         ValueError: for pool features the core does not implement
             (``--mamba-radix-cache-strategy extra_buffer_lazy``, ``--enable-linear-replayssm``,
-            ``--enable-linear-replayssm-spec``, ``--enable-int8-mamba-checkpoint``).
+            ``--enable-linear-replayssm-spec``).
     """
 
     def __init__(self, **kwargs):
@@ -155,10 +189,11 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             if kwargs.get(key):
                 raise ValueError(f"--enable-mamba-radix does not support {flag}; drop one of them")
         super().__init__(**kwargs)
-        if self.mamba_ckpt_pool is not None:
-            raise ValueError(
-                "--enable-mamba-radix does not support --enable-int8-mamba-checkpoint; drop one of them"
-            )
+        #: The core's view of SGLang's int8 checkpoint pool (``--enable-int8-mamba-checkpoint``),
+        #: where the tree keeps its states; ``None`` without the flag.
+        self.core_ckpt_pool = (
+            SGLangCheckpointPool(self.mamba_ckpt_pool) if self.mamba_ckpt_pool is not None else None
+        )
         tracking = bool(self.enable_mamba_extra_buffer)
         self.mamba_ping_pong_track_buffer_size = TRACK_SLOTS
         self.mamba_initial_tracking_slots = TRACK_SLOTS if tracking else 0
@@ -181,6 +216,7 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             req_to_token=self.req_to_token,
             req_index_to_mamba_index_mapping=self.req_index_to_mamba_index_mapping,
             req_index_to_mamba_ping_pong_track_buffer_mapping=ping_pong_map,
+            mamba_ckpt_pool=self.core_ckpt_pool,
         )
         self.mamba_allocator = MambaSlotAllocatorFacade(self.core_mamba_pool, self)
         #: row -> planned ``(seqlen, slot)`` prefix checkpoints not yet in the tree
@@ -397,6 +433,8 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         self.ngram_pool.clear()
         self.prefix_checkpoints.clear()
         self.core.clear()
+        if self.core_ckpt_pool is not None:
+            self.core_ckpt_pool.clear_all()  # the tree was reset: no stored state is held
 
 
 @contextlib.contextmanager

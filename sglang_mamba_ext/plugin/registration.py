@@ -72,6 +72,9 @@ def install_mamba_radix() -> None:
     HookRegistry.register(FROM_CLI_ARGS, args.from_cli_args_after, HookType.AFTER)
     HookRegistry.register(VALIDATE_EXTRA_BUFFER, args.validate_mamba_extra_buffer_around, HookType.AROUND)
     HookRegistry.register(HANDLE_MAMBA_RADIX, args.handle_mamba_radix_cache_around, HookType.AROUND)
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    register_resolution_hook("handle_int8_mamba_checkpoint")(args.int8_mamba_checkpoint_step)
     HookRegistry.register(BUILD_HYBRID_REQ_POOL, build_hybrid_req_pool_around, HookType.AROUND)
     HookRegistry.register(PREPARE_FOR_DECODE, prepare_for_decode_around, HookType.AROUND)
     HookRegistry.register(VALIDATE_ONE_REQUEST, validate_one_request_before, HookType.BEFORE)
