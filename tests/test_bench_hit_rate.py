@@ -354,11 +354,12 @@ class UpstreamDriversTest(TraceDriverCase):
         self.assertEqual(rc, 0)
         lines = out.getvalue().strip().splitlines()
         self.assertEqual(
-            lines[-2],
+            lines[-3],
             "mamba_size=6 against upstream best of all (upstream-xbuf), ours -, offline bound -: "
             "hit_ratio=nan recompute_ratio=nan oracle_ratio=nan upper_bound_ratio=nan",
         )
-        self.assertEqual(lines[-1], "hit_ratio=nan oracle_ratio=nan upper_bound_ratio=nan")
+        self.assertTrue(lines[-2].endswith("ours -, upstream upstream-xbuf: bytes_hit_ratio=nan"), lines[-2])
+        self.assertEqual(lines[-1], "hit_ratio=nan oracle_ratio=nan upper_bound_ratio=nan bytes_hit_ratio=nan")
         self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
         self.assertFalse(any(l.startswith("chat") for l in lines))
 
@@ -400,6 +401,71 @@ class OursVariantsTest(TraceDriverCase):
                 self.assertEqual(
                     pool.mamba_allocator.available_size() + driver.cache.mamba_evictable_size(), 6
                 )
+
+
+class Int8SplitTest(unittest.TestCase):
+    def test_equal_device_bytes(self):
+        # Qwen3-Next GDN layer, bf16: 32 x 128 x 128 state + 8,192 x 3 conv window
+        full = 32 * 128 * 128 * 2 + 8192 * 3 * 2
+        int8 = 32 * 128 * 128 + 32 * 128 * 2 + 8192 * 3 * 2
+        self.assertAlmostEqual(bench_hit_rate.int8_state_bytes_ratio(), int8 / full)
+        active, slots = bench_hit_rate.int8_split(16)
+        self.assertEqual(active, bench_hit_rate.INT8_ACTIVE_SLOTS)
+        self.assertEqual(slots, int((16 - active) * full / int8))
+        # never more bytes than the full-precision pool it stands for
+        self.assertLessEqual(active * full + slots * int8, 16 * full)
+        self.assertGreater(active * full + (slots + 1) * int8, 16 * full)
+
+    def test_bytes_hit_ratio_takes_every_row_of_each_side(self):
+        rs = [
+            _result("u", "upstream", 20, 80),
+            _result("u8", "upstream-bytes", 30, 70),
+            _result("o", "ours", 25, 75),
+            _result("o8", "ours-bytes", 45, 55),
+        ]
+        self.assertEqual(bench_hit_rate.bytes_hit_ratio(rs), (45 / 30, "o8", "u8"))
+        # the old fields see only the equal-slot rows
+        self.assertEqual(comparison(rs)[2:], ("o", "u"))
+
+
+@requires_sglang
+class Int8VariantsTest(TraceDriverCase):
+    """Rows with int8 checkpoints at equal device bytes: with pools that evict nothing they
+    hit exactly what the same strategy hits in full precision; with small pools they evict
+    without a leak, the tree's states all in the checkpoint pool."""
+
+    N = 120
+    PAIRS = {
+        "upstream-nobuf-ckpt-int8": ("upstream-nobuf-ckpt", "upstream-bytes"),
+        "upstream-xbuf-int8": ("upstream-xbuf", "upstream-bytes"),
+        "ours-branch-lru-int8": ("ours-branch-lru", "ours-bytes"),
+        "ours-branch-adaptive-int8": ("ours-branch-adaptive", "ours-bytes"),
+    }
+
+    def test_same_hits_as_full_precision_when_nothing_is_evicted(self):
+        size = 3 * self.N + 8
+        for name, (full, side) in self.PAIRS.items():
+            with self.subTest(variant=name):
+                self.assertEqual(bench_hit_rate.VARIANTS[name].side, side)
+                res = run_hit_trace(bench_hit_rate.VARIANTS[name].factory(400_000, size), self.records, side=side)
+                ref = run_hit_trace(bench_hit_rate.VARIANTS[full].factory(400_000, size), self.records, side="x")
+                self.assertTrue(res.leak_ok, res.leak_details)
+                self.assertEqual(res.prefix_lens, ref.prefix_lens)
+                self.assertGreater(res.matched_tokens, 0)
+
+    def test_small_pools_evict_without_leak(self):
+        active, slots = bench_hit_rate.int8_split(8)
+        for name, (_, side) in self.PAIRS.items():
+            with self.subTest(variant=name):
+                driver = bench_hit_rate.VARIANTS[name].factory(8192, 8)
+                res = run_hit_trace(driver, self.records, side=side)
+                self.assertTrue(res.leak_ok, res.leak_details)
+                self.assertGreater(res.hits, 0)
+                pool = driver.req_to_token_pool
+                ckpt = pool.mamba_ckpt_pool
+                self.assertEqual((pool.mamba_pool.size, ckpt.num_slots), (active, slots))
+                self.assertEqual(pool.mamba_allocator.available_size(), active)
+                self.assertEqual(ckpt.available_size() + driver.cache.mamba_evictable_size(), slots)
 
 
 @requires_sglang
@@ -575,7 +641,8 @@ class MainChatTest(unittest.TestCase):
         upper bound, at the last ``--mamba-sizes``, as :func:`run_config` measures them."""
         from sglang_mamba_ext.benchmarks.chat_workload import chat_workload
 
-        names = ["upstream-nobuf", "upstream-xbuf", "ours-branch-recompute", "oracle-belady", "upper-bound-lp"]
+        names = ["upstream-nobuf", "upstream-xbuf", "ours-branch-recompute", "oracle-belady", "upper-bound-lp",
+                 "upstream-xbuf-int8", "ours-branch-adaptive-int8"]
         argv = ["--workload", "chat", "--limit", "80", "--mamba-sizes", "12,6"]
         for n in names:
             argv += ["--only", n]
@@ -591,7 +658,8 @@ class MainChatTest(unittest.TestCase):
         self.assertEqual(
             lines[-1],
             f"hit_ratio={ours / up:.4f} oracle_ratio={ours / by['oracle-belady'].hit_rate:.4f} "
-            f"upper_bound_ratio={ours / by['upper-bound-lp'].hit_rate:.4f}",
+            f"upper_bound_ratio={ours / by['upper-bound-lp'].hit_rate:.4f} "
+            f"bytes_hit_ratio={max(ours, by['ours-branch-adaptive-int8'].hit_rate) / max(up, by['upstream-xbuf-int8'].hit_rate):.4f}",
         )
         self.assertGreaterEqual(by["oracle-belady"].matched_tokens, by["ours-branch-recompute"].matched_tokens)
         self.assertGreaterEqual(by["upper-bound-lp"].matched_tokens, by["oracle-belady"].matched_tokens)

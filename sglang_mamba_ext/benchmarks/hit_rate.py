@@ -296,13 +296,69 @@ def _bound(name: str = "upper-bound-lp") -> Callable[..., CacheDriver]:
     return factory
 
 
+# ------------------------------------------------------------- equal device bytes
+#: One served model's linear-attention state, to weigh an int8 cached state against a
+#: full-precision one: Qwen3-Next's Gated DeltaNet layer (32 value heads of 128 x 128, bf16;
+#: conv window of 3 tokens over 8,192 channels, bf16). Per layer, in bytes.
+INT8_REFERENCE_STATE = dict(heads=32, d_k=128, d_v=128, conv_channels=8192, conv_window=3, dtype_bytes=2)
+#: Active (full-precision) SSM slots an int8 row keeps for running requests: one request at
+#: a time holds at most 3 (a working slot and two ping-pong or planned checkpoint slots).
+INT8_ACTIVE_SLOTS = 4
+
+
+def int8_state_bytes_ratio(shape: dict = INT8_REFERENCE_STATE) -> float:
+    """Bytes of one int8 cached state (int8 data, one scale per (head, k-channel) in the
+    state's dtype, the conv window at its dtype: SGLang's ``MambaCheckpointPool`` layout)
+    over one full-precision state."""
+    h, dk, dv, b = shape["heads"], shape["d_k"], shape["d_v"], shape["dtype_bytes"]
+    conv = shape["conv_channels"] * shape["conv_window"] * b
+    return (h * dk * dv + h * dk * b + conv) / (h * dk * dv * b + conv)
+
+
+def int8_split(mamba_size: int) -> tuple[int, int]:
+    """``(active slots, int8 checkpoint slots)`` holding at most the device bytes of
+    ``mamba_size`` full-precision slots: :data:`INT8_ACTIVE_SLOTS` active, the rest int8."""
+    active = min(INT8_ACTIVE_SLOTS, mamba_size)
+    return active, int((mamba_size - active) / int8_state_bytes_ratio())
+
+
+def _upstream_int8(driver_cls: str, name: str, **kw) -> Callable[[int, int], CacheDriver]:
+    """An upstream variant with SGLang's int8 checkpoints at the device bytes of
+    ``mamba_size`` full-precision slots (:func:`int8_split`)."""
+
+    def factory(kv_size: int, mamba_size: int) -> CacheDriver:
+        from sglang_mamba_ext.benchmarks import upstream
+
+        active, slots = int8_split(mamba_size)
+        cls = type(driver_cls + "Int8", (getattr(upstream, driver_cls),), {"int8_slots": slots})
+        d = cls(kv_size, active, **kw)
+        d.name = name
+        return d
+
+    return factory
+
+
+def _ours_int8(name: str, **kw) -> Callable[[int, int], CacheDriver]:
+    """One of this project's variants with int8 checkpoints at the device bytes of
+    ``mamba_size`` full-precision slots (:func:`int8_split`)."""
+
+    def factory(kv_size: int, mamba_size: int) -> CacheDriver:
+        from sglang_mamba_ext.benchmarks.ours import OursDriver
+
+        active, slots = int8_split(mamba_size)
+        return OursDriver(kv_size, active, name=name, int8_slots=slots, **kw)
+
+    return factory
+
+
 #: upstream variants SGLang can serve on a CPU device (no_buffer); see the docstring.
 NO_BUFFER_VARIANTS = ("upstream-nobuf", "upstream-nobuf-ckpt")
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    side: str  # "upstream", "ours", "oracle" or "bound" (the last two's factory also takes the records)
+    side: str  # "upstream", "ours", "oracle" or "bound" (the last two's factory also takes the records);
+    # "upstream-bytes" / "ours-bytes": int8 rows at equal device bytes, only in bytes_hit_ratio
     factory: Callable[..., CacheDriver]
     doc: str
 
@@ -364,6 +420,26 @@ VARIANTS: dict[str, Variant] = {
         "oracle",
         _oracle("oracle-belady-naive", shadowing=False),
         "MambaRadixCache, branch-point checkpoints, offline Belady victims (every extension a use)",
+    ),
+    "upstream-nobuf-ckpt-int8": Variant(
+        "upstream-bytes",
+        _upstream_int8("UpstreamDriver", "upstream-nobuf-ckpt-int8", prompt_checkpoint=True),
+        "upstream-nobuf-ckpt with SGLang's int8 checkpoints, same device bytes",
+    ),
+    "upstream-xbuf-int8": Variant(
+        "upstream-bytes",
+        _upstream_int8("UpstreamExtraBufferDriver", "upstream-xbuf-int8"),
+        "upstream-xbuf with SGLang's int8 checkpoints, same device bytes",
+    ),
+    "ours-branch-lru-int8": Variant(
+        "ours-bytes",
+        _ours_int8("ours-branch-lru-int8", prefix_checkpoints=True),
+        "ours-branch-lru with int8 checkpoints (--enable-int8-mamba-checkpoint), same device bytes",
+    ),
+    "ours-branch-adaptive-int8": Variant(
+        "ours-bytes",
+        _ours_int8("ours-branch-adaptive-int8", prefix_checkpoints=True, eviction_policy="adaptive"),
+        "ours-branch-adaptive with int8 checkpoints, same device bytes",
     ),
     "upper-bound-lp": Variant(
         "bound",
@@ -494,6 +570,27 @@ def print_sharers(records: Sequence[TraceRecord], per_size: dict[int, list[HitRe
             )
 
 
+def bytes_hit_ratio(results: Sequence[HitResult]) -> tuple[float, str, str]:
+    """``(ratio, ours best, upstream best)`` at equal device bytes: the best hit rate of this
+    cache's rows (full precision and int8) over SGLang's (every upstream row, with and
+    without int8); NaN (and "-") where a side has no row."""
+    import math
+
+    def best(sides):
+        rows = [r for r in results if r.side in sides]
+        return max(rows, key=lambda r: r.hit_rate) if rows else None
+
+    ours, up = best(("ours", "ours-bytes")), best(("upstream", "upstream-bytes"))
+    if ours is None or up is None:
+        return math.nan, ours.name if ours else "-", up.name if up else "-"
+    return (ours.hit_rate / up.hit_rate if up.hit_rate > 0 else math.inf), ours.name, up.name
+
+
+def _bytes_note() -> str:
+    r = int8_state_bytes_ratio()
+    return f"an int8 state is {r:.3f} of a bf16 one; int8 rows keep {INT8_ACTIVE_SLOTS} active slots"
+
+
 def summary_lines(label: str, per_size: dict[int, list[HitResult]], best_of_set: str) -> list[str]:
     """Per SSM pool size: ours best against upstream best of both sets, and (main set,
     ``best_of_set``) against the offline bound and the upper bound."""
@@ -561,9 +658,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     last = per_size[args.mamba_sizes[-1]]
     h, _, _, _ = comparison(_counted(last, args.upstream_best_of))
     orat, _ = oracle_ratio(last)
+    bh, ours_name, up_name = bytes_hit_ratio(last)
+    print(f"mamba_size={args.mamba_sizes[-1]} equal device bytes ({_bytes_note()}): ours {ours_name}, "
+          f"upstream {up_name}: bytes_hit_ratio={_fmt_ratio(bh)}")
     print(
         f"hit_ratio={_fmt_ratio(h)} oracle_ratio={_fmt_ratio(orat)} "
-        f"upper_bound_ratio={_fmt_ratio(upper_bound_ratio(last))}"
+        f"upper_bound_ratio={_fmt_ratio(upper_bound_ratio(last))} bytes_hit_ratio={_fmt_ratio(bh)}"
     )
     return 1 if leak else 0
 

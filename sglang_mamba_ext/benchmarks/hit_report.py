@@ -50,19 +50,19 @@ def format_table(
     order: Sequence[str],
 ) -> str:
     head = (
-        f"{'variant':<22} {'hit rate':>8} {'KV ceil':>8} {'recomputed':>11} "
+        f"{'variant':<26} {'hit rate':>8} {'KV ceil':>8} {'recomputed':>11} "
         f"{'req w/ hit':>10} {'state copies':>12} {'leak':>5} {'sec':>6}"
     )
     lines = [f"== SSM pool {mamba_size} slots, KV pool {kv_size} tokens, page_size 1 ==", head]
     by_name = {r.name: r for r in results}
     for name in order:
         if name in unavailable:
-            lines.append(f"{name:<22} not available ({unavailable[name]})")
+            lines.append(f"{name:<26} not available ({unavailable[name]})")
             continue
         r = by_name[name]
         ceil = "n/a" if r.kv_ceiling is None else f"{100 * r.kv_ceiling:.2f}%"
         lines.append(
-            f"{r.name:<22} {100 * r.hit_rate:>7.2f}% {ceil:>8} {r.recomputed_tokens:>11,} "
+            f"{r.name:<26} {100 * r.hit_rate:>7.2f}% {ceil:>8} {r.recomputed_tokens:>11,} "
             f"{r.hits:>10} {r.state_copies:>12,} {'ok' if r.leak_ok else 'LEAK':>5} "
             f"{r.seconds:>6.1f}"
         )

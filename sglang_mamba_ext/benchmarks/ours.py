@@ -109,6 +109,7 @@ def build_plugin_cache(
     eviction_policy: str = "lru",
     max_context_len: int = 4096,
     max_num_reqs: int = 4,
+    int8_slots: int = 0,
 ):
     """``(adapter, kv_allocator, req_to_token_pool, runtime_context)`` built through SGLang's code paths
     (module docstring). Sizes: ``kv_size`` tokens, ``mamba_size`` SSM slots (slot 0 of
@@ -116,6 +117,9 @@ def build_plugin_cache(
 
     Raises:
         ValueError: from the plugin, for sizes or a policy it refuses (naming the flag).
+
+    ``int8_slots > 0``: ``--enable-int8-mamba-checkpoint --int8-mamba-ckpt-size int8_slots``
+    (the tree's states in SGLang's int8 checkpoint pool).
     """
     from sglang.srt.runtime_context import use_context
 
@@ -126,6 +130,7 @@ def build_plugin_cache(
             "--disable-overlap-schedule", "--max-mamba-cache-size", str(mamba_size),
             "--radix-eviction-policy", eviction_policy,
         ]
+        + (["--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", str(int8_slots)] if int8_slots else [])
     )
     with use_context(ctx):
         pool = build_req_pool(max_num_reqs, max_context_len)
@@ -152,9 +157,11 @@ class OursDriver(SchedulerDriver):
         eviction_policy: str = "lru",
         prefix_checkpoints: bool = False,
         name: str = "ours",
+        int8_slots: int = 0,
         **kw,
     ):
         self.name = name
+        self.int8_slots = int8_slots
         self.eviction_policy = eviction_policy
         self.prefix_checkpoints = prefix_checkpoints
         self.checkpoints_planned = 0
@@ -162,7 +169,8 @@ class OursDriver(SchedulerDriver):
 
     def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
         cache, allocator, pool, self.context = build_plugin_cache(
-            kv_size, mamba_size, eviction_policy=self.eviction_policy, max_context_len=max_context_len
+            kv_size, mamba_size, eviction_policy=self.eviction_policy, max_context_len=max_context_len,
+            int8_slots=self.int8_slots,
         )
         pool.prefix_checkpoint_writer = self.prefix_checkpoints
         return cache, allocator, pool
@@ -173,6 +181,7 @@ class OursDriver(SchedulerDriver):
             f"kv_size={self.allocator.size} mamba_size={self.req_to_token_pool.mamba_pool.size} "
             f"page_size={self.cache.page_size} strategy=no_buffer cow_copy={self.cow_copy} "
             f"prefix_checkpoints={self.prefix_checkpoints} eviction_policy={self.eviction_policy}"
+            + (f" int8_ckpt_slots={self.int8_slots}" if self.int8_slots else "")
         )
 
     def alloc_mamba(self, h: Handle) -> None:

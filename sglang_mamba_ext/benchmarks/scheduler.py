@@ -209,7 +209,10 @@ class SchedulerDriver(CacheDriver):
         self._alloc_req_slots(self.req_to_token_pool, [req], self.cache)
         if self.cow_copy:
             pool = self.req_to_token_pool
-            if req.kv.mamba_cow_src_index is not None:
+            ckpt = getattr(pool, "mamba_ckpt_pool", None)
+            if req.kv.mamba_cow_src_index is not None and ckpt is not None:
+                ckpt.load_to_active(pool.mamba_pool, req.kv.mamba_cow_src_index, req.kv.mamba_pool_idx.unsqueeze(0))
+            elif req.kv.mamba_cow_src_index is not None:
                 pool.copy_mamba_state(req.kv.mamba_cow_src_index, req.kv.mamba_pool_idx.unsqueeze(0))
             elif req.kv.mamba_needs_clear:
                 pool.mamba_pool.clear_slots(req.kv.mamba_pool_idx.unsqueeze(0))
@@ -263,7 +266,9 @@ class SchedulerDriver(CacheDriver):
 
     def leak_check(self) -> tuple[bool, str]:
         """``free + evictable + protected == size`` for KV (tokens) and SSM (slots), every
-        request row free. Returns ``(ok, details)``."""
+        request row free; with int8 checkpoints (SGLang's ``mamba_ckpt_pool``) the tree's
+        states are counted against the checkpoint pool and every active SSM slot is free.
+        Returns ``(ok, details)``."""
         cache = self.cache
         kv_free = self.allocator.available_size()
         kv_evictable = cache.full_evictable_size()
@@ -273,6 +278,11 @@ class SchedulerDriver(CacheDriver):
         m_evictable = cache.mamba_evictable_size()
         m_protected = cache.mamba_protected_size()
         m_size = self.req_to_token_pool.mamba_pool.size
+        ckpt = getattr(self.req_to_token_pool, "mamba_ckpt_pool", None)
+        if ckpt is not None:
+            if m_free != m_size:
+                return False, f"mamba: {m_size - m_free} active slots held at the end"
+            m_free, m_size = ckpt.available_size(), ckpt.num_slots
         rows_free = self.req_to_token_pool.available_size()
         rows = self.req_to_token_pool.size
         ok = (

@@ -56,6 +56,9 @@ class UpstreamDriver(SchedulerDriver):
     #: the pool's ``enable_overlap_schedule`` (SGLang's default; matters under extra_buffer)
     enable_overlap_schedule = True
 
+    #: int8 checkpoint slots (SGLang's ``MambaCheckpointPool``) attached after the build, 0: none
+    int8_slots = 0
+
     def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
         extra_buffer = self.extra_buffer
         # Heavy imports only when the driver is built.
@@ -91,6 +94,8 @@ class UpstreamDriver(SchedulerDriver):
         ), mock.patch.object(fixtures, "HybridReqToTokenPool", pool_cls):
             cache, allocator, req_to_token_pool = fixtures.build_fixture(cfg)
         assert cache.enable_mamba_extra_buffer == extra_buffer
+        if self.int8_slots:
+            req_to_token_pool.mamba_ckpt_pool = _int8_pool(req_to_token_pool, self.int8_slots)
         return cache, allocator, req_to_token_pool
 
     def describe(self) -> str:
@@ -101,7 +106,31 @@ class UpstreamDriver(SchedulerDriver):
             f"kv_size={self.allocator.size} mamba_size={self.req_to_token_pool.mamba_pool.size} "
             f"page_size={self.cache.page_size} cow_copy={self.cow_copy}"
             + (f" prompt_checkpoint={self.prompt_checkpoint}")
+            + (f" int8_ckpt_slots={self.int8_slots}" if self.int8_slots else "")
         )
+
+
+def _int8_pool(req_to_token_pool, slots: int):
+    """SGLang's ``MambaCheckpointPool`` of ``slots`` states shaped as the pool's active states:
+    what ``HybridReqToTokenPool`` builds under ``--enable-int8-mamba-checkpoint`` (the test
+    kit builds the pool without a runtime context, so the flag cannot reach it); the cache's
+    MAMBA component reads ``req_to_token_pool.mamba_ckpt_pool`` when it stores and frees
+    states (``unified_cache/components/mamba.py``)."""
+    from sglang.srt.mem_cache.mamba_checkpoint_pool import MambaCheckpointPool
+
+    cache = req_to_token_pool.mamba_pool.mamba_cache
+    heads, d_v, d_k = cache.temporal.shape[2:]
+    return MambaCheckpointPool(
+        num_layers=cache.temporal.shape[0],
+        num_slots=slots,
+        num_heads=heads,
+        head_v_dim=d_v,
+        head_k_dim=d_k,
+        conv_shapes=[tuple(c.shape[2:]) for c in cache.conv],
+        conv_dtype=cache.conv[0].dtype,
+        device="cpu",
+        temporal_dtype=cache.temporal.dtype,
+    )
 
 
 class _ScheduleBatchView:
