@@ -37,7 +37,7 @@ from sglang_mamba_ext.mem_cache import (
     MambaRadixCache,
     RadixKey,
 )
-from sglang_mamba_ext.mem_cache.checkpoint_pool import copy_on_write
+from sglang_mamba_ext.mem_cache.checkpoint_pool import HostStatePool, copy_on_write
 from sglang_mamba_ext.mem_cache.mamba_pool import SlotPool
 
 MOD = (1 << 31) - 1
@@ -99,20 +99,31 @@ def make_cache(
     num_layers: int = 2,
     finish_state: str = "working",
     ckpt_size: int = 0,
+    host_size: int = 0,
     **cache_kwargs,
 ):
     """``ckpt_size > 0``: the tree keeps its states in an :class:`ExactCheckpointPool` of
-    that many slots (the int8 checkpoint lifecycle)."""
+    that many slots (the int8 checkpoint lifecycle); ``host_size > 0``: a host tier of that
+    many states (:class:`HostStatePool`, exact copies)."""
     kv = KVSlotAllocator(kv_size, page_size)
     mp = MambaPool(mamba_size, num_layers, (CONV_W - 1,), (2,), dtype=torch.int64)
     ckpt = ExactCheckpointPool(ckpt_size, mp) if ckpt_size > 0 else None
-    rp = HybridReqToTokenPool(rows, max_context_len, mp, track_slots_per_req=track_slots, mamba_ckpt_pool=ckpt)
+    host = HostStatePool(host_size, mp) if host_size > 0 else None
+    rp = HybridReqToTokenPool(
+        rows, max_context_len, mp, track_slots_per_req=track_slots, mamba_ckpt_pool=ckpt, mamba_host_pool=host
+    )
     cache = MambaRadixCache(
         kv, rp, page_size=page_size, mamba_track_interval=mamba_track_interval or 4 * page_size,
         finish_state=finish_state,
         **cache_kwargs,
     )
     return cache
+
+
+class _PoolView:
+    def __init__(self, conv_state, temporal_state):
+        self.conv_state = conv_state
+        self.temporal_state = temporal_state
 
 
 class SimModel:
@@ -155,6 +166,10 @@ class SimModel:
                 self.check_kv(child.value, child.key, len(path), f"node {child.id}")
                 if child.mamba_value is not None:
                     self.check_state(child.mamba_value, full, f"node {child.id}", self.cache.state_pool)
+                if child.mamba_host_value is not None:
+                    host = self.cache.mamba_host_pool
+                    view = _PoolView(conv_state=host.host[0], temporal_state=host.host[1])
+                    self.check_state(child.mamba_host_value, full, f"node {child.id} host copy", view)
                 stack.append((child, full))
 
     # ------------------------------------------------------------------ scheduler side

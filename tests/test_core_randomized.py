@@ -33,12 +33,15 @@ class CacheMachine(RuleBasedStateMachine):
     finish_state = "working"
     cache_kwargs: dict = {}
     ops = 0
+    host_loads = 0
+    host_backups = 0
+    mamba_size = 10
 
     def __init__(self):
         super().__init__()
         self.cache = make_cache(
             kv_size=96,
-            mamba_size=10,
+            mamba_size=self.mamba_size,
             page_size=self.page_size,
             track_slots=self.track_slots,
             rows=4,
@@ -173,7 +176,7 @@ class CacheMachine(RuleBasedStateMachine):
         else:
             m = self.cache.match_prefix(RadixKey(key))
         assert m.prefix_len <= m.kv_match_len <= len(key)
-        assert m.last_node is self.cache.root_node or m.last_node.mamba_value is not None
+        assert m.last_node is self.cache.root_node or m.last_node.has_state
 
     @rule(depth=st.integers(0, 4))
     def lock_node(self, depth):
@@ -214,10 +217,15 @@ class CacheMachine(RuleBasedStateMachine):
             assert cache.full_protected_size() == 0 and cache.mamba_protected_size() == 0
             pool = cache.state_pool
             assert pool.available_size() + cache.mamba_evictable_size() + cache.mamba_protected_size() == pool.size
+            host = cache.mamba_host_pool
+            if host is not None:
+                assert host.available_size() + cache.host_states() == host.size
             if cache.mamba_ckpt_pool is not None:  # the tree holds no active slot
                 assert cache.mamba_pool.available_size() == cache.mamba_pool.size
 
     def teardown(self):
+        CacheMachine.host_loads += self.cache.host_loads_total
+        CacheMachine.host_backups += self.cache.host_backups_total
         for req in list(self.live):
             self.sim.release(req, checkpoint=False)
         for node in self.locks:
@@ -257,6 +265,21 @@ CONFIGS = {
         page_size=1, track_slots=2, finish_state="working", cache_kwargs=dict(
             branch_checkpoints=True, ckpt_size=6, max_states_per_path=3)
     ),
+    # a host tier of the states (--enable-hierarchical-cache), each write policy
+    "page1_branch_host_through": dict(
+        page_size=1, track_slots=2, finish_state="working", cache_kwargs=dict(
+            branch_checkpoints=True, host_size=7, hicache_write_policy="write_through")
+    ),
+    "page1_track_host_selective_adaptive": dict(
+        page_size=1, track_slots=2, finish_state="working", cache_kwargs=dict(
+            branch_checkpoints=True, host_size=6, hicache_write_policy="write_through_selective",
+            eviction_policy="adaptive", max_states_per_path=3)
+    ),
+    "page2_nobuffer_host_back_recompute": dict(
+        page_size=2, track_slots=0, finish_state="working", mamba_size=5, cache_kwargs=dict(
+            branch_checkpoints=True, host_size=8, hicache_write_policy="write_back",
+            eviction_policy="recompute", kv_bytes_per_token=64)
+    ),
     "page2_nobuffer_ckpt_recompute": dict(
         page_size=2, track_slots=0, finish_state="working", cache_kwargs=dict(
             branch_checkpoints=True, ckpt_size=5, eviction_policy="recompute", kv_bytes_per_token=64)
@@ -279,9 +302,17 @@ def _make_case(name, cfg):
         def runTest(self):
             before = CacheMachine.ops
             stores = ExactCheckpointPool.total_stores
+            loads, backups = CacheMachine.host_loads, CacheMachine.host_backups
             super().runTest()
             # The machine really stepped (invariants run once per step).
             self.assertGreaterEqual(CacheMachine.ops - before, examples * STEPS // 2)
+            kw = cfg.get("cache_kwargs", {})
+            if kw.get("host_size"):
+                # states really went to the host tier and (but for write_through_selective,
+                # whose copies need a hit first: rare here) came back from it
+                self.assertGreater(CacheMachine.host_backups - backups, 0)
+                if kw.get("hicache_write_policy") != "write_through_selective":
+                    self.assertGreater(CacheMachine.host_loads - loads, 0)
             if cfg.get("cache_kwargs", {}).get("ckpt_size"):
                 # states really went through the checkpoint pool (several per example)
                 self.assertGreaterEqual(ExactCheckpointPool.total_stores - stores, examples)

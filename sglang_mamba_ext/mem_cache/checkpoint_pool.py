@@ -141,3 +141,58 @@ def copy_on_write(active: MambaPool, ckpt: Optional[Int8CheckpointPool], src: Sl
         active.copy_from(src, dst)
     else:
         ckpt.load_to_active(active, src, dst)
+
+
+class HostStatePool(SlotPool):
+    """The host tier of the tree's SSM states (``--enable-hierarchical-cache``;
+    ``docs/design.md``, "Host tier"): slots ``1 .. size`` of full-precision copies, in host
+    memory, of the state tensors of an active pool (slot 0 reserved).
+
+    Tensors: for each state tensor ``t`` of the active pool (``[L, S + 1, *shape]``:
+    ``active.state_tensors()``, the conv window and the temporal state for
+    :class:`MambaPool`) one host tensor ``[L, size + 1, *shape]`` of the same dtype, on the
+    CPU (page-locked with ``pin_memory``, for asynchronous copies from a GPU).
+
+    Args:
+        size: host slots (states), >= 1.
+        active: the device pool whose states are copied here.
+        pin_memory: page-locked host memory (only where CUDA is available).
+
+    Raises:
+        ValueError: ``size < 1``.
+    """
+
+    def __init__(self, size: int, active, pin_memory: bool = False):
+        if size < 1:
+            raise ValueError(f"HostStatePool size must be >= 1 slot, got {size}")
+        self.size = size
+        self.device = torch.device("cpu")
+        self.host = [
+            torch.zeros((t.shape[0], size + 1, *t.shape[2:]), dtype=t.dtype, device="cpu", pin_memory=pin_memory)
+            for t in active.state_tensors()
+        ]
+        self.clear_all()
+
+    def slot_bytes(self) -> int:
+        """Bytes of one host state over all layers."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self.host)
+
+    def total_bytes(self) -> int:
+        """Bytes held by the pool's tensors (``size + 1`` slots)."""
+        return self.slot_bytes() * (self.size + 1)
+
+    def store_from_active(self, active, active_slots: SlotsLike, host_slots: SlotsLike) -> None:
+        """Copy the states of ``active_slots`` of ``active`` to ``host_slots`` (device to host;
+        returns when the copy is done)."""
+        for h, t in zip(self.host, active.state_tensors()):
+            src = _as_index(active_slots, t.device)
+            h[:, _as_index(host_slots, self.device)] = t[:, src].to("cpu")
+
+    def load_to_active(self, active, host_slots: SlotsLike, active_slots: SlotsLike) -> None:
+        """Copy ``host_slots`` into ``active_slots`` of ``active`` (host to device; returns
+        when the copy is done)."""
+        for h, t in zip(self.host, active.state_tensors()):
+            dst = _as_index(active_slots, t.device)
+            t[:, dst] = h[:, _as_index(host_slots, self.device)].to(t.device)
+            if t.device.type == "cuda":
+                torch.cuda.current_stream(t.device).synchronize()

@@ -51,7 +51,9 @@ class LRUEviction:
             node = link.owner
             nxt = lru.step_toward_head(link)
             if node.mamba_lock_ref == 0:
-                if node.children:
+                if cache._demote(node):  # kept in the host tier
+                    res.mamba_num_evicted += 1
+                elif node.children:
                     cache._drop_state(node)
                     res.mamba_num_evicted += 1
                 elif node.full_lock_ref == 0:
@@ -106,7 +108,9 @@ class RecomputeEviction(LRUEviction):
             node = self._victim(leaf_only=False)
             if node is None:
                 return
-            if node.children:
+            if cache._demote(node):  # kept in the host tier
+                res.mamba_num_evicted += 1
+            elif node.children:
                 cache._drop_state(node)
                 res.mamba_num_evicted += 1
             else:
@@ -134,7 +138,7 @@ class RecomputeEviction(LRUEviction):
         cache = self.cache
         root = cache.root_node
         anc = node.parent
-        while anc is not root and anc.mamba_value is None:
+        while anc is not root and not anc.has_state:
             anc = anc.parent
         size = 1.0
         if not node.children and cache.kv_bytes_per_token:
@@ -223,7 +227,7 @@ class AdaptiveEviction(RecomputeEviction):
         """``(mamba_origin, under_state)`` of the state just stored at ``node``."""
         root = self.cache.root_node
         anc = node.parent
-        while anc is not root and anc.mamba_value is None:
+        while anc is not root and not anc.has_state:
             anc = anc.parent
         return (node.mamba_origin, anc is not root)
 

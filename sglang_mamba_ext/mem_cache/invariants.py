@@ -34,6 +34,7 @@ def sanity_check(cache: "MambaRadixCache") -> None:
     fe = fp = me = mp = 0
     kv_seen: List[torch.Tensor] = []
     mamba_seen = set()
+    host_seen = set()
     stack = [root]
     while stack:
         node = stack.pop()
@@ -56,7 +57,7 @@ def sanity_check(cache: "MambaRadixCache") -> None:
                 f"{child!r} holds more KV locks than its parent"
             )
             if not child.children:
-                assert child.mamba_value is not None or child.full_lock_ref > 0, f"leaf {child!r} is a tombstone"
+                assert child.has_state or child.full_lock_ref > 0, f"leaf {child!r} is a tombstone"
             assert child.full_link.linked, f"{child!r} missing from the KV LRU list"
             if child.mamba_value is not None:
                 assert child.mamba_link.linked, f"{child!r} missing from the SSM LRU list"
@@ -71,6 +72,15 @@ def sanity_check(cache: "MambaRadixCache") -> None:
                     me += 1
             else:
                 assert not child.mamba_link.linked, f"tombstone {child!r} in the SSM LRU list"
+            if child.mamba_host_value is not None:
+                assert child.host_link.linked, f"{child!r} missing from the host LRU list"
+                assert child.mamba_host_value not in host_seen, f"host slot {child.mamba_host_value} in two nodes"
+                assert not cache.mamba_host_pool.is_free(child.mamba_host_value), (
+                    f"host slot {child.mamba_host_value} of {child!r} is on the free list"
+                )
+                host_seen.add(child.mamba_host_value)
+            else:
+                assert not child.host_link.linked, f"{child!r} without a host copy in the host LRU list"
             if child.full_lock_ref > 0:
                 fp += len(child.key)
             else:
@@ -135,6 +145,8 @@ def check_slot_accounting(cache: "MambaRadixCache", live_reqs: Sequence[CacheReq
     unit = "pages" if ps > 1 else "slots"
     assert uniq.numel() == owned.numel(), f"{owned.numel() - uniq.numel()} KV {unit} are owned twice"
     assert uniq.numel() == total, f"KV slots lost: {total - uniq.numel()} {unit} of {total} not accounted for"
+    if cache.mamba_host_pool is not None:
+        _check_slots("host SSM", cache.mamba_host_pool, [n.mamba_host_value for n in cache.nodes() if n.mamba_host_value is not None])
     if cache.mamba_ckpt_pool is None:
         _check_slots("SSM", cache.mamba_pool, tree_mamba + req_mamba)
     else:

@@ -214,6 +214,11 @@ class MambaPool(SlotPool):
         self.conv_state[:, idx] = 0
         self.temporal_state[:, idx] = 0
 
+    def state_tensors(self) -> List[torch.Tensor]:
+        """Every tensor holding a slot's state, each ``[L, size + 1, ...]`` (what a copy of
+        a state to another tier must take)."""
+        return [self.conv_state, self.temporal_state]
+
     def layer_cache(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Views ``(conv_state[layer], temporal_state[layer])``: ``[size+1, *conv_shape]``
         and ``[size+1, *temporal_shape]``, for a forward pass of linear layer ``layer``

@@ -20,6 +20,9 @@ from . import invariants
 from .eviction import PriorityEviction, VictimPriority, make_eviction_policy
 from .lru import LRUList
 from .prefix_checkpoints import FINISH_STATES, PrefixCheckpoints
+
+#: ``hicache_write_policy`` values (SGLang's ``--hicache-write-policy``).
+HOST_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
 from .stats import CacheCounters, CacheStats
@@ -52,10 +55,16 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         eviction_policy: ``"lru"`` or ``"recompute"`` (:mod:`.eviction`).
         kv_bytes_per_token: bytes of one token's KV over all attention layers, so the
             recompute policy can weigh KV freed by removing a leaf (0: SSM bytes only).
+        hicache_write_policy: when a state gets its host-tier copy, if the request pool has
+            a ``mamba_host_pool`` (``docs/design.md``, "Host tier"): ``"write_through"``
+            (when it enters the tree), ``"write_through_selective"`` (when a request first
+            resumes from it; an evicted state without a copy is dropped) or
+            ``"write_back"`` (when the device tier evicts it).
 
     Raises:
         ValueError: on a bad ``page_size``, ``mamba_track_interval``, ``finish_state`` or
-            ``eviction_policy``.
+            ``eviction_policy``, or ``hicache_write_policy``; int8 checkpoints together with
+            a host tier.
     """
 
     #: Observer of tree changes, ``event_sink(kind, node, other=None)`` (``docs/design.md``,
@@ -75,6 +84,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         max_states_per_path: int = 0,
         eviction_policy: str = "lru",
         kv_bytes_per_token: int = 0,
+        hicache_write_policy: str = "write_through",
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -95,6 +105,22 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         self.mamba_ckpt_pool = getattr(req_to_token_pool, "mamba_ckpt_pool", None)
         #: The pool the tree's ``mamba_value`` slots belong to.
         self.state_pool = self.mamba_ckpt_pool if self.mamba_ckpt_pool is not None else self.mamba_pool
+        #: The host tier of the states (``mamba_host_value`` slots), or ``None``.
+        self.mamba_host_pool = getattr(req_to_token_pool, "mamba_host_pool", None)
+        if hicache_write_policy not in HOST_WRITE_POLICIES:
+            raise ValueError(
+                f"hicache_write_policy must be one of {', '.join(HOST_WRITE_POLICIES)}, got {hicache_write_policy!r}"
+            )
+        if self.mamba_host_pool is not None and self.mamba_ckpt_pool is not None:
+            raise ValueError("int8 checkpoints and a host tier cannot be combined (SGLang refuses it too)")
+        self.hicache_write_policy = hicache_write_policy
+        #: Host-tier totals since construction: states copied to the host, states a request
+        #: resumed from the host, device states the device tier gave up for their host copy,
+        #: host copies evicted.
+        self.host_backups_total = 0
+        self.host_loads_total = 0
+        self.host_demotions_total = 0
+        self.host_evicted_total = 0
         self.page_size = page_size
         self.mamba_track_interval = mamba_track_interval
         self.finish_state = finish_state
@@ -123,6 +149,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         self.root_node.mamba_lock_ref = 1
         self.full_lru_list = LRUList()
         self.mamba_lru_list = LRUList()
+        self.host_lru_list = LRUList()
         self._eviction.reset()
         self._clock = 0
         self._full_evictable = 0
@@ -155,8 +182,16 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         root = self.root_node
         path, pos = self._walk(root, tokens, 0, n, extra_key)
         best = len(path)
-        while best and path[best - 1].mamba_value is None:
+        while best and not path[best - 1].has_state:
             best -= 1
+        host_slot = None
+        if cow_mamba and best and path[best - 1].mamba_value is None:
+            # the deepest state is in the host tier only: loaded into the request's own
+            # slot now, or, without a slot, the deepest device state serves instead
+            host_slot = self._load_from_host(path[best - 1], req)
+            if host_slot is None:
+                while best and path[best - 1].mamba_value is None:
+                    best -= 1
         best_node = path[best - 1] if best else root
         last = path[-1] if path else root
         self._touch_path(last)
@@ -170,7 +205,13 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             device_indices = best_node.value if best == 1 else torch.cat([c.value for c in path[:best]])
 
         result = MatchResult(device_indices, best_node, kv_match_len=pos, kv_last_node=last)
-        if cow_mamba and best:
+        if cow_mamba and best and host_slot is not None:
+            result.mamba_pool_idx = host_slot
+            if req is not None:
+                req.mamba_pool_idx = host_slot
+                req.mamba_cow_src_index = None
+                req.mamba_needs_clear = False
+        elif cow_mamba and best:
             result.mamba_cow_src_index = best_node.mamba_value
             if req is None or req.mamba_pool_idx is None:
                 result.mamba_pool_idx = self._alloc_mamba_slot(protect=best_node)
@@ -348,7 +389,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
                 self._full_evictable += k
             node = node.parent
         # A tombstone locked directly may have lost its children meanwhile.
-        if start.mamba_value is None and not start.children and start.full_lock_ref == 0 and not start.removed:
+        if not start.has_state and not start.children and start.full_lock_ref == 0 and not start.removed:
             res = EvictResult()
             self._delete_leaf(start, res)
             self._count_evicted(res)
@@ -491,6 +532,8 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             mamba_exist = True
         if not mamba_exist:
             self.stats.states_stored[origin] += 1
+            if self.mamba_host_pool is not None and self.hicache_write_policy == "write_through":
+                self._backup(node)
         if not mamba_exist and self.max_states_per_path > 0:
             self._enforce_path_cap(node)
         self._touch_path(node)
@@ -534,8 +577,17 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         """A state was ``"stored"`` (its ``mamba_origin`` already set), ``"hit"`` (a
         request resumes from it) or ``"touched"`` (matched without a copy): most recent in
         the SSM LRU list, and the eviction policy told (``state_used(node, event)``) if it
-        keeps more."""
-        self.mamba_lru_list.push_front(node.mamba_link)
+        keeps more. A node whose state is in the host tier only is moved up that tier's list."""
+        if node.mamba_value is None:
+            self.host_lru_list.push_front(node.host_link)
+        else:
+            self.mamba_lru_list.push_front(node.mamba_link)
+            if (
+                event == "hit"
+                and self.mamba_host_pool is not None
+                and self.hicache_write_policy == "write_through_selective"
+            ):
+                self._backup(node)
         if self._state_used is not None:
             self._state_used(node, event)
 
@@ -581,6 +633,8 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             if node.mamba_value is not None:
                 self._drop_state(node)
                 res.mamba_num_evicted += 1
+            if node.mamba_host_value is not None:
+                self._drop_host(node)
             kv_free(node.value)
             k = len(node.key)
             self._full_evictable -= k
@@ -590,7 +644,7 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
             node.removed = True
             if self.event_sink is not None:
                 self.event_sink("removed", node)
-            if parent is root or parent.children or parent.mamba_value is not None or parent.full_lock_ref > 0:
+            if parent is root or parent.children or parent.has_state or parent.full_lock_ref > 0:
                 return
             node = parent
 
@@ -638,3 +692,90 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         if not keep_active:
             self.mamba_pool.free([active_slot])
         return slot
+
+    # ================================================================ host tier
+    # docs/design.md, "Host tier": a state's copy in host memory (``mamba_host_value``)
+    def _backup(self, node: TreeNode) -> bool:
+        """Give ``node``'s device state a host copy (evicting the host tier's least recently
+        used copy if it is full; ``node`` is locked meanwhile). False if no host slot."""
+        if node.mamba_host_value is not None:
+            return True
+        host = self.mamba_host_pool
+        got = host.alloc_list(1)
+        if got is None:
+            self.inc_lock_ref(node)
+            self._evict_host(1)
+            self.dec_lock_ref(node)
+            got = host.alloc_list(1)
+            if got is None:
+                return False
+        host.store_from_active(self.mamba_pool, [node.mamba_value], got)
+        node.mamba_host_value = got[0]
+        self.host_lru_list.push_front(node.host_link)
+        self.host_backups_total += 1
+        return True
+
+    def _demote(self, node: TreeNode) -> bool:
+        """The device tier evicts ``node``'s (unlocked) state: with a host tier it keeps its
+        host copy (made now under ``write_back`` and ``write_through`` if it has none; under
+        ``write_through_selective`` a state without one is dropped) and gives its device slot
+        back. False when the state is not kept (the caller drops it as without a host tier)."""
+        if self.mamba_host_pool is None:
+            return False
+        if node.mamba_host_value is None:
+            if self.hicache_write_policy == "write_through_selective" or not self._backup(node):
+                return False
+        self.mamba_pool.free([node.mamba_value])
+        node.mamba_value = None
+        self._mamba_evictable -= 1
+        self.mamba_lru_list.remove(node.mamba_link)
+        self.host_lru_list.push_front(node.host_link)
+        self.host_demotions_total += 1
+        return True
+
+    def _drop_host(self, node: TreeNode) -> None:
+        self.mamba_host_pool.free([node.mamba_host_value])
+        node.mamba_host_value = None
+        self.host_lru_list.remove(node.host_link)
+
+    def _evict_host(self, num: int) -> int:
+        """Free ``num`` host slots if possible, least recently used copy first: a copy whose
+        node also holds a device state, or an inner node's, is dropped; a leaf whose state is
+        on the host only is removed with its KV; locked nodes are skipped. Returns slots
+        freed."""
+        res = EvictResult()
+        lru = self.host_lru_list
+        freed = 0
+        link = lru.lru()
+        while link is not None and freed < num:
+            node = link.owner
+            nxt = lru.step_toward_head(link)
+            if node.mamba_lock_ref == 0:
+                if node.mamba_value is not None or node.children:
+                    self._drop_host(node)
+                    freed += 1
+                elif node.full_lock_ref == 0:
+                    self._delete_leaf(node, res)
+                    freed += 1
+            link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
+        self._count_evicted(res)
+        self.host_evicted_total += freed
+        return freed
+
+    def _load_from_host(self, node: TreeNode, req: Optional[CacheReq]) -> Optional[int]:
+        """A copy-on-write match ending at ``node``, whose state is in the host tier only: the
+        request's working slot (its own, or one allocated now) gets the state copied from the
+        host. ``None`` (nothing copied) if no slot can be had."""
+        if req is not None and req.mamba_pool_idx is not None:
+            slot = req.mamba_pool_idx
+        else:
+            slot = self._alloc_mamba_slot(protect=node)
+            if slot is None:
+                return None
+        self.mamba_host_pool.load_to_active(self.mamba_pool, [node.mamba_host_value], [slot])
+        self.host_loads_total += 1
+        return slot
+
+    def host_states(self) -> int:
+        """States with a host copy (O(1))."""
+        return len(self.host_lru_list)

@@ -47,6 +47,9 @@ class HybridReqToTokenPool:
             (:class:`~.checkpoint_pool.Int8CheckpointPool`, or the plugin's wrapper of
             SGLang's ``MambaCheckpointPool``); ``None``: the tree holds slots of
             ``mamba_pool`` (``docs/design.md``, "int8 checkpoints").
+        mamba_host_pool: the host tier of the tree's states
+            (:class:`~.checkpoint_pool.HostStatePool`; ``docs/design.md``, "Host tier"), or
+            ``None``.
 
     Raises:
         ValueError: on non-positive sizes, ``track_slots_per_req`` not in (0, 2), or given
@@ -65,6 +68,7 @@ class HybridReqToTokenPool:
         req_index_to_mamba_index_mapping: Optional[torch.Tensor] = None,
         req_index_to_mamba_ping_pong_track_buffer_mapping: Optional[torch.Tensor] = None,
         mamba_ckpt_pool: Optional[Any] = None,
+        mamba_host_pool: Optional[Any] = None,
     ):
         if size < 1 or max_context_len < 1:
             raise ValueError(
@@ -76,6 +80,7 @@ class HybridReqToTokenPool:
         self.max_context_len = max_context_len
         self.mamba_pool = mamba_pool
         self.mamba_ckpt_pool = mamba_ckpt_pool
+        self.mamba_host_pool = mamba_host_pool
         self.track_slots_per_req = track_slots_per_req
         self.device = torch.device(device)
         rows = size + 1

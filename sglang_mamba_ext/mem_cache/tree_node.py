@@ -43,6 +43,9 @@ class TreeNode:
         value: int64 ``[len(key)]`` KV slots of those tokens.
         mamba_value: the SSM slot holding the state after the last token of ``key`` (the
             state of the whole root-to-node sequence), or ``None`` (a tombstone).
+        mamba_host_value: the slot of a copy of that state in the host tier
+            (``--enable-hierarchical-cache``; ``docs/design.md``, "Host tier"), or ``None``.
+            A node whose state is on the host only has ``mamba_value None`` and this set.
         mamba_origin: where that state came from (``stats.STATE_ORIGINS``), for the
             metrics; meaningless on a tombstone.
         children: child dict keyed by the child's first page (and namespace).
@@ -58,6 +61,7 @@ class TreeNode:
         "key",
         "value",
         "mamba_value",
+        "mamba_host_value",
         "mamba_origin",
         "children",
         "parent",
@@ -72,6 +76,7 @@ class TreeNode:
         "id",
         "full_link",
         "mamba_link",
+        "host_link",
         "removed",
     )
 
@@ -81,6 +86,7 @@ class TreeNode:
         self.key = key
         self.value = value
         self.mamba_value: Optional[int] = None
+        self.mamba_host_value: Optional[int] = None
         self.mamba_origin: Optional[str] = None
         self.children: dict = {}
         self.parent = parent
@@ -96,16 +102,24 @@ class TreeNode:
         TreeNode._next_id += 1
         self.full_link = LRULink(self)
         self.mamba_link = LRULink(self)
+        self.host_link = LRULink(self)
         self.removed = False
 
     @property
     def is_tombstone(self) -> bool:
-        return self.mamba_value is None
+        """No state in either tier."""
+        return self.mamba_value is None and self.mamba_host_value is None
+
+    @property
+    def has_state(self) -> bool:
+        """A state in the device tier or the host tier."""
+        return self.mamba_value is not None or self.mamba_host_value is not None
 
     def __repr__(self) -> str:
         return (
             f"TreeNode(id={self.id}, len={len(self.key)}, mamba={self.mamba_value}, "
-            f"lock=({self.full_lock_ref},{self.mamba_lock_ref}))"
+            + (f"host={self.mamba_host_value}, " if self.mamba_host_value is not None else "")
+            + f"lock=({self.full_lock_ref},{self.mamba_lock_ref}))"
         )
 
 

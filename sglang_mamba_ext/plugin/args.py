@@ -150,7 +150,6 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     checks = [
         ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
         ("enable_session_radix_cache", "--enable-session-radix-cache"),
-        ("enable_streaming_session", "--enable-streaming-session"),
         ("enable_unified_memory", "--enable-unified-memory"),
         ("enable_lmcache", "--enable-lmcache"),
         ("enable_linear_replayssm", "--enable-linear-replayssm"),

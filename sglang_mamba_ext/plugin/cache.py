@@ -38,6 +38,7 @@ from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
+from sglang_mamba_ext.plugin.sessions import end_streaming_turn
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -255,6 +256,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             self.sync_metrics()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
+        end_streaming_turn(req)  # a streaming session's turn ended (plugin/sessions.py)
         kv = req.kv
         if kv.mamba_pool_idx is None and kv.mamba_ping_pong_track_buffer is None:
             return

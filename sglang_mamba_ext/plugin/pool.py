@@ -63,6 +63,11 @@ class SGLangStateMambaPool(CoreMambaPool):
         )
         self.sglang_mamba_pool = sglang_mamba_pool
 
+    def state_tensors(self):
+        """SGLang's state tensors of a slot: every conv tensor and the temporal state."""
+        cache = self.sglang_mamba_pool.mamba_cache
+        return [*cache.conv, cache.temporal]
+
     def copy_from(self, src_slots, dst_slots) -> None:
         src = torch.as_tensor(src_slots, dtype=torch.int64, device=self.device).reshape(-1)
         dst = torch.as_tensor(dst_slots, dtype=torch.int64, device=self.device).reshape(-1)

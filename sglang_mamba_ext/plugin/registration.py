@@ -76,6 +76,9 @@ def install_mamba_radix() -> None:
 
     register_resolution_hook("handle_int8_mamba_checkpoint")(args.int8_mamba_checkpoint_step)
     HookRegistry.register(BUILD_HYBRID_REQ_POOL, build_hybrid_req_pool_around, HookType.AROUND)
+    from sglang_mamba_ext.plugin import sessions
+
+    HookRegistry.register(sessions.CREATE_TREE_CACHE, sessions.create_tree_cache_around, HookType.AROUND)
     HookRegistry.register(PREPARE_FOR_DECODE, prepare_for_decode_around, HookType.AROUND)
     HookRegistry.register(VALIDATE_ONE_REQUEST, validate_one_request_before, HookType.BEFORE)
     HookRegistry.register(GET_INTERNAL_STATE, server_info_after, HookType.AFTER)
