@@ -317,6 +317,29 @@ class TestFlags(unittest.TestCase):
                 self.assertIn(f"--mamba-track-interval ({interval}) must be a positive number of tokens",
                               str(cm.exception))
 
+    def test_capacity_flags_accepted_or_refused_naming_both_flags(self):
+        """Issue 26: int8 checkpoints, the host tier and streaming sessions are accepted with
+        the flag; what is still refused names both flags and says why."""
+        for extra in (["--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", "16"],
+                      ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"],
+                      ["--enable-streaming-session"]):
+            with self.subTest(extra=extra):
+                F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
+        refused = {
+            ("--enable-session-radix-cache",): "--enable-mamba-radix cannot be combined with --enable-session-radix-cache (its session-aware eviction",
+            ("--enable-lmcache",): "--enable-mamba-radix cannot be combined with --enable-lmcache (SGLang's LMCache connector",
+            ("--enable-int8-mamba-checkpoint", "--enable-hierarchical-cache"):
+                "--enable-int8-mamba-checkpoint cannot be combined with --enable-hierarchical-cache under --enable-mamba-radix (",
+            ("--enable-hierarchical-cache", "--hicache-storage-backend", "file"):
+                "--enable-mamba-radix cannot be combined with --enable-hierarchical-cache --hicache-storage-backend file (",
+        }
+        for extra, message in refused.items():
+            with self.subTest(extra=extra):
+                with self.assertRaises(ValueError) as cm:
+                    F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
+                self.assertIn(message, str(cm.exception))
+                self.assertTrue(str(cm.exception).endswith("drop one of them"), str(cm.exception))
+
     def test_non_hybrid_model_is_refused(self):
         d = tempfile.TemporaryDirectory()
         self.addCleanup(d.cleanup)

@@ -147,17 +147,40 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     backend = server_args.radix_cache_backend
     if backend not in (None, "", S.BACKEND_NAME):
         refuse(f"--radix-cache-backend {backend}", f" (it selects --radix-cache-backend {S.BACKEND_NAME})")
+    # still refused, each with why (docs/flags.md, "SGLang's capacity flags")
     checks = [
-        ("enable_hierarchical_cache", "--enable-hierarchical-cache"),
-        ("enable_session_radix_cache", "--enable-session-radix-cache"),
-        ("enable_unified_memory", "--enable-unified-memory"),
-        ("enable_lmcache", "--enable-lmcache"),
-        ("enable_linear_replayssm", "--enable-linear-replayssm"),
-        ("enable_linear_replayssm_spec", "--enable-linear-replayssm-spec"),
+        ("enable_session_radix_cache", "--enable-session-radix-cache",
+         "its session-aware eviction is UnifiedRadixCache's; sessions themselves work: "
+         "/open_session, and --enable-streaming-session"),
+        ("enable_unified_memory", "--enable-unified-memory",
+         "SGLang's unified memory pool is not wired to the plugin's pools"),
+        ("enable_lmcache", "--enable-lmcache",
+         "SGLang's LMCache connector is wired to its own radix caches only"),
+        ("enable_linear_replayssm", "--enable-linear-replayssm",
+         "its SSM slots lag the live state by a ring of unflushed steps, the tree's states may not"),
+        ("enable_linear_replayssm_spec", "--enable-linear-replayssm-spec",
+         "its SSM slots lag the live state by a ring of unflushed steps, the tree's states may not"),
     ]
-    for field, flag in checks:
+    for field, flag, why in checks:
         if getattr(server_args, field, False):
-            refuse(flag, " (it needs SGLang's own UnifiedRadixCache or pool)")
+            refuse(flag, f" ({why})")
+    if getattr(server_args, "enable_int8_mamba_checkpoint", False) and getattr(
+        server_args, "enable_hierarchical_cache", False
+    ):
+        raise FlagError(
+            "--enable-int8-mamba-checkpoint cannot be combined with --enable-hierarchical-cache under "
+            f"{ENABLE_FLAG} (the host tier copies full-precision states; SGLang refuses the pair too); "
+            "drop one of them"
+        )
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        # the host tier of the tree's states (docs/design.md, "Host tier"); not SGLang's L3
+        storage = getattr(server_args, "hicache_storage_backend", None)
+        if storage:
+            refuse(f"--enable-hierarchical-cache --hicache-storage-backend {storage}",
+                   " (its host tier keeps SSM states in host memory; there is no L3 storage tier)")
+        mode = getattr(server_args, "hicache_host_memory_mode", "cache")
+        if mode not in (None, "cache"):
+            refuse(f"--hicache-host-memory-mode {mode}", " (its host tier is a cache: mode cache)")
     if policy not in S.SUPPORTED_POLICIES:
         refuse(
             f"--radix-eviction-policy {policy}",

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+
+import torch
 import weakref
 from typing import Any, List, Optional
 
@@ -133,6 +135,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         #: counted when the request gets its row (:meth:`count_admitted`); weak, so a
         #: request dropped while waiting leaves nothing behind.
         self._matched = weakref.WeakKeyDictionary()
+        #: SGLang's idle check reads these under ``--enable-hierarchical-cache``: always empty.
+        self.ongoing_write_through = {}
+        self.ongoing_load_back = {}
         #: The hybrid cache's Prometheus series (``--enable-metrics``), or ``None``.
         self.hybrid_metrics = None
         if enable_metrics:
@@ -147,6 +152,31 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         #: The TP consistency check (``SGLANG_MAMBA_EXT_TP_DIGEST_STEPS``), set by
         #: :func:`build_tree_cache` under tensor parallelism; ``None`` otherwise.
         self.tp_digest = None
+
+    # -- SGLang's hierarchical-cache protocol (--enable-hierarchical-cache) -------------
+    #: The host tier is the core's (``docs/design.md``, "Host tier"): its copies are made
+    #: and loaded inside the cache's own calls, so there is no cache controller, no load to
+    #: start before a batch and no transfer in flight.
+    cache_controller = None
+    enable_storage = False
+
+    def check_hicache_events(self) -> None:
+        """Nothing in flight: host copies complete inside the cache's calls."""
+
+    def ready_to_load_host_cache(self) -> int:
+        """``-1``: no layer-wise load for the forward to wait on (a hit on a host-tier
+        state is copied into the request's slot at its match)."""
+        return -1
+
+    def clear_storage_backend(self) -> bool:
+        """No L3 storage (``--hicache-storage-backend`` is refused with the flag)."""
+        return False
+
+    @property
+    def token_to_kv_pool_host(self):
+        """SGLang's host-tier metrics read a KV host pool: attention KV is not offloaded
+        here (the host tier holds SSM states), so it reports 0 tokens."""
+        return _NO_KV_HOST_POOL
 
     def flush_pending_backups(self) -> None:
         """Called by SGLang's scheduler once per processed batch (no host backups here):
@@ -326,6 +356,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         core = self.core
         pool = self.req_to_token_pool
         ckpt = core.mamba_ckpt_pool
+        host = core.mamba_host_pool
         return {
             "backend": BACKEND_NAME,
             "page_size": core.page_size,
@@ -349,6 +380,14 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "int8_ckpt_slots_total": ckpt.size if ckpt is not None else 0,
             "int8_ckpt_slots_free": ckpt.available_size() if ckpt is not None else 0,
             "ssm_state_bytes": core.state_pool.slot_bytes(),
+            # host tier (--enable-hierarchical-cache): SSM states in host memory; 0 without
+            "host_ssm_slots_total": host.size if host is not None else 0,
+            "host_ssm_slots_free": host.available_size() if host is not None else 0,
+            "host_ssm_states": core.host_states(),
+            "host_backups": core.host_backups_total,
+            "host_loads": core.host_loads_total,
+            "host_demotions": core.host_demotions_total,
+            "host_evicted": core.host_evicted_total,
             **core.stats_snapshot(),
         }
 
@@ -370,6 +409,17 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             f"Available mamba: {ssm_free + ssm_evictable} "
             f"(available_size={ssm_free} + component_evictable_size_={ssm_evictable})\n"
         )
+
+
+class _NoKVHostPool:
+    logical_size = 0
+
+    @staticmethod
+    def available_size() -> int:
+        return 0
+
+
+_NO_KV_HOST_POOL = _NoKVHostPool()
 
 
 def _admit_warmup(req) -> None:
@@ -453,6 +503,41 @@ def _kv_bytes_per_token(allocator) -> int:
         return 0
 
 
+def _attach_host_tier(pool: MambaRadixReqToTokenPool) -> str:
+    """``--enable-hierarchical-cache``: give the pool a host tier of SSM states
+    (:class:`~sglang_mamba_ext.mem_cache.checkpoint_pool.HostStatePool`; ``docs/design.md``,
+    "Host tier") sized by SGLang's ``--hicache-size`` (GiB) or ``--hicache-ratio`` (host
+    states per device slot, default 2.0), page-locked where CUDA is available. Returns
+    ``--hicache-write-policy``.
+
+    Raises:
+        ValueError: the sizes give no host slot."""
+    from sglang.srt.runtime_context import get_memory
+
+    from sglang_mamba_ext.mem_cache.checkpoint_pool import HostStatePool
+
+    mem = get_memory()
+    active = pool.core_mamba_pool
+    probe = HostStatePool(1, active)
+    if mem.hicache_size:
+        slots = int(mem.hicache_size * (1 << 30)) // probe.slot_bytes()
+        how = f"--hicache-size {mem.hicache_size} GiB"
+    else:
+        ratio = mem.hicache_ratio if mem.hicache_ratio is not None else 2.0
+        slots = int(active.size * ratio)
+        how = f"--hicache-ratio {ratio} x {active.size} device slots"
+    if slots < 1:
+        raise ValueError(f"--enable-hierarchical-cache: {how} holds no SSM state of {probe.slot_bytes()} bytes")
+    pin = active.device.type == "cuda" and torch.cuda.is_available()
+    host = HostStatePool(slots, active, pin_memory=pin)
+    pool.core.mamba_host_pool = host
+    logger.info(
+        "sglang-mamba-ext: host tier of %d SSM states (%s, %.1f MiB, write policy %s)",
+        slots, how, host.total_bytes() / (1 << 20), mem.hicache_write_policy,
+    )
+    return mem.hicache_write_policy
+
+
 def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     """Factory registered as ``--radix-cache-backend mamba_radix_ext``
     (``registry.register_radix_cache_backend``); ``ctx`` is SGLang's
@@ -472,9 +557,10 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         )
     if ctx.is_hybrid_swa:
         raise ValueError("--enable-mamba-radix does not support sliding-window (SWA) hybrid models")
-    if ctx.enable_hierarchical_cache:
-        raise ValueError("--enable-mamba-radix cannot be combined with --enable-hierarchical-cache")
     params = ctx.params
+    write_policy = "write_through"
+    if ctx.enable_hierarchical_cache:
+        write_policy = _attach_host_tier(params.req_to_token_pool)
     algo = str(get_spec().speculative_algorithm or "").upper()
     if params.is_eagle and algo != "FROZEN_KV_MTP":
         # EAGLE / EAGLE3 drafts write KV keyed by token pairs (SGLang's bigram radix keys);
@@ -501,6 +587,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         eviction_policy=_eviction_policy(params),
         kv_bytes_per_token=_kv_bytes_per_token(params.token_to_kv_pool_allocator),
         max_states_per_path=get_exec().mamba.mamba_max_states_per_path,
+        hicache_write_policy=write_policy,
     )
     from sglang_mamba_ext.plugin.tp_digest import maybe_digest_check
 

@@ -440,6 +440,8 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         self.core.clear()
         if self.core_ckpt_pool is not None:
             self.core_ckpt_pool.clear_all()  # the tree was reset: no stored state is held
+        if self.core.mamba_host_pool is not None:
+            self.core.mamba_host_pool.clear_all()  # host memory of the tree's states released
 
 
 @contextlib.contextmanager

@@ -11,6 +11,19 @@ the stated log-probability tolerance of it, and the server's log-probabilities a
 the reference's within that tolerance. ``/server_info`` reports the checkpoint pool;
 ``/flush_cache`` gives every checkpoint slot back; the server survives going idle under
 SGLang's strict idle checks (its two-pool check for int8 checkpoints).
+
+``TestHostTier`` serves it with ``--enable-hierarchical-cache --hicache-ratio 4
+--max-mamba-cache-size 8``: the same ten prompts (30 states, far more than the 8 device
+slots) sent twice; on the second pass each hits ``len - 1`` tokens from a state the device
+tier had given up for its host copy (``docs/design.md``, "Host tier"), and the outputs equal
+the reference's greedy tokens (host copies are exact). ``/flush_cache`` releases the host
+memory; strict idle checks.
+
+``TestSessions`` serves it with ``--enable-streaming-session``: a streaming session's turns
+(named by the session id alone) and a plain session's (``session_params`` with the previous
+turn's ``rid``) each hit the previous turn's prompt and output less one token, and generate
+what the reference generates for the whole history; closing the sessions leaves the server
+idle and checked.
 """
 
 import os
@@ -115,6 +128,118 @@ class TestInt8Checkpoints(unittest.TestCase):
         self.assertEqual((info["int8_ckpt_slots_free"], info["ssm_states"]), (CKPT_SLOTS, 0))
         self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
         self.assertEqual(self.generate(self.prompts[0])["meta_info"]["cached_tokens"], 0)
+        idle_and_checked(self.server)
+
+
+class _Prompts(unittest.TestCase):
+    ARGS: list = []
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
+
+        cls.tmp = tempfile.TemporaryDirectory(prefix="tiers-e2e-")
+        cls.addClassCleanup(cls.tmp.cleanup)
+        cls.model_dir = tiny_model_dir()
+        cls.ref = TinyHybridReference.from_pretrained(cls.model_dir).eval()
+        rng = random.Random(262)
+        cls.prompts = [[rng.randrange(5, 500) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
+        cls.server = Server(
+            cls.model_dir, ["--device", "cpu", "--enable-mamba-radix", *cls.ARGS],
+            os.path.join(cls.tmp.name, f"{cls.__name__}.log"), env=dict(CHECKED_ENV),
+        )
+        cls.addClassCleanup(cls.server.stop)
+        cls.server.wait_healthy()
+
+    def post(self, path, body):
+        """POST; the JSON answer, or the text of a non-JSON one (``/flush_cache``)."""
+        r = requests.post(self.server.base_url + path, json=body, timeout=300)
+        self.assertEqual(r.status_code, 200, r.text)
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    def info(self):
+        r = requests.get(self.server.base_url + "/server_info", timeout=60)
+        r.raise_for_status()
+        return r.json()["internal_states"][0]["mamba_radix"]
+
+    def greedy(self, ids, n=NEW_TOKENS):
+        with torch.no_grad():
+            return self.ref.generate_greedy(ids, n)
+
+
+class TestHostTier(_Prompts):
+    ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "4", "--max-mamba-cache-size", str(ACTIVE_SLOTS)]
+
+    def test_a_second_pass_hits_every_prompt_from_the_host_tier(self):
+        self.post("/flush_cache", {})
+        info = self.info()
+        self.assertEqual(info["host_ssm_slots_total"], 4 * ACTIVE_SLOTS)
+        self.assertEqual(info["host_ssm_slots_free"], 4 * ACTIVE_SLOTS)
+        first = [self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS) for ids in self.prompts]
+        self.assertEqual([o["meta_info"]["cached_tokens"] for o in first], [0] * PROMPTS)
+        info = self.info()
+        # write_through: every state the tree took has a host copy; the device keeps few
+        self.assertEqual(info["host_ssm_states"], 3 * PROMPTS)
+        self.assertLessEqual(info["ssm_states"], ACTIVE_SLOTS)
+        loads = info["host_loads"]
+        second = [self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS) for ids in self.prompts]
+        self.assertEqual([o["meta_info"]["cached_tokens"] for o in second], [PROMPT_LEN - 1] * PROMPTS)
+        # every hit of the second pass came back from the host tier
+        self.assertEqual(self.info()["host_loads"] - loads, PROMPTS)
+        for ids, out in zip(self.prompts, second):
+            self.assertEqual(out["output_ids"], self.greedy(ids))
+        idle_and_checked(self.server)
+
+    def test_b_flush_releases_host_memory(self):
+        self.server.generate(input_ids=self.prompts[0], max_new_tokens=NEW_TOKENS)
+        self.assertGreater(self.info()["host_ssm_states"], 0)
+        self.post("/flush_cache", {})
+        info = self.info()
+        self.assertEqual((info["host_ssm_states"], info["host_ssm_slots_free"]), (0, info["host_ssm_slots_total"]))
+        self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
+        idle_and_checked(self.server)
+
+
+class TestSessions(_Prompts):
+    ARGS = ["--enable-streaming-session"]
+
+    def turns(self, prompts, session_params):
+        """Three turns of one session (60 tokens of each of ``prompts``, new to the cache);
+        returns ``(cached_tokens, expected, outputs equal)``: the cached tokens of every turn
+        and what they must be (0 for the first, the previous turn's prompt and output less
+        one token for the others), and whether each output is the reference's for the whole
+        history."""
+        history, got, want, same = [], [], [], []
+        prev = None
+        for i, ids in enumerate(prompts):
+            sp = session_params(prev)
+            rid = f"{sp['id']}-{i}"
+            out = self.server.generate(input_ids=ids[:60], max_new_tokens=NEW_TOKENS, rid=rid, session_params=sp)
+            full = history + ids[:60]
+            same.append(out["output_ids"] == self.greedy(full))
+            got.append(out["meta_info"]["cached_tokens"])
+            want.append(max(len(history) - 1, 0))
+            history = full + out["output_ids"]
+            prev = rid
+        return got, want, same
+
+    def test_streaming_session_turns_resume_from_the_last_turn(self):
+        sid = self.post("/open_session", {"capacity_of_str_len": 8192, "streaming": True})
+        got, want, same = self.turns(self.prompts[3:6], lambda prev: {"id": sid})
+        self.assertEqual(got, want)
+        self.assertEqual(same, [True] * 3)
+        self.post("/close_session", {"session_id": sid})
+        idle_and_checked(self.server)
+
+    def test_plain_session_turns_resume_from_the_last_turn(self):
+        sid = self.post("/open_session", {"capacity_of_str_len": 8192})
+        got, want, same = self.turns(self.prompts[:3], lambda prev: {"id": sid} if prev is None else {"id": sid, "rid": prev})
+        self.assertEqual(got, want)
+        self.assertEqual(same, [True] * 3)
+        self.post("/close_session", {"session_id": sid})
         idle_and_checked(self.server)
 
 
