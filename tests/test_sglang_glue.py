@@ -243,7 +243,7 @@ class TestFlags(unittest.TestCase):
         cases = [
             (["--enable-mamba-radix", "--disable-radix-cache"], "--disable-radix-cache"),
             (["--enable-mamba-radix", "--radix-cache-backend", "other"], "--radix-cache-backend other"),
-            (["--enable-mamba-radix", "--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+            (["--enable-mamba-radix", "--enable-session-radix-cache"], "--enable-session-radix-cache"),
             (["--enable-mamba-radix", "--mamba-radix-cache-strategy", "extra_buffer_lazy"], "extra_buffer_lazy"),
             (["--warmups", "kda_cache"], "--warmup-prompts-file"),
             (["--enable-mamba-radix", "--max-mamba-cache-size", "0"], "--max-mamba-cache-size 0 is too small"),
