@@ -338,6 +338,21 @@ def _upstream_int8(driver_cls: str, name: str, **kw) -> Callable[[int, int], Cac
     return factory
 
 
+def _upstream_host(base: str, name: str, **kw) -> Callable[[int, int], CacheDriver]:
+    """An upstream variant with SGLang's own host tier (``--enable-hierarchical-cache``,
+    ``--hicache-ratio`` :data:`HOST_RATIO`) at the same device slots:
+    :func:`.upstream_hicache.make_host_driver` (``base`` names the strategy's driver)."""
+
+    def factory(kv_size: int, mamba_size: int) -> CacheDriver:
+        from sglang_mamba_ext.benchmarks import upstream_hicache
+
+        d = upstream_hicache.make_host_driver(base, kv_size, mamba_size, HOST_RATIO, **kw)
+        d.name = name
+        return d
+
+    return factory
+
+
 def _ours_int8(name: str, **kw) -> Callable[[int, int], CacheDriver]:
     """One of this project's variants with int8 checkpoints at the device bytes of
     ``mamba_size`` full-precision slots (:func:`int8_split`)."""
@@ -349,6 +364,10 @@ def _ours_int8(name: str, **kw) -> Callable[[int, int], CacheDriver]:
         return OursDriver(kv_size, active, name=name, int8_slots=slots, **kw)
 
     return factory
+
+
+#: ``--hicache-ratio`` of the host-tier rows: host states per device SSM slot (SGLang's default).
+HOST_RATIO = 2.0
 
 
 #: upstream variants SGLang can serve on a CPU device (no_buffer); see the docstring.
@@ -440,6 +459,26 @@ VARIANTS: dict[str, Variant] = {
         "ours-bytes",
         _ours_int8("ours-branch-adaptive-int8", prefix_checkpoints=True, eviction_policy="adaptive"),
         "ours-branch-adaptive with int8 checkpoints, same device bytes",
+    ),
+    "upstream-xbuf-host": Variant(
+        "upstream-bytes",
+        _upstream_host("UpstreamExtraBufferDriver", "upstream-xbuf-host"),
+        "upstream-xbuf with SGLang's host tier (HiCache, ratio 2), same device bytes",
+    ),
+    "upstream-nobuf-ckpt-host": Variant(
+        "upstream-bytes",
+        _upstream_host("UpstreamDriver", "upstream-nobuf-ckpt-host", prompt_checkpoint=True),
+        "upstream-nobuf-ckpt with SGLang's host tier (HiCache, ratio 2), same device bytes",
+    ),
+    "ours-branch-lru-host": Variant(
+        "ours-bytes",
+        _ours("ours-branch-lru-host", prefix_checkpoints=True, host_ratio=HOST_RATIO),
+        "ours-branch-lru with a host tier of SSM states (--enable-hierarchical-cache, ratio 2), same device bytes",
+    ),
+    "ours-branch-adaptive-host": Variant(
+        "ours-bytes",
+        _ours("ours-branch-adaptive-host", prefix_checkpoints=True, eviction_policy="adaptive", host_ratio=HOST_RATIO),
+        "ours-branch-adaptive with a host tier of SSM states (--enable-hierarchical-cache, ratio 2), same device bytes",
     ),
     "upper-bound-lp": Variant(
         "bound",

@@ -76,7 +76,7 @@ def build_req_pool(max_num_reqs: int = 4, context_len: int = 256):
     return KVCacheConfigurator._build_hybrid_req_pool(conf, max_num_reqs=max_num_reqs, extra_max_context_len=0)
 
 
-def build_tree_cache(pool, kv_size: int, page_size: int = 1, **cache_init_params: Any):
+def build_tree_cache(pool, kv_size: int, page_size: int = 1, *, hierarchical: bool = False, **cache_init_params: Any):
     """``(cache, kv_allocator)``: SGLang's ``registry.create_tree_cache`` over ``pool`` and a
     ``TokenToKVPoolAllocator`` of ``kv_size`` tokens, with the flags of the current runtime
     context; ``cache_init_params`` sets further ``CacheInitParams`` fields (e.g.
@@ -98,7 +98,10 @@ def build_tree_cache(pool, kv_size: int, page_size: int = 1, **cache_init_params
         eviction_policy=get_memory().radix_eviction_policy,
         **cache_init_params,
     )
-    build_ctx = TreeCacheBuildContext(server_args=get_server_args(), params=params, **_SINGLE_RANK_SSM_HYBRID)
+    build_ctx = TreeCacheBuildContext(
+        server_args=get_server_args(), params=params,
+        **{**_SINGLE_RANK_SSM_HYBRID, "enable_hierarchical_cache": hierarchical},
+    )
     return create_tree_cache(build_ctx), allocator
 
 
@@ -110,6 +113,7 @@ def build_plugin_cache(
     max_context_len: int = 4096,
     max_num_reqs: int = 4,
     int8_slots: int = 0,
+    host_ratio: float = 0.0,
 ):
     """``(adapter, kv_allocator, req_to_token_pool, runtime_context)`` built through SGLang's code paths
     (module docstring). Sizes: ``kv_size`` tokens, ``mamba_size`` SSM slots (slot 0 of
@@ -119,7 +123,8 @@ def build_plugin_cache(
         ValueError: from the plugin, for sizes or a policy it refuses (naming the flag).
 
     ``int8_slots > 0``: ``--enable-int8-mamba-checkpoint --int8-mamba-ckpt-size int8_slots``
-    (the tree's states in SGLang's int8 checkpoint pool).
+    (the tree's states in SGLang's int8 checkpoint pool). ``host_ratio > 0``:
+    ``--enable-hierarchical-cache --hicache-ratio host_ratio`` (a host tier of the states).
     """
     from sglang.srt.runtime_context import use_context
 
@@ -131,10 +136,11 @@ def build_plugin_cache(
             "--radix-eviction-policy", eviction_policy,
         ]
         + (["--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", str(int8_slots)] if int8_slots else [])
+        + (["--enable-hierarchical-cache", "--hicache-ratio", str(host_ratio)] if host_ratio else [])
     )
     with use_context(ctx):
         pool = build_req_pool(max_num_reqs, max_context_len)
-        cache, allocator = build_tree_cache(pool, kv_size)
+        cache, allocator = build_tree_cache(pool, kv_size, hierarchical=bool(host_ratio))
     return cache, allocator, pool, ctx
 
 
@@ -158,10 +164,12 @@ class OursDriver(SchedulerDriver):
         prefix_checkpoints: bool = False,
         name: str = "ours",
         int8_slots: int = 0,
+        host_ratio: float = 0.0,
         **kw,
     ):
         self.name = name
         self.int8_slots = int8_slots
+        self.host_ratio = host_ratio
         self.eviction_policy = eviction_policy
         self.prefix_checkpoints = prefix_checkpoints
         self.checkpoints_planned = 0
@@ -170,7 +178,7 @@ class OursDriver(SchedulerDriver):
     def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
         cache, allocator, pool, self.context = build_plugin_cache(
             kv_size, mamba_size, eviction_policy=self.eviction_policy, max_context_len=max_context_len,
-            int8_slots=self.int8_slots,
+            int8_slots=self.int8_slots, host_ratio=self.host_ratio,
         )
         pool.prefix_checkpoint_writer = self.prefix_checkpoints
         return cache, allocator, pool
@@ -182,6 +190,7 @@ class OursDriver(SchedulerDriver):
             f"page_size={self.cache.page_size} strategy=no_buffer cow_copy={self.cow_copy} "
             f"prefix_checkpoints={self.prefix_checkpoints} eviction_policy={self.eviction_policy}"
             + (f" int8_ckpt_slots={self.int8_slots}" if self.int8_slots else "")
+            + (f" hicache_ratio={self.host_ratio}" if self.host_ratio else "")
         )
 
     def alloc_mamba(self, h: Handle) -> None:
@@ -202,6 +211,11 @@ class OursDriver(SchedulerDriver):
         checkpoint left, and the core's invariant check (``sanity_check``)."""
         ok, details = super().leak_check()
         pool = self.req_to_token_pool
+        core = self.cache.core
+        host = core.mamba_host_pool
+        if host is not None and host.available_size() + core.host_states() != host.size:
+            ok = False
+            details += f"; host tier: free={host.available_size()} held={core.host_states()} size={host.size}"
         if pool.prefix_checkpoints:
             ok = False
             details += f"; planned prefix checkpoints left: {dict(pool.prefix_checkpoints)}"
