@@ -479,3 +479,8 @@ def median_result(runs: Sequence[BenchResult]) -> BenchResult:
             )
     ordered = sorted(runs, key=lambda r: r.requests_per_s)
     return ordered[(len(ordered) - 1) // 2]
+
+
+class VariantUnavailable(RuntimeError):
+    """A benchmark variant's driver cannot be built (its feature is not available here);
+    the report prints the reason instead of a row."""

@@ -118,8 +118,9 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
-from sglang_mamba_ext.benchmarks.common import (
+from sglang_mamba_ext.benchmarks.common import (  # VariantUnavailable: re-exported
     CacheDriver,
+    VariantUnavailable,
     TraceRecord,
     add_common_args,
     check_common_args,
@@ -137,8 +138,6 @@ from sglang_mamba_ext.benchmarks.hit_report import fmt_ratio as _fmt_ratio
 DEFAULT_MAMBA_SIZES = (64, 16)
 
 
-class VariantUnavailable(RuntimeError):
-    """A variant's driver cannot be built yet (its feature is not implemented)."""
 
 
 # ---------------------------------------------------------------------------- runner

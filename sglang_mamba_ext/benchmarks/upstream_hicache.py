@@ -11,7 +11,7 @@ def make_host_driver(base: str, kv_size: int, mamba_size: int, host_ratio: float
 
     Raises:
         VariantUnavailable: always, for now (see the module docstring)."""
-    from sglang_mamba_ext.benchmarks.hit_rate import VariantUnavailable
+    from sglang_mamba_ext.benchmarks.common import VariantUnavailable
 
     raise VariantUnavailable(
         "SGLang's HiCache controller needs sgl_kernel's transfer ops and pinned host memory "
