@@ -21,6 +21,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .radix_cache import MambaRadixCache
 
 
+def reversed_links(lru) -> Iterator:
+    """The links of ``lru`` from its least recently used end."""
+    link = lru.lru()
+    while link is not None:
+        nxt = lru.step_toward_head(link)
+        yield link
+        link = nxt
+
+
 class LRUEviction:
     """Least recently used first, on the two lists the cache keeps (``docs/design.md``,
     "Eviction"): SSM states on ``mamba_lru_list`` (an inner node is tombstoned, a leaf is
@@ -59,6 +68,20 @@ class LRUEviction:
                 elif node.full_lock_ref == 0:
                     cache._delete_leaf(node, res)
             link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
+
+    @staticmethod
+    def host_evictable(node: TreeNode) -> bool:
+        """Whether the host tier may evict ``node``'s copy: unlocked, and either beside a
+        device state, an inner node's, or a leaf's whose KV is unlocked."""
+        return node.mamba_lock_ref == 0 and (node.mamba_value is not None or bool(node.children) or node.full_lock_ref == 0)
+
+    def host_victim(self) -> Optional[TreeNode]:
+        """The host tier's next victim (``docs/design.md``, "Host tier"): its least recently
+        used evictable copy, or ``None``."""
+        for link in reversed_links(self.cache.host_lru_list):
+            if self.host_evictable(link.owner):
+                return link.owner
+        return None
 
     def evict_full(self, num_tokens: int, res: EvictResult) -> None:
         """Remove unlocked leaves until ``res.num_tokens_evicted >= num_tokens`` or none is
@@ -148,6 +171,17 @@ class RecomputeEviction(LRUEviction):
     def _state_used(self, node: TreeNode, event: str) -> None:
         node.hits += 1
         node.priority = self.inflation + node.hits * self.recompute_per_byte(node)
+
+    def host_victim(self) -> Optional[TreeNode]:
+        """The host tier's next victim: the evictable copy of lowest priority (the same
+        recompute-saved-per-byte priority the device tier ranks by; ties: least recently
+        used), so both tiers keep the states worth most."""
+        best = None
+        for link in reversed_links(self.cache.host_lru_list):
+            node = link.owner
+            if self.host_evictable(node) and (best is None or node.priority < best.priority):
+                best = node
+        return best
 
     def _candidates(self, leaf_only: bool) -> Iterator[TreeNode]:
         """Unlocked nodes holding a state, most recent first; only leaves when

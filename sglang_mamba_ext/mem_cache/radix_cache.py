@@ -739,25 +739,21 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         self.host_lru_list.remove(node.host_link)
 
     def _evict_host(self, num: int) -> int:
-        """Free ``num`` host slots if possible, least recently used copy first: a copy whose
-        node also holds a device state, or an inner node's, is dropped; a leaf whose state is
-        on the host only is removed with its KV; locked nodes are skipped. Returns slots
-        freed."""
+        """Free ``num`` host slots if possible, victims in the eviction policy's order
+        (``host_victim``: LRU, or the recompute / adaptive priority): a copy whose node also
+        holds a device state, or an inner node's, is dropped; a leaf whose state is on the
+        host only is removed with its KV; locked nodes are skipped. Returns slots freed."""
         res = EvictResult()
-        lru = self.host_lru_list
         freed = 0
-        link = lru.lru()
-        while link is not None and freed < num:
-            node = link.owner
-            nxt = lru.step_toward_head(link)
-            if node.mamba_lock_ref == 0:
-                if node.mamba_value is not None or node.children:
-                    self._drop_host(node)
-                    freed += 1
-                elif node.full_lock_ref == 0:
-                    self._delete_leaf(node, res)
-                    freed += 1
-            link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
+        while freed < num:
+            node = self._eviction.host_victim()
+            if node is None:
+                break
+            if node.mamba_value is not None or node.children:
+                self._drop_host(node)
+            else:
+                self._delete_leaf(node, res)
+            freed += 1
         self._count_evicted(res)
         self.host_evicted_total += freed
         return freed
