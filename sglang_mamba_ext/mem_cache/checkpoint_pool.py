@@ -50,6 +50,17 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return (q.float() * scale.float()).to(dtype)
 
 
+def _pair(src_slots: SlotsLike, dst_slots: SlotsLike, device, what: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The two slot lists of a copy as index tensors.
+
+    Raises:
+        ValueError: they differ in length."""
+    src, dst = _as_index(src_slots, device), _as_index(dst_slots, device)
+    if src.numel() != dst.numel():
+        raise ValueError(f"{what}: {src.numel()} sources for {dst.numel()} destinations")
+    return src, dst
+
+
 class Int8CheckpointPool(SlotPool):
     """Slots ``1 .. size`` of int8 SSM states (slot 0 reserved, as in :class:`MambaPool`).
 
@@ -100,10 +111,7 @@ class Int8CheckpointPool(SlotPool):
 
         Raises:
             ValueError: the two slot lists differ in length."""
-        src = _as_index(active_slots, self.device)
-        dst = _as_index(ckpt_slots, self.device)
-        if src.numel() != dst.numel():
-            raise ValueError(f"store_from_active: {src.numel()} sources for {dst.numel()} destinations")
+        src, dst = _pair(active_slots, ckpt_slots, self.device, "store_from_active")
         q, scale = quantize_int8(active.temporal_state[:, src], self.scale_axis)
         self.qdata[:, dst] = q
         self.scale[:, dst] = scale
@@ -115,10 +123,7 @@ class Int8CheckpointPool(SlotPool):
 
         Raises:
             ValueError: the two slot lists differ in length."""
-        src = _as_index(ckpt_slots, self.device)
-        dst = _as_index(active_slots, self.device)
-        if src.numel() != dst.numel():
-            raise ValueError(f"load_to_active: {src.numel()} sources for {dst.numel()} destinations")
+        src, dst = _pair(ckpt_slots, active_slots, self.device, "load_to_active")
         active.temporal_state[:, dst] = dequantize_int8(self.qdata[:, src], self.scale[:, src], active.temporal_state.dtype)
         active.conv_state[:, dst] = self.conv_state[:, src]
 

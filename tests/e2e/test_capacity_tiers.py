@@ -51,86 +51,6 @@ CKPT_SLOTS = 32
 LOGPROB_TOL = 2e-2
 
 
-class TestInt8Checkpoints(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        from sglang_mamba_ext.models.tiny_hybrid import TinyHybridReference
-
-        cls.tmp = tempfile.TemporaryDirectory(prefix="int8-e2e-")
-        cls.addClassCleanup(cls.tmp.cleanup)
-        cls.model_dir = tiny_model_dir()
-        cls.ref = TinyHybridReference.from_pretrained(cls.model_dir).eval()
-        rng = random.Random(26)
-        cls.prompts = [[rng.randrange(5, 500) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
-        cls.server = Server(
-            cls.model_dir,
-            ["--device", "cpu", "--enable-mamba-radix", "--enable-int8-mamba-checkpoint",
-             "--int8-mamba-ckpt-size", str(CKPT_SLOTS), "--max-mamba-cache-size", str(ACTIVE_SLOTS)],
-            os.path.join(cls.tmp.name, "int8.log"),
-            env=dict(CHECKED_ENV),
-        )
-        cls.addClassCleanup(cls.server.stop)
-        cls.server.wait_healthy()
-
-    def generate(self, ids):
-        return self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, return_logprob=True)
-
-    def info(self):
-        r = requests.get(self.server.base_url + "/server_info", timeout=60)
-        r.raise_for_status()
-        return r.json()["internal_states"][0]["mamba_radix"]
-
-    def check_against_reference(self, ids, out):
-        """Each token the server chose is the reference's argmax or within ``LOGPROB_TOL`` of
-        it (a near-tie), and the server's log-probability of it is the reference's within
-        ``LOGPROB_TOL`` (the reference follows the server's tokens)."""
-        tokens = out["output_ids"]
-        served = [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
-        self.assertEqual(len(tokens), NEW_TOKENS)
-        with torch.no_grad():
-            logits, cache = self.ref.prefill(ids)
-            step = logits[-1]
-            for t, lp in zip(tokens, served):
-                ls = step.log_softmax(-1)
-                self.assertLessEqual(float(ls.max() - ls[t]), LOGPROB_TOL, "a token off the reference's greedy choice")
-                self.assertLessEqual(abs(float(ls[t]) - lp), LOGPROB_TOL)
-                step, cache = self.ref.decode_step(t, cache)
-
-    def flush(self):
-        r = requests.post(self.server.base_url + "/flush_cache", timeout=60)
-        self.assertEqual(r.status_code, 200, r.text)
-
-    def test_a_second_pass_hits_every_prompt_from_int8_states(self):
-        self.flush()  # SGLang's start-up warm-up request left states
-        info = self.info()
-        self.assertEqual(info["int8_ckpt_slots_total"], CKPT_SLOTS)
-        self.assertEqual(info["ssm_slots_total"], ACTIVE_SLOTS)
-        first = [self.generate(ids) for ids in self.prompts]
-        self.assertEqual([o["meta_info"]["cached_tokens"] for o in first], [0] * PROMPTS)
-        info = self.info()
-        # three states a prompt, all in the checkpoint pool; the active pool is all free
-        self.assertEqual(info["ssm_states"], 3 * PROMPTS)
-        self.assertEqual(info["int8_ckpt_slots_free"], CKPT_SLOTS - 3 * PROMPTS)
-        self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
-        self.assertGreater(3 * PROMPTS, ACTIVE_SLOTS)
-        second = [self.generate(ids) for ids in self.prompts]
-        self.assertEqual([o["meta_info"]["cached_tokens"] for o in second], [PROMPT_LEN - 1] * PROMPTS)
-        self.assertEqual(self.info()["cow_copies"], PROMPTS)
-        for ids, out in zip(self.prompts, second):
-            self.check_against_reference(ids, out)
-        idle_and_checked(self.server)
-
-    def test_b_flush_gives_every_checkpoint_slot_back(self):
-        self.generate(self.prompts[0])
-        self.assertLess(self.info()["int8_ckpt_slots_free"], CKPT_SLOTS)
-        self.flush()
-        info = self.info()
-        self.assertEqual((info["int8_ckpt_slots_free"], info["ssm_states"]), (CKPT_SLOTS, 0))
-        self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
-        self.assertEqual(self.generate(self.prompts[0])["meta_info"]["cached_tokens"], 0)
-        idle_and_checked(self.server)
-
-
 class _Prompts(unittest.TestCase):
     ARGS: list = []
 
@@ -168,6 +88,63 @@ class _Prompts(unittest.TestCase):
     def greedy(self, ids, n=NEW_TOKENS):
         with torch.no_grad():
             return self.ref.generate_greedy(ids, n)
+
+
+class TestInt8Checkpoints(_Prompts):
+    ARGS = ["--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", str(CKPT_SLOTS),
+            "--max-mamba-cache-size", str(ACTIVE_SLOTS)]
+
+    def generate(self, ids):
+        return self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, return_logprob=True)
+
+    def check_against_reference(self, ids, out):
+        """Each token the server chose is the reference's argmax or within ``LOGPROB_TOL`` of
+        it (a near-tie), and the server's log-probability of it is the reference's within
+        ``LOGPROB_TOL`` (the reference follows the server's tokens)."""
+        tokens = out["output_ids"]
+        served = [lp[0] for lp in out["meta_info"]["output_token_logprobs"]]
+        self.assertEqual(len(tokens), NEW_TOKENS)
+        with torch.no_grad():
+            logits, cache = self.ref.prefill(ids)
+            step = logits[-1]
+            for t, lp in zip(tokens, served):
+                ls = step.log_softmax(-1)
+                self.assertLessEqual(float(ls.max() - ls[t]), LOGPROB_TOL, "a token off the reference's greedy choice")
+                self.assertLessEqual(abs(float(ls[t]) - lp), LOGPROB_TOL)
+                step, cache = self.ref.decode_step(t, cache)
+
+    def flush(self):
+        self.post("/flush_cache", {})
+
+    def test_a_second_pass_hits_every_prompt_from_int8_states(self):
+        self.flush()  # SGLang's start-up warm-up request left states
+        info = self.info()
+        self.assertEqual(info["int8_ckpt_slots_total"], CKPT_SLOTS)
+        self.assertEqual(info["ssm_slots_total"], ACTIVE_SLOTS)
+        first = [self.generate(ids) for ids in self.prompts]
+        self.assertEqual([o["meta_info"]["cached_tokens"] for o in first], [0] * PROMPTS)
+        info = self.info()
+        # three states a prompt, all in the checkpoint pool; the active pool is all free
+        self.assertEqual(info["ssm_states"], 3 * PROMPTS)
+        self.assertEqual(info["int8_ckpt_slots_free"], CKPT_SLOTS - 3 * PROMPTS)
+        self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
+        self.assertGreater(3 * PROMPTS, ACTIVE_SLOTS)
+        second = [self.generate(ids) for ids in self.prompts]
+        self.assertEqual([o["meta_info"]["cached_tokens"] for o in second], [PROMPT_LEN - 1] * PROMPTS)
+        self.assertEqual(self.info()["cow_copies"], PROMPTS)
+        for ids, out in zip(self.prompts, second):
+            self.check_against_reference(ids, out)
+        idle_and_checked(self.server)
+
+    def test_b_flush_gives_every_checkpoint_slot_back(self):
+        self.generate(self.prompts[0])
+        self.assertLess(self.info()["int8_ckpt_slots_free"], CKPT_SLOTS)
+        self.flush()
+        info = self.info()
+        self.assertEqual((info["int8_ckpt_slots_free"], info["ssm_states"]), (CKPT_SLOTS, 0))
+        self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
+        self.assertEqual(self.generate(self.prompts[0])["meta_info"]["cached_tokens"], 0)
+        idle_and_checked(self.server)
 
 
 class TestHostTier(_Prompts):
