@@ -59,28 +59,13 @@ def sanity_check(cache: "MambaRadixCache") -> None:
             if not child.children:
                 assert child.has_state or child.full_lock_ref > 0, f"leaf {child!r} is a tombstone"
             assert child.full_link.linked, f"{child!r} missing from the KV LRU list"
+            _check_state_slot(child, "SSM", child.mamba_value, child.mamba_link, mamba_seen, cache.state_pool)
+            _check_state_slot(child, "host", child.mamba_host_value, child.host_link, host_seen, cache.mamba_host_pool)
             if child.mamba_value is not None:
-                assert child.mamba_link.linked, f"{child!r} missing from the SSM LRU list"
-                assert child.mamba_value not in mamba_seen, f"SSM slot {child.mamba_value} in two nodes"
-                assert not cache.state_pool.is_free(child.mamba_value), (
-                    f"SSM slot {child.mamba_value} of {child!r} is on the free list"
-                )
-                mamba_seen.add(child.mamba_value)
                 if child.mamba_lock_ref > 0:
                     mp += 1
                 else:
                     me += 1
-            else:
-                assert not child.mamba_link.linked, f"tombstone {child!r} in the SSM LRU list"
-            if child.mamba_host_value is not None:
-                assert child.host_link.linked, f"{child!r} missing from the host LRU list"
-                assert child.mamba_host_value not in host_seen, f"host slot {child.mamba_host_value} in two nodes"
-                assert not cache.mamba_host_pool.is_free(child.mamba_host_value), (
-                    f"host slot {child.mamba_host_value} of {child!r} is on the free list"
-                )
-                host_seen.add(child.mamba_host_value)
-            else:
-                assert not child.host_link.linked, f"{child!r} without a host copy in the host LRU list"
             if child.full_lock_ref > 0:
                 fp += len(child.key)
             else:
@@ -102,6 +87,18 @@ def sanity_check(cache: "MambaRadixCache") -> None:
         node = link.owner
         assert node.parent is root or node.parent.id in seen, f"{node!r} is more recent than its parent in the KV LRU list"
         seen.add(node.id)
+
+
+def _check_state_slot(node, what: str, slot, link, seen: set, pool) -> None:
+    """A node's state slot of one tier (``what``: "SSM" or "host"): in that tier's LRU list
+    exactly when it has one, in no other node, not on the pool's free list."""
+    if slot is None:
+        assert not link.linked, f"{node!r} without a {what} state in the {what} LRU list"
+        return
+    assert link.linked, f"{node!r} missing from the {what} LRU list"
+    assert slot not in seen, f"{what} slot {slot} in two nodes"
+    assert not pool.is_free(slot), f"{what} slot {slot} of {node!r} is on the free list"
+    seen.add(slot)
 
 
 def check_slot_accounting(cache: "MambaRadixCache", live_reqs: Sequence[CacheReq] = ()) -> None:
