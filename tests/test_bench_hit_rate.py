@@ -434,7 +434,7 @@ class Int8VariantsTest(TraceDriverCase):
     hit exactly what the same strategy hits in full precision; with small pools they evict
     without a leak, the tree's states all in the checkpoint pool."""
 
-    N = 120
+    N = 60
     PAIRS = {
         "upstream-nobuf-ckpt-int8": ("upstream-nobuf-ckpt", "upstream-bytes"),
         "upstream-xbuf-int8": ("upstream-xbuf", "upstream-bytes"),

@@ -1,9 +1,9 @@
 """End to end: SGLang's capacity flags with ``--enable-mamba-radix`` on CPU (issue 26).
 
 ``TestInt8Checkpoints`` serves the tiny model with ``--enable-int8-mamba-checkpoint
---int8-mamba-ckpt-size 32 --max-mamba-cache-size 8``: the tree's states are kept int8 in
+--int8-mamba-ckpt-size 20 --max-mamba-cache-size 8``: the tree's states are kept int8 in
 SGLang's checkpoint pool (``docs/design.md``, "int8 checkpoints"), the 8 active slots only
-back running requests. Ten distinct 200-token prompts leave 30 states (prompt length - 1,
+back running requests. Six distinct 200-token prompts leave 18 states (prompt length - 1,
 the 200-token ping-pong checkpoint and the finish state each), more than the active pool
 could hold; sent a second time, each hits exactly ``len - 1`` tokens from a dequantized
 state. Every generated token is the torch reference's greedy token or, at a near-tie, within
@@ -13,7 +13,7 @@ the reference's within that tolerance. ``/server_info`` reports the checkpoint p
 SGLang's strict idle checks (its two-pool check for int8 checkpoints).
 
 ``TestHostTier`` serves it with ``--enable-hierarchical-cache --hicache-ratio 4
---max-mamba-cache-size 8``: the same ten prompts (30 states, far more than the 8 device
+--max-mamba-cache-size 8``: the same six prompts (18 states, more than the 8 device
 slots) sent twice; on the second pass each hits ``len - 1`` tokens from a state the device
 tier had given up for its host copy (``docs/design.md``, "Host tier"), and the outputs equal
 the reference's greedy tokens (host copies are exact). ``/flush_cache`` releases the host
@@ -40,11 +40,11 @@ from server_util import CHECKED_ENV, Server, idle_and_checked
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-PROMPTS = 10
+PROMPTS = 6
 PROMPT_LEN = 200
 NEW_TOKENS = 8
 ACTIVE_SLOTS = 8
-CKPT_SLOTS = 32
+CKPT_SLOTS = 20
 #: Largest next-token log-probability difference accepted between the server (a continuation
 #: from an int8 state) and the reference recurrence (tests/test_int8_checkpoints.py states the
 #: same tolerance for the core's round trip).
