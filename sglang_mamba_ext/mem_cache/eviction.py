@@ -176,12 +176,18 @@ class RecomputeEviction(LRUEviction):
         """The host tier's next victim: the evictable copy of lowest priority (the same
         recompute-saved-per-byte priority the device tier ranks by; ties: least recently
         used), so both tiers keep the states worth most."""
-        best = None
+        best, best_p = None, 0.0
         for link in reversed_links(self.cache.host_lru_list):
             node = link.owner
-            if self.host_evictable(node) and (best is None or node.priority < best.priority):
-                best = node
+            if self.host_evictable(node):
+                p = self.priority_of(node)
+                if best is None or p < best_p:
+                    best, best_p = node, p
         return best
+
+    def priority_of(self, node: TreeNode) -> float:
+        """``node``'s priority now; lower goes first."""
+        return node.priority
 
     def _candidates(self, leaf_only: bool) -> Iterator[TreeNode]:
         """Unlocked nodes holding a state, most recent first; only leaves when

@@ -580,6 +580,8 @@ class MambaRadixCache(PrefixCheckpoints, CacheCounters):
         keeps more. A node whose state is in the host tier only is moved up that tier's list."""
         if node.mamba_value is None:
             self.host_lru_list.push_front(node.host_link)
+            if self._state_used is not None:  # the host tier evicts by the same priority
+                self._state_used(node, event)
         else:
             self.mamba_lru_list.push_front(node.mamba_link)
             if (
