@@ -250,7 +250,11 @@ class TestFlags(unittest.TestCase):
             (["--enable-mamba-radix", "--max-mamba-cache-size", "-4"], "--max-mamba-cache-size -4 is too small"),
             (["--enable-mamba-radix", "--max-mamba-cache-size", "2"], "holds 3 SSM state slots"),
             # SGLang serves size // 4 requests: 3 slots would start a server that serves none.
-            (["--enable-mamba-radix", "--max-mamba-cache-size", "3"], "give at least 4"),
+            (["--enable-mamba-radix", "--max-mamba-cache-size", "3"], "give at least 5"),
+            # overlap scheduling (on by default, on CPU too): 3 + 2 tracking slots per request
+            (["--enable-mamba-radix", "--max-mamba-cache-size", "4"], "SGLang budgets 5 per running request"),
+            (["--enable-mamba-radix", "--disable-overlap-schedule", "--max-mamba-cache-size", "3"],
+             "give at least 4"),
         ]
         for extra, needle in cases:
             with self.subTest(extra=extra):
@@ -331,7 +335,11 @@ class TestFlags(unittest.TestCase):
             ("--enable-int8-mamba-checkpoint", "--enable-hierarchical-cache"):
                 "--enable-int8-mamba-checkpoint cannot be combined with --enable-hierarchical-cache under --enable-mamba-radix (",
             ("--enable-hierarchical-cache", "--hicache-storage-backend", "file"):
-                "--enable-mamba-radix cannot be combined with --enable-hierarchical-cache --hicache-storage-backend file (",
+                "--enable-mamba-radix cannot be combined with --hicache-storage-backend file (",
+            ("--hicache-storage-backend", "file"):
+                "--enable-mamba-radix cannot be combined with --hicache-storage-backend file (",
+            ("--enable-hierarchical-cache", "--hicache-ratio", "0"):
+                "--enable-mamba-radix cannot be combined with --enable-hierarchical-cache --hicache-ratio 0.0 (",
         }
         for extra, message in refused.items():
             with self.subTest(extra=extra):
@@ -339,6 +347,10 @@ class TestFlags(unittest.TestCase):
                     F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
                 self.assertIn(message, str(cm.exception))
                 self.assertTrue(str(cm.exception).endswith("drop one of them"), str(cm.exception))
+        with self.assertRaises(ValueError) as cm:  # 0.1 x 8 slots rounds to no host state
+            F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-hierarchical-cache", "--hicache-ratio", "0.1",
+                                     "--max-mamba-cache-size", "8"))
+        self.assertIn("--hicache-ratio 0.1 x --max-mamba-cache-size 8 holds no SSM state", str(cm.exception))
 
     def test_non_hybrid_model_is_refused(self):
         d = tempfile.TemporaryDirectory()

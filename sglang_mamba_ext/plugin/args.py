@@ -172,12 +172,17 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
             f"{ENABLE_FLAG} (the host tier copies full-precision states; SGLang refuses the pair too); "
             "drop one of them"
         )
+    storage = getattr(server_args, "hicache_storage_backend", None)
+    if storage:
+        # SGLang turns its storage prefetch on with the backend alone (L3, a KV store)
+        refuse(f"--hicache-storage-backend {storage}",
+               " (its host tier keeps SSM states in host memory; there is no L3 storage tier)")
+    host_ratio = getattr(server_args, "hicache_ratio", None)
+    if getattr(server_args, "enable_hierarchical_cache", False) and host_ratio is not None and host_ratio <= 0:
+        refuse(f"--enable-hierarchical-cache --hicache-ratio {host_ratio}",
+               " (its host tier needs a positive number of host states per device slot; SGLang's default is 2)")
     if getattr(server_args, "enable_hierarchical_cache", False):
-        # the host tier of the tree's states (docs/design.md, "Host tier"); not SGLang's L3
-        storage = getattr(server_args, "hicache_storage_backend", None)
-        if storage:
-            refuse(f"--enable-hierarchical-cache --hicache-storage-backend {storage}",
-                   " (its host tier keeps SSM states in host memory; there is no L3 storage tier)")
+        # the host tier of the tree's states (docs/design.md, "Host tier")
         mode = getattr(server_args, "hicache_host_memory_mode", "cache")
         if mode not in (None, "cache"):
             refuse(f"--hicache-host-memory-mode {mode}", " (its host tier is a cache: mode cache)")
@@ -244,8 +249,11 @@ def _check_disaggregation(server_args) -> None:
 
 
 def _check_mamba_cache_size(server_args) -> None:
-    """Refuse a ``--max-mamba-cache-size`` below what one running request holds in the
-    plugin's pool (SGLang would fail later with advice about GPU memory, also on CPU).
+    """Refuse a ``--max-mamba-cache-size`` that serves no running request: SGLang caps running
+    requests at ``size // ratio`` (``KVCacheConfigurator._calculate_mamba_ratio``: 3, plus the
+    ping-pong tracking slots, 2 with overlap scheduling and 1 without), and one request holds
+    its working state and two ping-pong checkpoints in the plugin's pool (SGLang would fail
+    later with advice about GPU memory, also on CPU).
 
     Raises:
         FlagError: naming the flag and the smallest size that serves a request."""
@@ -254,14 +262,23 @@ def _check_mamba_cache_size(server_args) -> None:
         return
     tracking = server_args.mamba_radix_cache_strategy != "no_buffer"
     need = 1 + (2 if tracking else 0)  # working state (+ two ping-pong checkpoints)
-    # SGLang sizes its running requests as size // (need + 1): below need + 1 it serves none.
-    if size < need + 1:
+    overlap = not server_args.disable_overlap_schedule
+    per_request = 3 + ((2 if overlap else 1) if tracking else 0)
+    if size < max(need, per_request):
         what = "its working state and two ping-pong checkpoints" if tracking else "its working state"
         raise FlagError(
             f"--max-mamba-cache-size {size} is too small: with {ENABLE_FLAG} one running "
-            f"request holds {need} SSM state slots ({what}) and SGLang keeps one more per "
-            f"request, so give at least {need + 1}, about {need + 1} per running request you want, or leave the "
+            f"request holds {need} SSM state slots ({what}) and SGLang budgets {per_request} per "
+            f"running request ({'with' if overlap else 'without'} overlap scheduling), so give at least "
+            f"{per_request}, about {per_request} per running request you want, or leave the "
             "flag out (sized from memory; 128 slots on --device cpu)"
+        )
+    host_ratio = getattr(server_args, "hicache_ratio", None)
+    if getattr(server_args, "enable_hierarchical_cache", False) and not getattr(server_args, "hicache_size", 0) \
+            and host_ratio is not None and int(size * host_ratio) < 1:
+        raise FlagError(
+            f"--hicache-ratio {host_ratio} x --max-mamba-cache-size {size} holds no SSM state in the "
+            f"host tier of {ENABLE_FLAG}: give a ratio of at least {1 / size:g} (SGLang's default is 2)"
         )
 
 
