@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-
-import torch
 import weakref
 from typing import Any, List, Optional
 
@@ -39,6 +37,7 @@ from sglang_mamba_ext.mem_cache import MambaRadixCache
 from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
+from sglang_mamba_ext.plugin.host_tier import NO_KV_HOST_POOL, attach_host_tier
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.sessions import end_streaming_turn
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX
@@ -176,7 +175,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
     def token_to_kv_pool_host(self):
         """SGLang's host-tier metrics read a KV host pool: attention KV is not offloaded
         here (the host tier holds SSM states), so it reports 0 tokens."""
-        return _NO_KV_HOST_POOL
+        return NO_KV_HOST_POOL
 
     def flush_pending_backups(self) -> None:
         """Called by SGLang's scheduler once per processed batch (no host backups here):
@@ -411,17 +410,6 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         )
 
 
-class _NoKVHostPool:
-    logical_size = 0
-
-    @staticmethod
-    def available_size() -> int:
-        return 0
-
-
-_NO_KV_HOST_POOL = _NoKVHostPool()
-
-
 def _admit_warmup(req) -> None:
     """Let a ``kda_cache`` warm-up request on a prefill server into the tree: SGLang sets
     ``Req.skip_radix_cache_insert`` for its fake bootstrap host (``managers/schedule_batch.py``,
@@ -503,41 +491,6 @@ def _kv_bytes_per_token(allocator) -> int:
         return 0
 
 
-def _attach_host_tier(pool: MambaRadixReqToTokenPool) -> str:
-    """``--enable-hierarchical-cache``: give the pool a host tier of SSM states
-    (:class:`~sglang_mamba_ext.mem_cache.checkpoint_pool.HostStatePool`; ``docs/design.md``,
-    "Host tier") sized by SGLang's ``--hicache-size`` (GiB) or ``--hicache-ratio`` (host
-    states per device slot, default 2.0), page-locked where CUDA is available. Returns
-    ``--hicache-write-policy``.
-
-    Raises:
-        ValueError: the sizes give no host slot."""
-    from sglang.srt.runtime_context import get_memory
-
-    from sglang_mamba_ext.mem_cache.checkpoint_pool import HostStatePool
-
-    mem = get_memory()
-    active = pool.core_mamba_pool
-    probe = HostStatePool(1, active)
-    if mem.hicache_size:
-        slots = int(mem.hicache_size * (1 << 30)) // probe.slot_bytes()
-        how = f"--hicache-size {mem.hicache_size} GiB"
-    else:
-        ratio = mem.hicache_ratio if mem.hicache_ratio is not None else 2.0
-        slots = int(active.size * ratio)
-        how = f"--hicache-ratio {ratio} x {active.size} device slots"
-    if slots < 1:
-        raise ValueError(f"--enable-hierarchical-cache: {how} holds no SSM state of {probe.slot_bytes()} bytes")
-    pin = active.device.type == "cuda" and torch.cuda.is_available()
-    host = HostStatePool(slots, active, pin_memory=pin)
-    pool.core.mamba_host_pool = host
-    logger.info(
-        "sglang-mamba-ext: host tier of %d SSM states (%s, %.1f MiB, write policy %s)",
-        slots, how, host.total_bytes() / (1 << 20), mem.hicache_write_policy,
-    )
-    return mem.hicache_write_policy
-
-
 def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     """Factory registered as ``--radix-cache-backend mamba_radix_ext``
     (``registry.register_radix_cache_backend``); ``ctx`` is SGLang's
@@ -560,7 +513,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     params = ctx.params
     write_policy = "write_through"
     if ctx.enable_hierarchical_cache:
-        write_policy = _attach_host_tier(params.req_to_token_pool)
+        write_policy = attach_host_tier(params.req_to_token_pool)
     algo = str(get_spec().speculative_algorithm or "").upper()
     if params.is_eagle and algo != "FROZEN_KV_MTP":
         # EAGLE / EAGLE3 drafts write KV keyed by token pairs (SGLang's bigram radix keys);
