@@ -172,14 +172,22 @@ class RecomputeEviction(LRUEviction):
         node.hits += 1
         node.priority = self.inflation + node.hits * self.recompute_per_byte(node)
 
+    #: Evictable host copies :meth:`host_victim` ranks, least recently used first: the host
+    #: tier can hold tens of thousands of states, so each victim costs a bounded scan.
+    HOST_VICTIM_SCAN = 64
+
     def host_victim(self) -> Optional[TreeNode]:
-        """The host tier's next victim: the evictable copy of lowest priority (the same
-        recompute-saved-per-byte priority the device tier ranks by; ties: least recently
-        used), so both tiers keep the states worth most."""
-        best, best_p = None, 0.0
+        """The host tier's next victim: of its :attr:`HOST_VICTIM_SCAN` least recently used
+        evictable copies, the one of lowest priority (the same recompute-saved-per-byte
+        priority the device tier ranks by; ties: least recently used), so both tiers keep
+        the states worth most."""
+        best, best_p, seen = None, 0.0, 0
         for link in reversed_links(self.cache.host_lru_list):
+            if seen == self.HOST_VICTIM_SCAN:
+                break
             node = link.owner
             if self.host_evictable(node):
+                seen += 1
                 p = self.priority_of(node)
                 if best is None or p < best_p:
                     best, best_p = node, p

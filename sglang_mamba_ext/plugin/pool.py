@@ -97,12 +97,13 @@ class SGLangCheckpointPool(CoreSlotPool):
         self.sglang_ckpt_pool = sglang_ckpt_pool
         self.size = int(sglang_ckpt_pool.num_slots)
         self.device = torch.device(sglang_ckpt_pool.device)
+        self._slot_bytes = sglang_ckpt_pool.mem_usage_bytes() // (self.size + 1)  # read per state use
         self.clear_all()
         sglang_ckpt_pool.allocator = MambaSlotAllocatorFacade(self)
 
     def slot_bytes(self) -> int:
         """Bytes of one stored state (int8 data, scales, conv windows), all layers."""
-        return self.sglang_ckpt_pool.mem_usage_bytes() // (self.size + 1)
+        return self._slot_bytes
 
     def store_from_active(self, active: "SGLangStateMambaPool", active_slots, ckpt_slots) -> None:
         self.sglang_ckpt_pool.store_from_active(active.sglang_mamba_pool, _index(active_slots, self.device), _index(ckpt_slots, self.device))
