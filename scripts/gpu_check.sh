@@ -37,8 +37,8 @@ section() {
   fi
 }
 if [ -n "${OUT:-}" ]; then : > "$OUT/gpu_check.txt"; fi
-section speculative sglang_mamba_ext.speculative.ops.gpu_check 290 "$@"
-# in-chunk checkpoints, GDN / KDA (its GPU time is not measured yet: only --tiny has run)
-section in-chunk sglang_mamba_ext.speculative.ops.inchunk.gpu_check 120 "$@"
+section speculative sglang_mamba_ext.speculative.ops.gpu_check 120 "$@"
+# in-chunk checkpoints, GDN / KDA (about 130 s on an H200 on first run: fla autotunes; 2026-12-04)
+section in-chunk sglang_mamba_ext.speculative.ops.inchunk.gpu_check 190 "$@"
 # Mamba2 / SSD in-chunk writer (Nemotron-H, Falcon-H1, GraniteMoeHybrid)
 section "Mamba2 in-chunk" sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 90 "$@"
