@@ -6,6 +6,8 @@ against the tokens they summarise)."""
 
 import unittest
 
+import torch
+
 from cache_sim import SimModel, make_cache
 from sglang_mamba_ext.mem_cache import CacheReq
 
@@ -86,6 +88,58 @@ class TestHostTier(unittest.TestCase):
                 self.assertIsNone(gone.mamba_host_value)
                 self.assertIsNotNone(kept.mamba_host_value)
                 self.assertEqual(cache.host_evicted_total, 1)
+
+    def test_host_load_that_evicts_past_the_used_state(self):
+        """A match through a host-only state into the middle of a leaf whose device state is
+        the only one to evict, with no host copy (CI's randomized run found this): loading
+        the host copy drops that leaf, and the KV-only node the match split off goes with
+        it. The match reports the KV that is left (4 tokens, not 6), and the tree stays
+        consistent."""
+        cache = make_cache(kv_size=64, mamba_size=3, track_slots=0, host_size=4, branch_checkpoints=True,
+                           hicache_write_policy="write_through_selective")
+        kv = cache.token_to_kv_pool_allocator
+        pool = cache.mamba_pool
+        a, b = pool.alloc_list(2)
+        cache.insert([1, 1, 1, 1], kv.alloc(4), mamba_value=a)
+        head = cache.match_prefix([1, 1, 1, 1]).device_indices
+        cache.insert([1, 1, 1, 1, 2, 2, 2, 2], torch.cat([head, kv.alloc(4)]), mamba_value=b, prev_prefix_len=4)
+        first = CacheReq("r0", [1, 1, 1, 1, 5])
+        cache.match_prefix([1, 1, 1, 1], cow_mamba=True, req=first)  # a hit: [1]*4's state gets a host copy
+        pool.free([first.mamba_pool_idx])
+        cache.match_prefix([1, 1, 1, 1, 2, 2, 2, 2])  # [2]*4's state touched last, no copy
+        self.assertEqual(cache.evict(mamba_num=1).mamba_num_evicted, 1)  # [1]*4's state: demoted
+        self.assertEqual((cache.host_states(), cache.mamba_total_size()), (1, 1))
+        held = pool.alloc_list(2)  # running requests' slots: the device pool is full
+        self.assertIsNotNone(held)
+        req = CacheReq("r1", [1, 1, 1, 1, 2, 2, 9])
+        m = cache.match_prefix([1, 1, 1, 1, 2, 2], cow_mamba=True, req=req)
+        self.assertEqual((m.prefix_len, m.kv_match_len), (4, 4))
+        self.assertIs(m.kv_last_node, m.last_node)
+        self.assertEqual(req.mamba_pool_idx, b)  # the dropped leaf's slot, now the request's
+        self.assertEqual((cache.host_loads_total, cache.mamba_total_size()), (1, 0))
+        cache.sanity_check()
+        pool.free(held + [req.mamba_pool_idx])
+        cache.check_slot_accounting()
+
+    def test_cow_slot_that_evicts_past_the_used_state(self):
+        """The same without a host tier: the copy-on-write slot of a match that ends inside a
+        leaf evicts that leaf's state (the only evictable one); the match reports 4 KV tokens,
+        not the 6 it walked."""
+        cache = make_cache(kv_size=64, mamba_size=3, track_slots=0, branch_checkpoints=True)
+        kv = cache.token_to_kv_pool_allocator
+        pool = cache.mamba_pool
+        a, b = pool.alloc_list(2)
+        cache.insert([1, 1, 1, 1], kv.alloc(4), mamba_value=a)
+        head = cache.match_prefix([1, 1, 1, 1]).device_indices
+        cache.insert([1, 1, 1, 1, 2, 2, 2, 2], torch.cat([head, kv.alloc(4)]), mamba_value=b, prev_prefix_len=4)
+        held = pool.alloc_list(1)
+        req = CacheReq("r", [1, 1, 1, 1, 2, 2, 9])
+        m = cache.match_prefix([1, 1, 1, 1, 2, 2], cow_mamba=True, req=req)
+        self.assertEqual((m.prefix_len, m.kv_match_len, req.mamba_pool_idx), (4, 4, b))
+        self.assertIs(m.kv_last_node, m.last_node)
+        cache.sanity_check()
+        pool.free(held + [req.mamba_pool_idx])
+        cache.check_slot_accounting()
 
     def test_flush_gives_every_host_slot_back(self):
         cache, sim = self.make("write_through")

@@ -170,6 +170,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, CacheCounters):
             if host_slot is None:
                 while best and path[best - 1].mamba_value is None:
                     best -= 1
+            pos = self._drop_removed_tail(path, pos)
         best_node = path[best - 1] if best else root
         last = path[-1] if path else root
         self._touch_path(last)
@@ -193,6 +194,9 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, CacheCounters):
             result.mamba_cow_src_index = best_node.mamba_value
             if req is None or req.mamba_pool_idx is None:
                 result.mamba_pool_idx = self._alloc_mamba_slot(protect=best_node)
+                if path[-1].removed:
+                    result.kv_match_len = self._drop_removed_tail(path, pos)
+                    result.kv_last_node = path[-1]
             else:
                 result.mamba_pool_idx = req.mamba_pool_idx
             if req is not None:
@@ -438,6 +442,18 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, CacheCounters):
         else:
             first = tuple(tokens[pos : pos + self.page_size])
         return first if extra_key is None else (extra_key, first)
+
+    @staticmethod
+    def _drop_removed_tail(path: List[TreeNode], pos: int) -> int:
+        """Pop the nodes at the end of a match's ``path`` that an eviction during the match
+        removed (KV-only nodes past the used state, deleted with a leaf whose state went to
+        make room for the request's slot); returns where the KV match now ends (tokens). The
+        used state's node is locked or holds the slot's source, so it is never popped."""
+        if not path or not path[-1].removed:
+            return pos
+        while path and path[-1].removed:
+            path.pop()
+        return path[-1].seq_len if path else 0
 
     def _walk(self, node: TreeNode, tokens: List[int], pos: int, end: int, extra_key) -> Tuple[List[TreeNode], int]:
         """Follow ``tokens[pos:end]`` down from ``node`` (which ends at ``pos``): the nodes
