@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def sanity_check(cache: "MambaRadixCache") -> None:
     """Check every invariant of ``docs/design.md`` ("Invariants") that the tree can see:
     parent links, lengths, page alignment, child keys, namespaces, lock counts, no tombstone
-    leaf, LRU membership and order, size counters, no slot in two nodes.
+    leaf, LRU membership and order, size counters, no slot in two nodes, session pins in the tree.
 
     Raises:
         AssertionError: naming the first broken invariant.
@@ -87,6 +87,9 @@ def sanity_check(cache: "MambaRadixCache") -> None:
         node = link.owner
         assert node.parent is root or node.parent.id in seen, f"{node!r} is more recent than its parent in the KV LRU list"
         seen.add(node.id)
+    # Session pins (session_pins.py): each one in the tree (removed ones are skipped).
+    for pin in cache.pinned_nodes():
+        assert pin.id in seen, f"session pin {pin!r} is not in the tree"
 
 
 def _check_state_slot(node, what: str, slot, link, seen: set, pool) -> None:

@@ -24,11 +24,12 @@ from .prefix_checkpoints import FINISH_STATES, PrefixCheckpoints
 from .state_tiers import HOST_WRITE_POLICIES, StateTiers  # noqa: F401  (re-exported)
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
+from .session_pins import SessionPins
 from .stats import CacheCounters, CacheStats
 from .tree_node import EMPTY_INDICES, EvictResult, InsertResult, KeyLike, MatchResult, TreeNode, match_len, split_key
 
 
-class MambaRadixCache(PrefixCheckpoints, StateTiers, CacheCounters):
+class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, CacheCounters):
     """Hybrid prefix cache: attention KV + SSM state per node (``docs/design.md``).
 
     Args:
@@ -134,6 +135,8 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, CacheCounters):
         self._full_protected = 0
         self._mamba_evictable = 0
         self._mamba_protected = 0
+        #: Open sessions' pins (``--enable-session-radix-cache``, :mod:`.session_pins`).
+        self._session_pins = {}
         if self.event_sink is not None:
             self.event_sink("reset", None)
 
@@ -301,14 +304,13 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, CacheCounters):
         tombstone); KV eviction removes unlocked leaves (with their state, if any). Either
         may then remove ancestors that became tombstone leaves.
 
+        Open sessions' pinned states and their paths' KV go last (:mod:`.session_pins`).
+
         Returns:
             :class:`EvictResult` with what was freed (possibly more or less than asked).
         """
         res = EvictResult()
-        if mamba_num > 0:
-            self._evict_mamba(mamba_num, res)
-        if num_tokens > res.num_tokens_evicted:
-            self._evict_full(num_tokens, res)
+        self._evict_sessions_last(num_tokens, mamba_num, res)
         self._count_evicted(res)
         return res
 
