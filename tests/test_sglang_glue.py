@@ -243,7 +243,6 @@ class TestFlags(unittest.TestCase):
         cases = [
             (["--enable-mamba-radix", "--disable-radix-cache"], "--disable-radix-cache"),
             (["--enable-mamba-radix", "--radix-cache-backend", "other"], "--radix-cache-backend other"),
-            (["--enable-mamba-radix", "--enable-session-radix-cache"], "--enable-session-radix-cache"),
             (["--enable-mamba-radix", "--mamba-radix-cache-strategy", "extra_buffer_lazy"], "extra_buffer_lazy"),
             (["--warmups", "kda_cache"], "--warmup-prompts-file"),
             (["--enable-mamba-radix", "--max-mamba-cache-size", "0"], "--max-mamba-cache-size 0 is too small"),
@@ -322,15 +321,14 @@ class TestFlags(unittest.TestCase):
                               str(cm.exception))
 
     def test_capacity_flags_accepted_or_refused_naming_both_flags(self):
-        """Issue 26: int8 checkpoints, the host tier and streaming sessions are accepted with
+        """Issue 26: int8 checkpoints, the host tier, streaming and radix sessions are accepted with
         the flag; what is still refused names both flags and says why."""
         for extra in (["--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", "16"],
                       ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"],
-                      ["--enable-streaming-session"]):
+                      ["--enable-streaming-session"], ["--enable-session-radix-cache"]):
             with self.subTest(extra=extra):
                 F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
         refused = {
-            ("--enable-session-radix-cache",): "--enable-mamba-radix cannot be combined with --enable-session-radix-cache (its session-aware eviction",
             ("--enable-lmcache",): "--enable-mamba-radix cannot be combined with --enable-lmcache (SGLang's LMCache connector",
             ("--enable-int8-mamba-checkpoint", "--enable-hierarchical-cache"):
                 "--enable-int8-mamba-checkpoint cannot be combined with --enable-hierarchical-cache under --enable-mamba-radix (",

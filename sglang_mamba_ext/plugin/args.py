@@ -149,9 +149,6 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         refuse(f"--radix-cache-backend {backend}", f" (it selects --radix-cache-backend {S.BACKEND_NAME})")
     # still refused, each with why (docs/flags.md, "SGLang's capacity flags")
     checks = [
-        ("enable_session_radix_cache", "--enable-session-radix-cache",
-         "its session-aware eviction is UnifiedRadixCache's; sessions themselves work: "
-         "/open_session, and --enable-streaming-session"),
         ("enable_unified_memory", "--enable-unified-memory",
          "SGLang's unified memory pool is not wired to the plugin's pools"),
         ("enable_lmcache", "--enable-lmcache",

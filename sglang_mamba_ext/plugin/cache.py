@@ -39,7 +39,7 @@ from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.host_tier import NO_KV_HOST_POOL, attach_host_tier
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
-from sglang_mamba_ext.plugin.sessions import end_streaming_turn
+from sglang_mamba_ext.plugin.sessions import RadixSessions, end_streaming_turn
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         enable_kv_cache_events: bool = False,
         dynamo_kv_event_format: bool = False,
         kv_event_lora_names: Any = None,
+        enable_session_radix_cache: bool = False,
         **core_options: Any,
     ):
         if not isinstance(req_to_token_pool, MambaRadixReqToTokenPool):
@@ -148,6 +149,11 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             )
             self.sync_metrics()
 
+        #: ``--enable-session-radix-cache`` (SGLang's registry checks this attribute): open
+        #: sessions' states are evicted last (``plugin/sessions.py``).
+        self.enable_session_radix_cache = bool(enable_session_radix_cache)
+        self.radix_sessions = RadixSessions(core) if self.enable_session_radix_cache else None
+
         #: The TP consistency check (``SGLANG_MAMBA_EXT_TP_DIGEST_STEPS``), set by
         #: :func:`build_tree_cache` under tensor parallelism; ``None`` otherwise.
         self.tp_digest = None
@@ -196,6 +202,16 @@ class MambaRadixCacheAdapter(BasePrefixCache):
 
     def supports_prefix_sharing(self) -> bool:
         return not self.disable
+
+    # -- SGLang's radix sessions (--enable-session-radix-cache) ---------------------------
+    def open_radix_session(self, session_id: str) -> Optional[int]:
+        return self.radix_sessions.open(session_id) if self.radix_sessions else None
+
+    def ensure_session_generation(self, session_id: str) -> Optional[int]:
+        return self.radix_sessions.generation(session_id) if self.radix_sessions else None
+
+    def release_radix_session(self, session_id: str) -> int:
+        return self.radix_sessions.close(session_id) if self.radix_sessions else 0
 
     def reset(self) -> None:
         """Drop the tree (``Scheduler.flush_cache`` clears the pools right after)."""
@@ -279,6 +295,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         finally:
             if group:
                 self.token_to_kv_pool_allocator.free_group_end()
+        if finished and self.radix_sessions is not None:
+            self.radix_sessions.pin_finished(req, creq.last_node)
         req_bridge.push_prefix_checkpoints(pool, row, creq)
         req_bridge.push_checkpoint(req, creq, self.device, finished=finished)
         if self.hybrid_metrics is not None:
@@ -387,6 +405,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "host_loads": core.host_loads_total,
             "host_demotions": core.host_demotions_total,
             "host_evicted": core.host_evicted_total,
+            # --enable-session-radix-cache: states open sessions pin (evicted last)
+            "session_pins": len(core.pinned_nodes()),
             **core.stats_snapshot(),
         }
 
@@ -541,6 +561,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         kv_bytes_per_token=_kv_bytes_per_token(params.token_to_kv_pool_allocator),
         max_states_per_path=get_exec().mamba.mamba_max_states_per_path,
         hicache_write_policy=write_policy,
+        enable_session_radix_cache=bool(getattr(params, "enable_session_radix_cache", False)),
     )
     from sglang_mamba_ext.plugin.tp_digest import maybe_digest_check
 

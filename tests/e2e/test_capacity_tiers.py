@@ -19,11 +19,13 @@ tier had given up for its host copy (``docs/design.md``, "Host tier"), and the o
 the reference's greedy tokens (host copies are exact). ``/flush_cache`` releases the host
 memory; strict idle checks.
 
-``TestSessions`` serves it with ``--enable-streaming-session``: a streaming session's turns
+``TestSessions`` serves it with ``--enable-streaming-session --enable-session-radix-cache
+--max-mamba-cache-size 8``: a streaming session's turns
 (named by the session id alone) and a plain session's (``session_params`` with the previous
 turn's ``rid``) each hit the previous turn's prompt and output less one token, and generate
 what the reference generates for the whole history; closing the sessions leaves the server
-idle and checked.
+idle and checked. A radix session's turn (a top-level ``session_id``) keeps its state
+through a flood that evicts every state of an older unpinned prompt.
 """
 
 import os
@@ -181,7 +183,7 @@ class TestHostTier(_Prompts):
 
 
 class TestSessions(_Prompts):
-    ARGS = ["--enable-streaming-session"]
+    ARGS = ["--enable-streaming-session", "--enable-session-radix-cache", "--max-mamba-cache-size", str(ACTIVE_SLOTS)]
 
     def turns(self, prompts, session_params):
         """Three turns of one session (60 tokens of each of ``prompts``, new to the cache);
@@ -217,6 +219,32 @@ class TestSessions(_Prompts):
         self.assertEqual(got, want)
         self.assertEqual(same, [True] * 3)
         self.post("/close_session", {"session_id": sid})
+        idle_and_checked(self.server)
+
+    def test_radix_session_state_is_evicted_last(self):
+        """``--enable-session-radix-cache``: a turn of an open radix session (a top-level
+        ``session_id``) pins its finish state. Four more prompts then leave 12 new states
+        against 8 slots: an unpinned prompt sent before the session's turn loses every state
+        (its resend hits 0), the session's next turn still hits its whole history less one
+        token. Closing the session drops the pin."""
+        rng = random.Random(2626)
+        fresh = [[rng.randrange(5, 500) for _ in range(PROMPT_LEN)] for _ in range(6)]
+        control, turn, flood = fresh[0], fresh[1], fresh[2:]
+        sid = "radix-session"
+        self.post("/open_session", {"capacity_of_str_len": 8192, "session_id": sid})
+        self.server.generate(input_ids=control, max_new_tokens=NEW_TOKENS)
+        out = self.server.generate(input_ids=turn, max_new_tokens=NEW_TOKENS, session_id=sid)
+        self.assertEqual(self.info()["session_pins"], 1)
+        for ids in flood:
+            self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS)
+        again = self.server.generate(input_ids=control + [7], max_new_tokens=NEW_TOKENS)
+        self.assertEqual(again["meta_info"]["cached_tokens"], 0)
+        history = turn + out["output_ids"]
+        nxt = self.server.generate(input_ids=history + [11, 12, 13], max_new_tokens=NEW_TOKENS, session_id=sid)
+        self.assertEqual(nxt["meta_info"]["cached_tokens"], len(history) - 1)
+        self.assertEqual(nxt["output_ids"], self.greedy(history + [11, 12, 13]))
+        self.post("/close_session", {"session_id": sid})
+        self.assertEqual(self.info()["session_pins"], 0)
         idle_and_checked(self.server)
 
 
