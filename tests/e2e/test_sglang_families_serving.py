@@ -13,8 +13,8 @@ grid (128 on the resend below):
 - the next turn (prompt + its output + new tokens) hits ``len + out - 1``;
 
 each output equal (tokens, and logprobs within float16 noise) to the same prompt run cold
-(another ``cache_salt``) and to SGLang's own cache, the first one also to transformers' float32
-reference (``hf_tiny.reference_greedy``) wherever the reference's top-2 gap exceeds 1e-2; then
+(another ``cache_salt``), the resend's also to SGLang's own cache (cold and at its 128-token
+hit) and to transformers' float32 reference (``hf_tiny.reference_greedy``) wherever the reference's top-2 gap exceeds 1e-2; then
 an abort mid-generation and SGLang's strict idle checks.
 
 Families: Qwen3-Next (Gated DeltaNet, MoE) and Kimi-Linear (KDA + MLA, MoE) through the in-chunk
@@ -115,7 +115,6 @@ class FamilyServing(GreedyHits):
         hit = self.gen(c)
         self.assertEqual(hit[1], 77)  # SGLang's grid: 64
         self.assert_same(hit, self.gen(c, cold=True))
-        self.assert_same_as_stock(c, hit)
 
     def test_3_next_turn_hits_len_plus_out_minus_1(self):
         p = self.tokens(60)
@@ -125,7 +124,6 @@ class FamilyServing(GreedyHits):
         hit = self.gen(turn)
         self.assertEqual(hit[1], len(p) + NEW - 1)
         self.assert_same(hit, self.gen(turn, cold=True))
-        self.assert_same_as_stock(turn, hit)
 
     def test_4_abort_then_idle_checks(self):
         abort_mid_generation(self.server, self.tokens(40), "family-abort", max_new_tokens=2000, after_s=3.0)
@@ -167,7 +165,11 @@ class TestFalconH1Serving(FamilyServing, unittest.TestCase):
 
 
 class TestGraniteMoeHybridServing(FamilyServing, unittest.TestCase):
-    """Mamba2 / SSD, MoE."""
+    """Mamba2 / SSD, MoE: the model class served, launched and resent; the branch point and
+    the next turn go through the same backend hooks as Nemotron-H's (tp 1) and Falcon-H1's
+    (tp 2), which run them (the suite's time budget, docs/testing.md)."""
+
+    test_2_third_prompt_hits_shared_77 = test_3_next_turn_hits_len_plus_out_minus_1 = None
 
     ARCH, BACKEND, MODEL_CLASS = "granitemoehybrid", "Mamba2AttnBackend", "GraniteMoeHybridForCausalLM"
 

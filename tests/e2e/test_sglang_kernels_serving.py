@@ -17,9 +17,9 @@ interpreted; the KDA class with the torch writer, CPU's default), so hits are ex
 with ``--chunked-prefill-size 64``, so the planned checkpoints fall in either chunk of a
 prompt. Every output equals the same prompt run cold (no hit; another ``cache_salt``), and the
 served log-probabilities match the plain-torch reference model within float16 error. The
-server then survives SGLang's strict leak and tree checks when idle. The classes run with
-SGLang's overlap scheduler on (the plugin's default); the KDA class runs again with it off,
-with the same exact values.
+server then survives SGLang's strict leak and tree checks when idle. The GDN class runs with
+SGLang's overlap scheduler on (the plugin's default), the KDA class with it off (KDA with it
+on: Kimi-Linear's family class), with the same exact values.
 """
 
 import os
@@ -114,7 +114,13 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
         self.assertEqual(load["num_running_reqs"], 0)
 
 
-class TestSGLangKDABackendServing(TestSGLangGDNBackendServing):
+class TestSGLangKDABackendNoOverlap(TestSGLangGDNBackendServing):
+    """KDA (Kimi-Linear's pool layout, the torch writer, CPU's default) with SGLang's overlap
+    scheduler off (``SGLANG_MAMBA_EXT_CPU_OVERLAP=0``; the GDN class runs it on, the plugin's
+    default, issue 25): the same exact hits with the live-state finish
+    (``finish_state=working``). KDA with overlap on is Kimi-Linear's family class
+    (``test_sglang_families_serving.py``: the same backend and writer, SGLang's own model)."""
+
     GATE = "kda"
     BACKEND = "KDAAttnBackend"
     #: seed of the prompts: the reference's smallest top-2 log-prob gap over them is 0.02
@@ -122,14 +128,6 @@ class TestSGLangKDABackendServing(TestSGLangGDNBackendServing):
     SEED = 20
     WRITER = "torch"
     SPAWN = False
-
-
-
-class TestSGLangKDABackendNoOverlap(TestSGLangKDABackendServing):
-    """The KDA class with SGLang's overlap scheduler off (``SGLANG_MAMBA_EXT_CPU_OVERLAP=0``;
-    the classes above run it on, the plugin's default, issue 25): the same exact hits with the
-    live-state finish (``finish_state=working``)."""
-
     EXTRA_ENV = {"SGLANG_MAMBA_EXT_CPU_OVERLAP": "0"}
 
     def test_0_backend_is_sglangs(self):
