@@ -168,7 +168,7 @@ class SimModel:
                     self.check_state(child.mamba_value, full, f"node {child.id}", self.cache.state_pool)
                 if child.mamba_host_value is not None:
                     host = self.cache.mamba_host_pool
-                    view = _PoolView(conv_state=host.host[0], temporal_state=host.host[1])
+                    view = _PoolView(conv_state=host.layer_major(0), temporal_state=host.layer_major(1))
                     self.check_state(child.mamba_host_value, full, f"node {child.id} host copy", view)
                 stack.append((child, full))
 
