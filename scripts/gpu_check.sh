@@ -5,11 +5,14 @@
 # verify-sized recurrent forward, on-chip verify time vs the one-layer-buffer verify
 # (onchip_vs_one_layer=), and peak memory of snapshot vs deferred verify. Needs only
 # torch + Triton + a CUDA GPU (no SGLang, no network); finishes in under 400 s (BUDGET). Last
-# lines: memory_ratio=<x>, replay_overhead=<y>. Then the in-chunk checkpoint writer (docs/design.md,
-# "Prefix checkpoints"): correctness vs torch and fla's chunked kernels, cost per checkpoint vs
-# the prefill it saves; last line inchunk_cost_ratio=<z> (sglang_mamba_ext/speculative/ops/inchunk/gpu_check.py).
-# Then the Mamba2/SSD writer (ops/inchunk/gpu_check_mamba2.py): correctness vs torch and a chunked
-# SSD scan, cost per checkpoint at Nemotron-H-8B shapes; last line mamba2_inchunk_cost_ratio=<w>.
+# lines: memory_ratio=<x>, replay_overhead=<y>. Then the Mamba2/SSD in-chunk writer
+# (ops/inchunk/gpu_check_mamba2.py): correctness vs torch and a chunked SSD scan, cost per
+# checkpoint at Nemotron-H-8B shapes; last line mamba2_inchunk_cost_ratio=<w>. Then the state
+# tiers (benchmarks/tiers_gpu.py): a hit's copy from the int8 checkpoint pool and from the host
+# tier vs the device copy-on-write, Qwen3-Next shapes; last line int8_load_ratio=... Last, the
+# GDN / KDA in-chunk checkpoint writer (docs/design.md, "Prefix checkpoints"): correctness vs
+# torch and fla's chunked kernels, cost per checkpoint vs the prefill it saves; last line
+# inchunk_cost_ratio=<z> (sglang_mamba_ext/speculative/ops/inchunk/gpu_check.py).
 # Extra arguments go to `python -m sglang_mamba_ext.speculative.ops.gpu_check` (e.g.
 # --state-dtype bf16), run with the repository root on PYTHONPATH (the package need not be
 # installed). If $OUT is set, the output is also written to $OUT/gpu_check.txt.
@@ -37,8 +40,13 @@ section() {
   fi
 }
 if [ -n "${OUT:-}" ]; then : > "$OUT/gpu_check.txt"; fi
-section speculative sglang_mamba_ext.speculative.ops.gpu_check 120 "$@"
-# in-chunk checkpoints, GDN / KDA (about 130 s on an H200 on first run: fla autotunes; 2026-12-04)
-section in-chunk sglang_mamba_ext.speculative.ops.inchunk.gpu_check 190 "$@"
+# On an H200 (2026-12-04): speculative ~25 s, Mamba2 ~20 s, tiers ~10 s; the GDN / KDA in-chunk
+# check 130 s in one run and past 190 s in another (fla's first-run autotuning, then the
+# sequential writer's timing at p=2047): it runs last, with what is left.
+section speculative sglang_mamba_ext.speculative.ops.gpu_check 100 "$@"
 # Mamba2 / SSD in-chunk writer (Nemotron-H, Falcon-H1, GraniteMoeHybrid)
-section "Mamba2 in-chunk" sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 90 "$@"
+section "Mamba2 in-chunk" sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 60 "$@"
+# what a hit costs from each tier of the tree's states (int8 checkpoints, host tier), torch only
+section tiers sglang_mamba_ext.benchmarks.tiers_gpu 40
+# in-chunk checkpoints, GDN / KDA
+section in-chunk sglang_mamba_ext.speculative.ops.inchunk.gpu_check 400 "$@"

@@ -15,6 +15,10 @@
 - ``python -m sglang_mamba_ext.benchmarks.spec_memory``: memory of the speculative SSM
   buffers, snapshot vs deferred; last line ``peak_reduction=... resident_reduction=...``.
 
+- ``python -m sglang_mamba_ext.benchmarks.tiers_gpu`` (GPU): what a hit costs from each tier
+  of the tree's states, the core's pools at Qwen3-Next shapes; last line
+  ``int8_load_ratio=... host_load_ratio=... host_load_gbps=...`` (run by ``scripts/gpu_check.sh``).
+
 ``scripts/bench_tree_ops.py``, ``scripts/bench_hit_rate.py``, ``scripts/bench_serving_cpu.py``
 and ``scripts/plan_spec_memory.py`` are thin entry points to the same ``main`` functions.
 
