@@ -218,6 +218,8 @@ class TestSpecDeferredTopk1(_SpecCase, unittest.TestCase):
     """Deferred mode, KDA target, a chain."""
 
     TOPK, STEPS, DRAFT_TOKENS, MODE = 1, 3, 4, "deferred"
+    # 1 and 2 tokens past a cached prompt in deferred mode: TestSpecDeferredTopk2Paged's
+    test_short_prompt_past_cached_prefix = None
 
     def test_followup_after_a_cut_round_reuses_the_whole_turn(self):
         # Find a turn whose last round accepted drafts past max_new_tokens (greedy: the
