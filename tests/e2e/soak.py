@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import requests
 
 #: Seconds of traffic per soak (``SOAK_SECONDS`` overrides).
-DEFAULT_SECONDS = 30
+DEFAULT_SECONDS = 20
 
 
 def soak_seconds() -> float:

@@ -162,6 +162,9 @@ class TestKimiLinearServing(FamilyServing, unittest.TestCase):
     #: two ranks sum their float16 partial outputs: logprobs moved up to 0.014 here against tp 1
     HIT_ATOL = 3e-2
     STOCK = False
+    # the branch point: Qwen3-Next's (the same in-chunk writer) and the KDA kernels class's
+    # (SGLang's KDA backend; the suite's time budget, docs/testing.md)
+    test_2_third_prompt_hits_shared_77 = None
 
     ARCH, BACKEND, MODEL_CLASS = "kimi_linear", "KDAAttnBackend", "KimiLinearForCausalLM"
 
