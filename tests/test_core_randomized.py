@@ -178,13 +178,18 @@ class CacheMachine(RuleBasedStateMachine):
         assert m.prefix_len <= m.kv_match_len <= len(key)
         assert m.last_node is self.cache.root_node or m.last_node.has_state
 
-    @rule(depth=st.integers(0, 4))
-    def lock_node(self, depth):
+    def _first_child_path(self, depth):
+        """The node ``depth`` first children below the root (or the deepest on the way)."""
         node = self.cache.root_node
         for _ in range(depth):
             if not node.children:
                 break
             node = next(iter(node.children.values()))
+        return node
+
+    @rule(depth=st.integers(0, 4))
+    def lock_node(self, depth):
+        node = self._first_child_path(depth)
         if node is not self.cache.root_node:
             self.cache.inc_lock_ref(node)
             self.locks.append(node)
@@ -200,11 +205,7 @@ class CacheMachine(RuleBasedStateMachine):
     def pin_session(self, depth, session):
         """A session's turn ended at some node (``--enable-session-radix-cache``): pin the
         state it resumes from; evictions take it last."""
-        node = self.cache.root_node
-        for _ in range(depth):
-            if not node.children:
-                break
-            node = next(iter(node.children.values()))
+        node = self._first_child_path(depth)
         if node is not self.cache.root_node:
             pinned = self.cache.pin_session(f"s{session}", node)
             assert pinned is None or (pinned.has_state and not pinned.removed)

@@ -30,6 +30,18 @@ def run(sim, prompts, rid):
     return hits
 
 
+def two_level_tree(**kw):
+    """A cache of 3 SSM slots holding ``[1]*4`` and ``[1]*4 + [2]*4``, each with a state;
+    returns ``(cache, the leaf's slot)``."""
+    cache = make_cache(kv_size=64, mamba_size=3, track_slots=0, branch_checkpoints=True, **kw)
+    kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+    a, b = pool.alloc_list(2)
+    cache.insert([1, 1, 1, 1], kv.alloc(4), mamba_value=a)
+    head = cache.match_prefix([1, 1, 1, 1]).device_indices
+    cache.insert([1, 1, 1, 1, 2, 2, 2, 2], torch.cat([head, kv.alloc(4)]), mamba_value=b, prev_prefix_len=4)
+    return cache, b
+
+
 class TestHostTier(unittest.TestCase):
     def make(self, policy, host_size=12, **kw):
         cache = make_cache(kv_size=400, mamba_size=4, track_slots=0, host_size=host_size, branch_checkpoints=True,
@@ -95,14 +107,8 @@ class TestHostTier(unittest.TestCase):
         the host copy drops that leaf, and the KV-only node the match split off goes with
         it. The match reports the KV that is left (4 tokens, not 6), and the tree stays
         consistent."""
-        cache = make_cache(kv_size=64, mamba_size=3, track_slots=0, host_size=4, branch_checkpoints=True,
-                           hicache_write_policy="write_through_selective")
-        kv = cache.token_to_kv_pool_allocator
+        cache, b = two_level_tree(host_size=4, hicache_write_policy="write_through_selective")
         pool = cache.mamba_pool
-        a, b = pool.alloc_list(2)
-        cache.insert([1, 1, 1, 1], kv.alloc(4), mamba_value=a)
-        head = cache.match_prefix([1, 1, 1, 1]).device_indices
-        cache.insert([1, 1, 1, 1, 2, 2, 2, 2], torch.cat([head, kv.alloc(4)]), mamba_value=b, prev_prefix_len=4)
         first = CacheReq("r0", [1, 1, 1, 1, 5])
         cache.match_prefix([1, 1, 1, 1], cow_mamba=True, req=first)  # a hit: [1]*4's state gets a host copy
         pool.free([first.mamba_pool_idx])
@@ -125,13 +131,8 @@ class TestHostTier(unittest.TestCase):
         """The same without a host tier: the copy-on-write slot of a match that ends inside a
         leaf evicts that leaf's state (the only evictable one); the match reports 4 KV tokens,
         not the 6 it walked."""
-        cache = make_cache(kv_size=64, mamba_size=3, track_slots=0, branch_checkpoints=True)
-        kv = cache.token_to_kv_pool_allocator
+        cache, b = two_level_tree()
         pool = cache.mamba_pool
-        a, b = pool.alloc_list(2)
-        cache.insert([1, 1, 1, 1], kv.alloc(4), mamba_value=a)
-        head = cache.match_prefix([1, 1, 1, 1]).device_indices
-        cache.insert([1, 1, 1, 1, 2, 2, 2, 2], torch.cat([head, kv.alloc(4)]), mamba_value=b, prev_prefix_len=4)
         held = pool.alloc_list(1)
         req = CacheReq("r", [1, 1, 1, 1, 2, 2, 9])
         m = cache.match_prefix([1, 1, 1, 1, 2, 2], cow_mamba=True, req=req)
