@@ -325,7 +325,9 @@ class TestFlags(unittest.TestCase):
         the flag; what is still refused names both flags and says why."""
         for extra in (["--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", "16"],
                       ["--enable-hierarchical-cache", "--hicache-write-policy", "write_back"],
-                      ["--enable-streaming-session"], ["--enable-session-radix-cache"]):
+                      ["--enable-streaming-session"], ["--enable-session-radix-cache"],
+                      # --hicache-size sizes the tier; the ratio is then not read, as in SGLang
+                      ["--enable-hierarchical-cache", "--hicache-size", "1", "--hicache-ratio", "0"]):
             with self.subTest(extra=extra):
                 F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
         refused = {
@@ -338,6 +340,14 @@ class TestFlags(unittest.TestCase):
                 "--enable-mamba-radix cannot be combined with --hicache-storage-backend file (",
             ("--enable-hierarchical-cache", "--hicache-ratio", "0"):
                 "--enable-mamba-radix cannot be combined with --enable-hierarchical-cache --hicache-ratio 0.0 (",
+            # a fresh user's finds: NaN and infinity reached int() in a later check (tracebacks),
+            # a negative size failed in the scheduler
+            ("--enable-hierarchical-cache", "--hicache-ratio", "nan"):
+                "--enable-mamba-radix cannot be combined with --enable-hierarchical-cache --hicache-ratio nan (",
+            ("--enable-hierarchical-cache", "--hicache-ratio", "inf"):
+                "--enable-mamba-radix cannot be combined with --enable-hierarchical-cache --hicache-ratio inf (",
+            ("--enable-hierarchical-cache", "--hicache-size", "-1"):
+                "--enable-mamba-radix cannot be combined with --enable-hierarchical-cache --hicache-size -1 (",
         }
         for extra, message in refused.items():
             with self.subTest(extra=extra):

@@ -26,6 +26,7 @@ as SGLang makes it (no field written, no extra attribute).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import logging
@@ -175,9 +176,16 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         refuse(f"--hicache-storage-backend {storage}",
                " (its host tier keeps SSM states in host memory; there is no L3 storage tier)")
     host_ratio = getattr(server_args, "hicache_ratio", None)
-    if getattr(server_args, "enable_hierarchical_cache", False) and host_ratio is not None and host_ratio <= 0:
-        refuse(f"--enable-hierarchical-cache --hicache-ratio {host_ratio}",
-               " (its host tier needs a positive number of host states per device slot; SGLang's default is 2)")
+    host_size = getattr(server_args, "hicache_size", 0) or 0
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        if not math.isfinite(host_size) or host_size < 0:
+            refuse(f"--enable-hierarchical-cache --hicache-size {host_size}",
+                   " (its host tier needs a positive size in GiB, or 0 to size it by --hicache-ratio)")
+        # --hicache-size, when given, sizes the tier and the ratio is not read (as in SGLang)
+        if not host_size and host_ratio is not None and not (math.isfinite(host_ratio) and host_ratio > 0):
+            refuse(f"--enable-hierarchical-cache --hicache-ratio {host_ratio}",
+                   " (its host tier needs a positive, finite number of host states per device slot; "
+                   "SGLang's default is 2)")
     if getattr(server_args, "enable_hierarchical_cache", False):
         # the host tier of the tree's states (docs/design.md, "Host tier")
         mode = getattr(server_args, "hicache_host_memory_mode", "cache")
