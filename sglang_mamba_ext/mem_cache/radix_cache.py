@@ -7,17 +7,17 @@ node holding a state (KV beyond it is of no use to a hybrid model); a hit gets i
 slot by copy-on-write; locks pin a node's state and its root path's KV; eviction removes
 states and KV leaves independently (policies in :mod:`.eviction`). Prefix-checkpoint
 planning, the per-path cap and the finish state are in :mod:`.prefix_checkpoints`; the
-invariant checks in :mod:`.invariants`; the counters in :mod:`.stats`; int8 checkpoints and
-the host tier in :mod:`.state_tiers`.
+invariant checks in :mod:`.invariants` (run through :mod:`.tree_queries`, with the size
+queries); the counters in :mod:`.stats`; int8 checkpoints and the host tier in
+:mod:`.state_tiers`; sessions' pins in :mod:`.session_pins`.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from . import invariants
 from .eviction import PriorityEviction, VictimPriority, make_eviction_policy
 from .lru import LRUList
 from .prefix_checkpoints import FINISH_STATES, PrefixCheckpoints
@@ -25,11 +25,12 @@ from .state_tiers import HOST_WRITE_POLICIES, StateTiers  # noqa: F401  (re-expo
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
 from .session_pins import SessionPins
+from .tree_queries import TreeQueries
 from .stats import CacheCounters, CacheStats
-from .tree_node import EMPTY_INDICES, EvictResult, InsertResult, KeyLike, MatchResult, TreeNode, match_len, split_key
+from .tree_node import EMPTY_INDICES, EvictResult, InsertResult, KeyLike, MatchResult, TreeNode, drop_removed_tail, match_len, split_key
 
 
-class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, CacheCounters):
+class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, CacheCounters):
     """Hybrid prefix cache: attention KV + SSM state per node (``docs/design.md``).
 
     Args:
@@ -173,7 +174,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, CacheCounters)
             if host_slot is None:
                 while best and path[best - 1].mamba_value is None:
                     best -= 1
-            pos = self._drop_removed_tail(path, pos)
+            pos = drop_removed_tail(path, pos)
         best_node = path[best - 1] if best else root
         last = path[-1] if path else root
         self._touch_path(last)
@@ -198,7 +199,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, CacheCounters)
             if req is None or req.mamba_pool_idx is None:
                 result.mamba_pool_idx = self._alloc_mamba_slot(protect=best_node)
                 if path[-1].removed:
-                    result.kv_match_len = self._drop_removed_tail(path, pos)
+                    result.kv_match_len = drop_removed_tail(path, pos)
                     result.kv_last_node = path[-1]
             else:
                 result.mamba_pool_idx = req.mamba_pool_idx
@@ -378,65 +379,6 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, CacheCounters)
             self._delete_leaf(start, res)
             self._count_evicted(res)
 
-    def full_evictable_size(self) -> int:
-        """KV tokens in unlocked nodes."""
-        return self._full_evictable
-
-    def full_protected_size(self) -> int:
-        """KV tokens in locked nodes."""
-        return self._full_protected
-
-    def mamba_evictable_size(self) -> int:
-        """SSM states (slots) in unlocked nodes."""
-        return self._mamba_evictable
-
-    def mamba_protected_size(self) -> int:
-        """SSM states (slots) in locked nodes."""
-        return self._mamba_protected
-
-    def total_size(self) -> int:
-        """KV tokens in the tree."""
-        return self._full_evictable + self._full_protected
-
-    def mamba_total_size(self) -> int:
-        """SSM states in the tree."""
-        return self._mamba_evictable + self._mamba_protected
-
-    def path_device_indices(self, node: TreeNode) -> torch.Tensor:
-        """int64 KV slots of the tokens from the root to the end of ``node``."""
-        return self._path_values(node)
-
-    def all_values_flatten(self) -> torch.Tensor:
-        """int64 KV slots of every node (leak diagnostics; O(tree size))."""
-        vals = [n.value for n in self.nodes()]
-        return torch.cat(vals) if vals else EMPTY_INDICES
-
-    def all_mamba_values_flatten(self) -> torch.Tensor:
-        """int64 SSM slots held by the tree (leak diagnostics; O(tree size))."""
-        return torch.tensor([n.mamba_value for n in self.nodes() if n.mamba_value is not None], dtype=torch.int64)
-
-    def nodes(self) -> List[TreeNode]:
-        """Every node but the root (O(tree size))."""
-        out: List[TreeNode] = []
-        stack = [self.root_node]
-        while stack:
-            for child in stack.pop().children.values():
-                out.append(child)
-                stack.append(child)
-        return out
-
-    def sanity_check(self) -> None:
-        """:func:`.invariants.sanity_check` on this tree."""
-        invariants.sanity_check(self)
-
-    def check_slot_accounting(self, live_reqs: Sequence[CacheReq] = ()) -> None:
-        """:func:`.invariants.check_slot_accounting` with these live requests."""
-        invariants.check_slot_accounting(self, live_reqs)
-
-    def pretty_print(self) -> str:
-        """:func:`.invariants.pretty_print` of this tree."""
-        return invariants.pretty_print(self)
-
     # ================================================================ tree helpers
     def _child_key(self, tokens: List[int], pos: int, extra_key: Optional[str]):
         if self.page_size == 1:
@@ -444,18 +386,6 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, CacheCounters)
         else:
             first = tuple(tokens[pos : pos + self.page_size])
         return first if extra_key is None else (extra_key, first)
-
-    @staticmethod
-    def _drop_removed_tail(path: List[TreeNode], pos: int) -> int:
-        """Pop the nodes at the end of a match's ``path`` that an eviction during the match
-        removed (KV-only nodes past the used state, deleted with a leaf whose state went to
-        make room for the request's slot); returns where the KV match now ends (tokens). The
-        used state's node is locked or holds the slot's source, so it is never popped."""
-        if not path or not path[-1].removed:
-            return pos
-        while path and path[-1].removed:
-            path.pop()
-        return path[-1].seq_len if path else 0
 
     def _walk(self, node: TreeNode, tokens: List[int], pos: int, end: int, extra_key) -> Tuple[List[TreeNode], int]:
         """Follow ``tokens[pos:end]`` down from ``node`` (which ends at ``pos``): the nodes

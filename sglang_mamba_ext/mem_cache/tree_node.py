@@ -209,3 +209,15 @@ def match_len(node_key: List[int], tokens: List[int], pos: int, end: int, page_s
     while lo < hi and node_key[lo] == tokens[pos + lo]:
         lo += 1
     return lo - lo % page_size
+
+
+def drop_removed_tail(path: List[TreeNode], pos: int) -> int:
+    """Pop the nodes at the end of a match's ``path`` that an eviction during the match
+    removed (KV-only nodes past the used state, deleted with a leaf whose state went to
+    make room for the request's slot); returns where the KV match now ends (tokens). The
+    used state's node is locked or holds the slot's source, so it is never popped."""
+    if not path or not path[-1].removed:
+        return pos
+    while path and path[-1].removed:
+        path.pop()
+    return path[-1].seq_len if path else 0
