@@ -38,6 +38,7 @@ from sglang_mamba_ext.mem_cache import (
     RadixKey,
 )
 from sglang_mamba_ext.mem_cache.checkpoint_pool import HostStatePool, copy_on_write
+from sglang_mamba_ext.mem_cache.kv_host_pool import HostKVPool
 from sglang_mamba_ext.mem_cache.mamba_pool import SlotPool
 
 MOD = (1 << 31) - 1
@@ -100,17 +101,22 @@ def make_cache(
     finish_state: str = "working",
     ckpt_size: int = 0,
     host_size: int = 0,
+    kv_host_size: int = 0,
     **cache_kwargs,
 ):
     """``ckpt_size > 0``: the tree keeps its states in an :class:`ExactCheckpointPool` of
     that many slots (the int8 checkpoint lifecycle); ``host_size > 0``: a host tier of that
-    many states (:class:`HostStatePool`, exact copies)."""
+    many states (:class:`HostStatePool`, exact copies); ``kv_host_size > 0`` (with
+    ``host_size``): a host tier of that many KV tokens (:class:`HostKVPool`; a
+    :class:`SimModel` gives it its KV buffers)."""
     kv = KVSlotAllocator(kv_size, page_size)
     mp = MambaPool(mamba_size, num_layers, (CONV_W - 1,), (2,), dtype=torch.int64)
     ckpt = ExactCheckpointPool(ckpt_size, mp) if ckpt_size > 0 else None
     host = HostStatePool(host_size, mp) if host_size > 0 else None
+    kv_host = HostKVPool(kv_host_size, page_size) if kv_host_size > 0 else None
     rp = HybridReqToTokenPool(
-        rows, max_context_len, mp, track_slots_per_req=track_slots, mamba_ckpt_pool=ckpt, mamba_host_pool=host
+        rows, max_context_len, mp, track_slots_per_req=track_slots, mamba_ckpt_pool=ckpt, mamba_host_pool=host,
+        kv_host_pool=kv_host,
     )
     cache = MambaRadixCache(
         kv, rp, page_size=page_size, mamba_track_interval=mamba_track_interval or 4 * page_size,
@@ -134,6 +140,9 @@ class SimModel:
         kv = cache.token_to_kv_pool_allocator
         self.kv_token = torch.full((kv.size + kv.page_size,), -1, dtype=torch.int64)
         self.kv_pos = torch.full((kv.size + kv.page_size,), -1, dtype=torch.int64)
+        host = cache.kv_host_pool
+        if host is not None:  # the host KV tier copies this "KV" (token id, position)
+            host.__init__(host.size, host.page_size, [self.kv_token, self.kv_pos])
         self.pool = cache.req_to_token_pool
         self.mamba = cache.mamba_pool
         self.page_size = cache.page_size
@@ -163,7 +172,13 @@ class SimModel:
             node, path = stack.pop()
             for child in node.children.values():
                 full = path + child.key
-                self.check_kv(child.value, child.key, len(path), f"node {child.id}")
+                if child.value is None:
+                    host = self.cache.kv_host_pool.host_buffers
+                    idx = child.host_value
+                    assert host[0][idx].tolist() == child.key, f"node {child.id}: host KV holds the wrong tokens"
+                    assert host[1][idx].tolist() == list(range(len(path), len(full))), f"node {child.id}: host KV positions"
+                else:
+                    self.check_kv(child.value, child.key, len(path), f"node {child.id}")
                 if child.mamba_value is not None:
                     self.check_state(child.mamba_value, full, f"node {child.id}", self.cache.state_pool)
                 if child.mamba_host_value is not None:

@@ -34,6 +34,7 @@ class CacheMachine(RuleBasedStateMachine):
     cache_kwargs: dict = {}
     ops = 0
     host_backups = 0
+    host_kv_demoted = 0
     mamba_size = 10
     sessions = False  # the session pin / close rules (--enable-session-radix-cache)
 
@@ -190,6 +191,8 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(depth=st.integers(0, 4))
     def lock_node(self, depth):
         node = self._first_child_path(depth)
+        while node.value is None:  # as a caller would: a match returns device KV only
+            node = node.parent
         if node is not self.cache.root_node:
             self.cache.inc_lock_ref(node)
             self.locks.append(node)
@@ -240,11 +243,14 @@ class CacheMachine(RuleBasedStateMachine):
             host = cache.mamba_host_pool
             if host is not None:
                 assert host.available_size() + cache.host_states() == host.size
+            if cache.kv_host_pool is not None:
+                assert cache.kv_host_pool.available_size() + cache.host_kv_tokens() == cache.kv_host_pool.size
             if cache.mamba_ckpt_pool is not None:  # the tree holds no active slot
                 assert cache.mamba_pool.available_size() == cache.mamba_pool.size
 
     def teardown(self):
         CacheMachine.host_backups += self.cache.host_backups_total
+        CacheMachine.host_kv_demoted += self.cache.host_kv_demoted_total
         for req in list(self.live):
             self.sim.release(req, checkpoint=False)
         for node in self.locks:
@@ -287,16 +293,16 @@ CONFIGS = {
     # a host tier of the states (--enable-hierarchical-cache), each write policy
     "page1_branch_host_through": dict(
         page_size=1, track_slots=2, finish_state="working", mamba_size=6, cache_kwargs=dict(
-            branch_checkpoints=True, host_size=7, hicache_write_policy="write_through")
+            branch_checkpoints=True, host_size=7, kv_host_size=40, hicache_write_policy="write_through")
     ),
     "page1_track_host_selective_adaptive": dict(
         page_size=1, track_slots=2, finish_state="working", sessions=True, mamba_size=6, cache_kwargs=dict(
-            branch_checkpoints=True, host_size=6, hicache_write_policy="write_through_selective",
+            branch_checkpoints=True, host_size=6, kv_host_size=48, hicache_write_policy="write_through_selective",
             eviction_policy="adaptive", max_states_per_path=3)
     ),
     "page2_nobuffer_host_back_recompute": dict(
         page_size=2, track_slots=0, finish_state="working", mamba_size=5, cache_kwargs=dict(
-            branch_checkpoints=True, host_size=8, hicache_write_policy="write_back",
+            branch_checkpoints=True, host_size=8, kv_host_size=40, hicache_write_policy="write_back",
             eviction_policy="recompute", kv_bytes_per_token=64)
     ),
     "page2_nobuffer_ckpt_recompute": dict(
@@ -322,6 +328,7 @@ def _make_case(name, cfg):
             before = CacheMachine.ops
             stores = ExactCheckpointPool.total_stores
             backups = CacheMachine.host_backups
+            demoted = CacheMachine.host_kv_demoted
             super().runTest()
             # The machine really stepped (invariants run once per step).
             self.assertGreaterEqual(CacheMachine.ops - before, examples * STEPS // 2)
@@ -333,6 +340,8 @@ def _make_case(name, cfg):
                 # state the device tier gave up: too rare here to assert, about one run in
                 # ten has none; test_host_tier.py loads under each policy)
                 self.assertGreater(CacheMachine.host_backups - backups, 0)
+            if kw.get("kv_host_size"):
+                self.assertGreater(CacheMachine.host_kv_demoted - demoted, 0)  # KV went to the host
             if cfg.get("cache_kwargs", {}).get("ckpt_size"):
                 # states really went through the checkpoint pool
                 self.assertGreater(ExactCheckpointPool.total_stores - stores, 0)

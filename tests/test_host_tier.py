@@ -156,5 +156,140 @@ class TestHostTier(unittest.TestCase):
         self.assertEqual(run(sim, PROMPTS[:1], "b"), [0])
 
 
+LONG = [[i] * 30 + [9, 9] for i in range(1, 7)]
+
+
+def demoted_pair(kv_host_size=64):
+    """A cache whose 16 KV tokens hold ``[1]*8`` then ``[2]*8`` (each with a state): the
+    second insert moved the first's KV and state to the host tier. Returns the cache."""
+    cache = make_cache(kv_size=16, mamba_size=4, track_slots=0, host_size=4, kv_host_size=kv_host_size)
+    kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+    cache.insert([1] * 8, kv.alloc(8), mamba_value=pool.alloc_list(1)[0])
+    cache.insert([2] * 8, kv.alloc(8), mamba_value=pool.alloc_list(1)[0])
+    cache.evict(num_tokens=8)
+    return cache
+
+
+class TestHostKV(unittest.TestCase):
+    """The host tier of attention KV: device KV eviction moves a device leaf's KV (and its
+    state) to host memory; a copy-on-write match loads it back (``docs/design.md``, "Host
+    tier")."""
+
+    def test_second_pass_loads_kv_and_states_from_the_host(self):
+        """6 prompts of 32 tokens against 80 device KV tokens: without a host KV tier the
+        second pass hits nothing (the KV is gone); with one each prompt hits ``len - 1`` = 31,
+        its 31 KV tokens loaded back (the sim checks every token and state copied)."""
+        for page, policy, write in (
+            (1, "lru", "write_through"), (2, "recompute", "write_back"), (1, "adaptive", "write_back"),
+        ):
+            with self.subTest(page=page, policy=policy, write=write):
+                kw = dict(kv_size=80, mamba_size=4, track_slots=0, host_size=16, page_size=page,
+                          branch_checkpoints=True, hicache_write_policy=write, eviction_policy=policy)
+                cache = make_cache(kv_host_size=400, **kw)
+                sim = SimModel(cache)
+                self.assertEqual(run(sim, LONG, "a"), [0] * 6)
+                self.assertGreater(cache.host_kv_tokens(), 0)
+                want = 31 - 31 % page
+                self.assertEqual(run(sim, LONG, "b"), [want] * 6)
+                self.assertEqual(cache.host_kv_loaded_total, 6 * want)
+                base = make_cache(**kw)
+                bsim = SimModel(base)
+                run(bsim, LONG, "a")
+                self.assertEqual(run(bsim, LONG, "b"), [0] * 6)
+
+    def test_eviction_moves_the_leaf_and_its_state(self):
+        cache = demoted_pair()
+        first = cache.root_node.children[1]
+        self.assertIsNone(first.value)
+        self.assertEqual(first.host_value.numel(), 8)
+        self.assertIsNone(first.mamba_value)
+        self.assertIsNotNone(first.mamba_host_value)
+        self.assertEqual((cache.total_size(), cache.host_kv_tokens(), cache.host_kv_demoted_total), (8, 8, 8))
+        self.assertEqual(cache.token_to_kv_pool_allocator.available_size(), 8)
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+    def test_plain_match_stops_above_host_kv(self):
+        """A match without copy-on-write (the scheduler's sort) loads nothing: prefix 0,
+        while the KV match still reports the 8 host tokens."""
+        cache = demoted_pair()
+        m = cache.match_prefix([1] * 8 + [3])
+        self.assertEqual((m.prefix_len, m.kv_match_len, cache.host_kv_loaded_total), (0, 8, 0))
+
+    def test_cow_match_inside_a_host_node_splits_it_on_the_host(self):
+        """A copy-on-write match of 4 of the 8 host tokens splits the node (both halves on
+        the host), finds no state at 4 and loads nothing; a match of all 8 loads them and the
+        state, evicting the other leaf's KV to the host for room."""
+        cache = demoted_pair()
+        m = cache.match_prefix([1] * 4 + [3], cow_mamba=True, req=CacheReq("a", [1] * 4 + [3]))
+        self.assertEqual((m.prefix_len, m.kv_match_len), (0, 4))
+        top = cache.root_node.children[1]
+        self.assertEqual((top.host_value.numel(), next(iter(top.children.values())).host_value.numel()), (4, 4))
+        cache.sanity_check()
+        held = cache.token_to_kv_pool_allocator.alloc(8)  # a running request's: the device pool is full
+        req = CacheReq("b", [1] * 8 + [3])
+        m = cache.match_prefix([1] * 8, cow_mamba=True, req=req)
+        self.assertEqual((m.prefix_len, cache.host_kv_loaded_total, cache.host_loads_total), (8, 8, 1))
+        self.assertIsNotNone(req.mamba_pool_idx)
+        second = cache.root_node.children[2]
+        self.assertIsNone(second.value)  # made room on the device
+        cache.sanity_check()
+        cache.mamba_pool.free([req.mamba_pool_idx])
+        cache.token_to_kv_pool_allocator.free(held)
+        cache.check_slot_accounting()
+
+    def test_insert_over_host_kv_takes_the_request_slots(self):
+        """A request that computed the host-only tokens itself inserts them: the node takes
+        its device slots (no copy, no double free) and gives the host slots back."""
+        cache = demoted_pair()
+        kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+        cache.evict(num_tokens=8)  # [2]*8 too: the device KV pool is empty
+        fresh = kv.alloc(12)
+        res = cache.insert([1] * 12, fresh, mamba_value=pool.alloc_list(1)[0])
+        self.assertEqual(res.prefix_len, 8)
+        first = cache.root_node.children[1]
+        self.assertTrue(torch.equal(first.value, fresh[:8]))
+        self.assertIsNone(first.host_value)
+        self.assertEqual((cache.host_kv_tokens(), cache.total_size()), (8, 12))
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+    def test_full_host_tier_drops_its_least_recently_used_leaf(self):
+        """8 host KV tokens: moving the second leaf there removes the first (host-only)
+        one, with its host state."""
+        cache = demoted_pair(kv_host_size=8)
+        cache.evict(num_tokens=8)
+        self.assertEqual(list(cache.root_node.children), [2])
+        self.assertEqual((cache.host_kv_tokens(), cache.host_kv_evicted_total, cache.host_states()), (8, 8, 1))
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+    def test_load_without_device_room_uses_what_is_on_the_device(self):
+        """Every device KV slot held by a running request: the copy-on-write match cannot load
+        the host tokens and returns the device prefix (none), with nothing lost."""
+        cache = demoted_pair()
+        kv = cache.token_to_kv_pool_allocator
+        held = kv.alloc(8)
+        other = cache.root_node.children[2]
+        cache.inc_lock_ref(other)
+        req = CacheReq("r", [1] * 8 + [3])
+        m = cache.match_prefix([1] * 8, cow_mamba=True, req=req)
+        self.assertEqual((m.prefix_len, cache.host_kv_loaded_total), (0, 0))
+        self.assertIsNone(cache.root_node.children[1].value)
+        cache.dec_lock_ref(other)
+        kv.free(held)
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+    def test_flush_gives_every_host_kv_slot_back(self):
+        cache = demoted_pair()
+        cache.reset()
+        cache.token_to_kv_pool_allocator.clear()
+        cache.mamba_pool.clear_all()
+        cache.mamba_host_pool.clear_all()
+        cache.kv_host_pool.clear()
+        self.assertEqual((cache.kv_host_pool.available_size(), cache.host_kv_tokens()), (64, 0))
+
+
 if __name__ == "__main__":
     unittest.main()

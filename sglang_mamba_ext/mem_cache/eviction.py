@@ -84,16 +84,17 @@ class LRUEviction:
         return None
 
     def evict_full(self, num_tokens: int, res: EvictResult) -> None:
-        """Remove unlocked leaves until ``res.num_tokens_evicted >= num_tokens`` or none is
-        left."""
+        """Evict unlocked device leaves until ``res.num_tokens_evicted >= num_tokens`` or none
+        is left: their KV moves to the host tier if there is one (``_evict_kv_leaf``),
+        otherwise the leaves are removed."""
         cache = self.cache
         lru = cache.full_lru_list
         link = lru.lru()
         while link is not None and res.num_tokens_evicted < num_tokens:
             node = link.owner
             nxt = lru.step_toward_head(link)
-            if not node.children and node.full_lock_ref == 0:
-                cache._delete_leaf(node, res)
+            if node.full_lock_ref == 0 and cache._is_device_leaf(node):
+                cache._evict_kv_leaf(node, res)
             link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
 
 
@@ -142,9 +143,8 @@ class RecomputeEviction(LRUEviction):
     def evict_full(self, num_tokens: int, res: EvictResult) -> None:
         while res.num_tokens_evicted < num_tokens:
             node = self._victim(leaf_only=True)
-            if node is None:
+            if node is None or not self.cache._evict_kv_leaf(node, res):
                 break
-            self.cache._delete_leaf(node, res)
         if res.num_tokens_evicted < num_tokens:
             # Only locked or stateless leaves are left: the LRU scan takes the latter.
             super().evict_full(num_tokens, res)
@@ -198,14 +198,18 @@ class RecomputeEviction(LRUEviction):
         return node.priority
 
     def _candidates(self, leaf_only: bool) -> Iterator[TreeNode]:
-        """Unlocked nodes holding a state, most recent first; only leaves when
-        ``leaf_only`` (a leaf must also be free of KV locks)."""
+        """Unlocked nodes holding a device state, most recent first; only device leaves
+        (their KV unlocked) when ``leaf_only`` (a leaf must also be free of KV locks)."""
         for link in self.cache.mamba_lru_list:
             node = link.owner
             if node.mamba_lock_ref:
                 continue
             leaf = not node.children
-            if (leaf_only and not leaf) or (leaf and node.full_lock_ref):
+            if leaf_only:
+                # KV eviction: the device KV pool's leaves (whose children are host-only)
+                if node.full_lock_ref or not self.cache._is_device_leaf(node):
+                    continue
+            elif leaf and node.full_lock_ref:
                 continue
             yield node
 

@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # pragma: no cover
 def sanity_check(cache: "MambaRadixCache") -> None:
     """Check every invariant of ``docs/design.md`` ("Invariants") that the tree can see:
     parent links, lengths, page alignment, child keys, namespaces, lock counts, no tombstone
-    leaf, LRU membership and order, size counters, no slot in two nodes, session pins in the tree.
+    leaf, LRU membership and order, size counters, no slot in two nodes, session pins in the tree,
+    host-only KV only below host-only KV, never locked and without a device state.
 
     Raises:
         AssertionError: naming the first broken invariant.
@@ -31,8 +32,9 @@ def sanity_check(cache: "MambaRadixCache") -> None:
     page_size = cache.page_size
     assert root.full_lock_ref == 1 and root.mamba_lock_ref == 1, "root must hold both locks"
     assert root.mamba_value is None and not root.key
-    fe = fp = me = mp = 0
+    fe = fp = me = mp = host_kv = nodes = 0
     kv_seen: List[torch.Tensor] = []
+    host_kv_seen: List[torch.Tensor] = []
     mamba_seen = set()
     host_seen = set()
     stack = [root]
@@ -44,7 +46,18 @@ def sanity_check(cache: "MambaRadixCache") -> None:
             assert not child.removed, f"removed node {child!r} still in the tree"
             assert len(child.key) > 0, f"{child!r} has an empty key"
             assert len(child.key) % page_size == 0, f"{child!r} key not page aligned"
-            assert child.value.numel() == len(child.key), f"{child!r} key/value length mismatch"
+            if child.value is None:  # KV in the host tier only
+                assert child.host_value is not None and child.host_value.numel() == len(child.key), (
+                    f"{child!r}: host-only KV without host slots of its length"
+                )
+                assert child.mamba_value is None, f"{child!r}: host-only KV with a device state"
+                assert child.full_lock_ref == 0, f"{child!r}: host-only KV is locked"
+                host_kv += len(child.key)
+                host_kv_seen.append(child.host_value)
+            else:
+                assert child.host_value is None, f"{child!r}: KV on the device and the host"
+                assert child.value.numel() == len(child.key), f"{child!r} key/value length mismatch"
+                assert node is root or node.value is not None, f"{child!r}: device KV below host-only KV"
             assert ck == cache._child_key(child.key, 0, child.extra_key), (
                 f"{child!r} is registered under a stale key {ck!r}"
             )
@@ -66,17 +79,23 @@ def sanity_check(cache: "MambaRadixCache") -> None:
                     mp += 1
                 else:
                     me += 1
-            if child.full_lock_ref > 0:
-                fp += len(child.key)
-            else:
-                fe += len(child.key)
-            kv_seen.append(child.value)
+            if child.value is not None:
+                if child.full_lock_ref > 0:
+                    fp += len(child.key)
+                else:
+                    fe += len(child.key)
+                kv_seen.append(child.value)
+            nodes += 1
             stack.append(child)
     kv_counts = (cache.full_evictable_size(), cache.full_protected_size())
     assert kv_counts == (fe, fp), f"KV counters {kv_counts} != tree {(fe, fp)}"
     ssm_counts = (cache.mamba_evictable_size(), cache.mamba_protected_size())
     assert ssm_counts == (me, mp), f"SSM counters {ssm_counts} != tree {(me, mp)}"
-    assert len(cache.full_lru_list) == len(kv_seen), "KV LRU list size != node count"
+    assert len(cache.full_lru_list) == nodes, "KV LRU list size != node count"
+    assert cache.host_kv_tokens() == host_kv, f"host KV counter {cache.host_kv_tokens()} != tree {host_kv}"
+    if host_kv_seen:
+        allhost = torch.cat(host_kv_seen)
+        assert torch.unique(allhost).numel() == allhost.numel(), "a host KV slot is in two nodes"
     assert len(cache.mamba_lru_list) == len(mamba_seen), "SSM LRU list size != state count"
     if kv_seen:
         allkv = torch.cat(kv_seen)
@@ -120,8 +139,12 @@ def check_slot_accounting(cache: "MambaRadixCache", live_reqs: Sequence[CacheReq
     ps = cache.page_size
     places: List[torch.Tensor] = [kv.free_slots()]
     tree_mamba: List[int] = []
+    host_kv: List[torch.Tensor] = []
     for node in cache.nodes():
-        places.append(node.value)
+        if node.value is not None:
+            places.append(node.value)
+        else:
+            host_kv.append(node.host_value)
         if node.mamba_value is not None:
             tree_mamba.append(node.mamba_value)
     req_mamba: List[int] = []
@@ -145,6 +168,15 @@ def check_slot_accounting(cache: "MambaRadixCache", live_reqs: Sequence[CacheReq
     unit = "pages" if ps > 1 else "slots"
     assert uniq.numel() == owned.numel(), f"{owned.numel() - uniq.numel()} KV {unit} are owned twice"
     assert uniq.numel() == total, f"KV slots lost: {total - uniq.numel()} {unit} of {total} not accounted for"
+    if cache.kv_host_pool is not None:
+        host_places = [cache.kv_host_pool.free_slots()] + host_kv
+        if ps > 1:
+            host_places = [torch.unique(p // ps) for p in host_places]
+        owned = torch.cat(host_places)
+        uniq = torch.unique(owned)
+        host_total = cache.kv_host_pool.size // ps
+        assert uniq.numel() == owned.numel(), f"{owned.numel() - uniq.numel()} host KV {unit} are owned twice"
+        assert uniq.numel() == host_total, f"host KV slots lost: {host_total - uniq.numel()} {unit} of {host_total}"
     if cache.mamba_host_pool is not None:
         _check_slots("host SSM", cache.mamba_host_pool, [n.mamba_host_value for n in cache.nodes() if n.mamba_host_value is not None])
     if cache.mamba_ckpt_pool is None:
@@ -170,9 +202,11 @@ def pretty_print(cache: "MambaRadixCache") -> str:
         for child in node.children.values():
             head = child.key[:4]
             more = "..." if len(child.key) > 4 else ""
+            kv = child.value if child.value is not None else child.host_value
             lines.append(
-                f"{'  ' * depth}[{len(child.key)} tok {head}{more}] kv={child.value[:3].tolist()}"
-                f"{'...' if child.value.numel() > 3 else ''} ssm={child.mamba_value} "
+                f"{'  ' * depth}[{len(child.key)} tok {head}{more}] "
+                f"{'kv' if child.value is not None else 'host kv'}={kv[:3].tolist()}"
+                f"{'...' if kv.numel() > 3 else ''} ssm={child.mamba_value} "
                 f"lock=({child.full_lock_ref},{child.mamba_lock_ref})"
             )
             visit(child, depth + 1)

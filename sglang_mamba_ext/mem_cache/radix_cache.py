@@ -136,6 +136,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         self._full_protected = 0
         self._mamba_evictable = 0
         self._mamba_protected = 0
+        self._host_kv_tokens = 0
         #: Open sessions' pins (``--enable-session-radix-cache``, :mod:`.session_pins`).
         self._session_pins = {}
         if self.event_sink is not None:
@@ -166,6 +167,17 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         best = len(path)
         while best and not path[best - 1].has_state:
             best -= 1
+        if best and path[best - 1].value is None:
+            # KV in the host tier (docs/design.md, "Host tier"): a copy-on-write match loads
+            # it back now; any other match stops above it
+            first = best - 1
+            while first and path[first - 1].value is None:
+                first -= 1
+            if not (cow_mamba and self._load_kv(path[first:best])):
+                best = first
+                while best and not path[best - 1].has_state:
+                    best -= 1
+            pos = drop_removed_tail(path, pos)
         host_slot = None
         if cow_mamba and best and path[best - 1].mamba_value is None:
             # the deepest state is in the host tier only: loaded into the request's own
@@ -342,7 +354,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         node.mamba_lock_ref += 1
         root = self.root_node
         while node is not root:
-            if node.full_lock_ref == 0:
+            if node.full_lock_ref == 0 and node.value is not None:  # host-only KV: no count
                 k = len(node.key)
                 self._full_evictable -= k
                 self._full_protected += k
@@ -368,7 +380,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         root = self.root_node
         while node is not root:
             node.full_lock_ref -= 1
-            if node.full_lock_ref == 0:
+            if node.full_lock_ref == 0 and node.value is not None:
                 k = len(node.key)
                 self._full_protected -= k
                 self._full_evictable += k
@@ -431,9 +443,20 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         if path:
             # The walked nodes cover value[start:pos] back to back: the caller's duplicates
             # of them (past prev_prefix_len) are one contiguous range, freed in one call.
+            # Host-only nodes (a tail of the path) take the caller's slots instead.
+            dev_end = pos
+            if path[-1].value is None:
+                at = pos
+                for walked in reversed(path):
+                    if walked.value is not None:
+                        break
+                    k = len(walked.key)
+                    self._adopt_kv(walked, value[at - k : at])
+                    at -= k
+                dev_end = at
             lo = max(prev_prefix_len, start)
-            if lo < pos:
-                self.token_to_kv_pool_allocator.free(value[lo:pos])
+            if lo < dev_end:
+                self.token_to_kv_pool_allocator.free(value[lo:dev_end])
             node = path[-1]
         prefix_len = pos
         if pos < n:
@@ -469,12 +492,17 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         """Split ``child`` after ``m`` tokens; return the new parent, which has no SSM state
         and the child's KV lock count (``docs/design.md``, "Tree and match")."""
         parent = child.parent
-        new = TreeNode(child.key[:m], child.value[:m], parent, child.extra_key)
+        if child.value is None:  # host-only KV: both halves stay on the host
+            new = TreeNode(child.key[:m], None, parent, child.extra_key)
+            new.host_value = child.host_value[:m]
+            child.host_value = child.host_value[m:]
+        else:
+            new = TreeNode(child.key[:m], child.value[:m], parent, child.extra_key)
+            child.value = child.value[m:]
         new.full_lock_ref = child.full_lock_ref
         new.last_access_time = child.last_access_time
         parent.children[self._child_key(new.key, 0, new.extra_key)] = new
         child.key = child.key[m:]
-        child.value = child.value[m:]
         child.parent = new
         new.children[self._child_key(child.key, 0, child.extra_key)] = child
         # A split is an access through the old node: both halves become recent (the new
@@ -552,8 +580,8 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
             self.event_sink("state_dropped", node)
 
     def _delete_leaf(self, node: TreeNode, res: EvictResult) -> None:
-        """Remove an unlocked leaf with its KV and state, then every ancestor that became an
-        unlocked tombstone leaf; add what was freed to ``res``."""
+        """Remove an unlocked leaf with its KV (device or host) and state, then every
+        ancestor that became an unlocked tombstone leaf; add what was freed to ``res``."""
         root = self.root_node
         kv_free = self.token_to_kv_pool_allocator.free
         while True:
@@ -563,10 +591,16 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
                 res.mamba_num_evicted += 1
             if node.mamba_host_value is not None:
                 self._drop_host(node)
-            kv_free(node.value)
             k = len(node.key)
-            self._full_evictable -= k
-            res.num_tokens_evicted += k
+            if node.value is not None:
+                kv_free(node.value)
+                self._full_evictable -= k
+                res.num_tokens_evicted += k
+            else:  # KV in the host tier
+                self.kv_host_pool.free(node.host_value)
+                self._host_kv_tokens -= k
+                res.host_tokens_evicted += k
+                self.host_kv_evicted_total += k
             self.full_lru_list.remove(node.full_link)
             del parent.children[self._child_key(node.key, 0, node.extra_key)]
             node.removed = True

@@ -50,6 +50,8 @@ class HybridReqToTokenPool:
         mamba_host_pool: the host tier of the tree's states
             (:class:`~.checkpoint_pool.HostStatePool`; ``docs/design.md``, "Host tier"), or
             ``None``.
+        kv_host_pool: the host tier of the tree's attention KV
+            (:class:`~.kv_host_pool.HostKVPool`; with ``mamba_host_pool`` only), or ``None``.
 
     Raises:
         ValueError: on non-positive sizes, ``track_slots_per_req`` not in (0, 2), or given
@@ -69,6 +71,7 @@ class HybridReqToTokenPool:
         req_index_to_mamba_ping_pong_track_buffer_mapping: Optional[torch.Tensor] = None,
         mamba_ckpt_pool: Optional[Any] = None,
         mamba_host_pool: Optional[Any] = None,
+        kv_host_pool: Optional[Any] = None,
     ):
         if size < 1 or max_context_len < 1:
             raise ValueError(
@@ -81,6 +84,7 @@ class HybridReqToTokenPool:
         self.mamba_pool = mamba_pool
         self.mamba_ckpt_pool = mamba_ckpt_pool
         self.mamba_host_pool = mamba_host_pool
+        self.kv_host_pool = kv_host_pool
         self.track_slots_per_req = track_slots_per_req
         self.device = torch.device(device)
         rows = size + 1

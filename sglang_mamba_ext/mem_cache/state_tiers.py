@@ -8,7 +8,9 @@ request's slot on a hit. :class:`StateTiers` is mixed into
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
+
+import torch
 
 from .req import CacheReq
 from .tree_node import EvictResult, TreeNode
@@ -40,6 +42,11 @@ class StateTiers:
             )
         if self.mamba_host_pool is not None and self.mamba_ckpt_pool is not None:
             raise ValueError("int8 checkpoints and a host tier cannot be combined (SGLang refuses it too)")
+        #: The host tier of attention KV (:class:`~.kv_host_pool.HostKVPool`), or ``None``:
+        #: KV eviction then removes leaves.
+        self.kv_host_pool = getattr(req_to_token_pool, "kv_host_pool", None)
+        if self.kv_host_pool is not None and self.mamba_host_pool is None:
+            raise ValueError("a host tier of KV needs the host tier of states (mamba_host_pool)")
         self.hicache_write_policy = hicache_write_policy
         #: Host-tier totals since construction: states copied to the host, states a request
         #: resumed from the host, device states the device tier gave up for their host copy,
@@ -48,6 +55,10 @@ class StateTiers:
         self.host_loads_total = 0
         self.host_demotions_total = 0
         self.host_evicted_total = 0
+        #: KV host-tier totals (tokens): moved to the host, loaded back, removed from the host.
+        self.host_kv_demoted_total = 0
+        self.host_kv_loaded_total = 0
+        self.host_kv_evicted_total = 0
 
     def _state_room(self) -> bool:
         """With int8 checkpoints: make sure one checkpoint slot is free, evicting one
@@ -149,6 +160,135 @@ class StateTiers:
         self.mamba_host_pool.load_to_active(self.mamba_pool, [node.mamba_host_value], [slot])
         self.host_loads_total += 1
         return slot
+
+    # ================================================================ host tier of KV
+    # docs/design.md, "Host tier": a node's KV in host memory (``host_value``, ``value None``)
+    @staticmethod
+    def _is_device_leaf(node: TreeNode) -> bool:
+        """``node`` has device KV and none of its children has: the device KV pool's leaf."""
+        if node.value is None:
+            return False
+        for child in node.children.values():
+            if child.value is not None:
+                return False
+        return True
+
+    def _evict_kv_leaf(self, node: TreeNode, res: EvictResult) -> bool:
+        """KV eviction of the unlocked device leaf ``node``: its KV (with its state, which
+        goes to the host tier or, failing that, is dropped) moves to the host KV pool; a leaf
+        of the whole tree that cannot move is removed as without a host tier. False if
+        nothing was freed (an inner node whose KV finds no host room)."""
+        if self._demote_kv(node, res):
+            return True
+        if node.children:
+            return False
+        self._delete_leaf(node, res)
+        return True
+
+    def _demote_kv(self, node: TreeNode, res: EvictResult) -> bool:
+        """Move ``node``'s device KV to the host KV pool (evicting host-only leaves for room),
+        its device state first to the host tier (dropped if it cannot go there and ``node``
+        is inner). False (nothing changed) without a KV host pool or room, or for a leaf
+        whose state cannot be kept."""
+        pool = self.kv_host_pool
+        if pool is None:
+            return False
+        k = len(node.key)
+        host = pool.alloc(k)
+        if host is None:
+            self.inc_lock_ref(node)  # the host eviction may not remove it as a bare ancestor
+            self._evict_host_kv(k - pool.available_size(), res)
+            self.dec_lock_ref(node)
+            host = pool.alloc(k)
+            if host is None:
+                return False
+        if node.mamba_value is not None:
+            if self._demote(node):
+                res.mamba_num_evicted += 1
+            elif node.children:
+                self._drop_state(node)
+                res.mamba_num_evicted += 1
+            else:
+                pool.free(host)
+                return False
+        pool.backup(node.value, host)
+        self.token_to_kv_pool_allocator.free(node.value)
+        node.value = None
+        node.host_value = host
+        self._full_evictable -= k
+        self._host_kv_tokens += k
+        res.num_tokens_evicted += k
+        self.host_kv_demoted_total += k
+        return True
+
+    def _evict_host_kv(self, num_tokens: int, res: EvictResult) -> None:
+        """Free ``num_tokens`` of the host KV pool if possible: unlocked host-only leaves go,
+        least recently used first, with their host state and the bare ancestors they leave
+        (added to ``res``)."""
+        lru = self.full_lru_list
+        link = lru.lru()
+        target = res.host_tokens_evicted + num_tokens
+        while link is not None and res.host_tokens_evicted < target:
+            node = link.owner
+            nxt = lru.step_toward_head(link)
+            if node.value is None and not node.children and node.full_lock_ref == 0:
+                self._delete_leaf(node, res)
+            link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
+
+    def _load_kv(self, nodes: List[TreeNode]) -> bool:
+        """Load the host-only KV of ``nodes`` (a path's consecutive host-only nodes, top
+        first) into fresh device slots, evicting device KV for room; the path is locked
+        meanwhile. The host copies are freed (a node's KV is in one place). False (nothing
+        loaded) if the device KV pool cannot give the room."""
+        total = sum(len(n.key) for n in nodes)
+        kv = self.token_to_kv_pool_allocator
+        last = nodes[-1]
+        self.inc_lock_ref(last)
+        try:
+            dev = kv.alloc(total)
+            if dev is None:
+                self.evict(num_tokens=total - kv.available_size())
+                if getattr(kv, "free_group", None) is not None:
+                    # SGLang's allocator holds frees back in an open group: land them first
+                    kv.free_group_end()
+                    kv.free_group_begin()
+                dev = kv.alloc(total)
+                if dev is None:
+                    return False
+            dev = dev.to(torch.int64)
+            pool = self.kv_host_pool
+            off = 0
+            for n in nodes:
+                k = len(n.key)
+                d = dev[off : off + k]
+                off += k
+                pool.load(n.host_value, d)
+                pool.free(n.host_value)
+                n.host_value = None
+                n.value = d
+                self._full_protected += k  # locked just above
+                self._host_kv_tokens -= k
+            self.host_kv_loaded_total += total
+            return True
+        finally:
+            self.dec_lock_ref(last)
+
+    def _adopt_kv(self, node: TreeNode, value: torch.Tensor) -> None:
+        """An insert passes the host-only ``node`` with its own device slots ``value`` for
+        the same tokens: the node takes them and frees its host copy (no copy needed)."""
+        self.kv_host_pool.free(node.host_value)
+        node.host_value = None
+        node.value = value
+        k = len(node.key)
+        self._host_kv_tokens -= k
+        if node.full_lock_ref > 0:
+            self._full_protected += k
+        else:
+            self._full_evictable += k
+
+    def host_kv_tokens(self) -> int:
+        """KV tokens the tree holds in the host tier (O(1))."""
+        return self._host_kv_tokens
 
     def host_states(self) -> int:
         """States with a host copy (O(1))."""

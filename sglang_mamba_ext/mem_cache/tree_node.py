@@ -40,7 +40,12 @@ class TreeNode:
 
     Attributes:
         key: token ids of this edge (a non-empty list, a multiple of ``page_size`` long).
-        value: int64 ``[len(key)]`` KV slots of those tokens.
+        value: int64 ``[len(key)]`` device KV slots of those tokens, or ``None`` when the
+            KV is in the host tier only (``host_value``; ``docs/design.md``, "Host tier").
+            Such a node's descendants are host-only too, it holds no device state and no
+            request locks it.
+        host_value: int64 ``[len(key)]`` slots of the host KV pool holding that KV while
+            ``value`` is ``None``; ``None`` otherwise (a node's KV is in one place).
         mamba_value: the SSM slot holding the state after the last token of ``key`` (the
             state of the whole root-to-node sequence), or ``None`` (a tombstone).
         mamba_host_value: the slot of a copy of that state in the host tier
@@ -60,6 +65,7 @@ class TreeNode:
     __slots__ = (
         "key",
         "value",
+        "host_value",
         "mamba_value",
         "mamba_host_value",
         "mamba_origin",
@@ -84,7 +90,8 @@ class TreeNode:
 
     def __init__(self, key: List[int], value: torch.Tensor, parent: Optional["TreeNode"], extra_key=None):
         self.key = key
-        self.value = value
+        self.value: Optional[torch.Tensor] = value
+        self.host_value: Optional[torch.Tensor] = None
         self.mamba_value: Optional[int] = None
         self.mamba_host_value: Optional[int] = None
         self.mamba_origin: Optional[str] = None
@@ -111,6 +118,11 @@ class TreeNode:
         return self.mamba_value is None and self.mamba_host_value is None
 
     @property
+    def evicted(self) -> bool:
+        """KV in the host tier only (SGLang's ``TreeNode.evicted``)."""
+        return self.value is None
+
+    @property
     def has_state(self) -> bool:
         """A state in the device tier or the host tier."""
         return self.mamba_value is not None or self.mamba_host_value is not None
@@ -119,6 +131,7 @@ class TreeNode:
         return (
             f"TreeNode(id={self.id}, len={len(self.key)}, mamba={self.mamba_value}, "
             + (f"host={self.mamba_host_value}, " if self.mamba_host_value is not None else "")
+            + ("kv=host, " if self.value is None else "")
             + f"lock=({self.full_lock_ref},{self.mamba_lock_ref}))"
         )
 
@@ -174,10 +187,12 @@ class InsertResult:
 
 @dataclasses.dataclass
 class EvictResult:
-    """Tokens of KV and SSM states actually freed by :meth:`~.radix_cache.MambaRadixCache.evict`."""
+    """Device KV tokens (freed or moved to the host tier) and SSM states actually freed by :meth:`~.radix_cache.MambaRadixCache.evict`."""
 
     num_tokens_evicted: int = 0
     mamba_num_evicted: int = 0
+    #: Host-tier KV tokens freed (host-only nodes removed), not counted above.
+    host_tokens_evicted: int = 0
 
 
 def split_key(key: KeyLike) -> Tuple[List[int], Optional[str]]:

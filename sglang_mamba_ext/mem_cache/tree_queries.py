@@ -47,8 +47,8 @@ class TreeQueries:
         return self._path_values(node)
 
     def all_values_flatten(self) -> torch.Tensor:
-        """int64 KV slots of every node (leak diagnostics; O(tree size))."""
-        vals = [n.value for n in self.nodes()]
+        """int64 device KV slots of every node (leak diagnostics; O(tree size))."""
+        vals = [n.value for n in self.nodes() if n.value is not None]
         return torch.cat(vals) if vals else EMPTY_INDICES
 
     def all_mamba_values_flatten(self) -> torch.Tensor:

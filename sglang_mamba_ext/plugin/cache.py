@@ -37,7 +37,7 @@ from sglang_mamba_ext.mem_cache import MambaRadixCache
 from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
-from sglang_mamba_ext.plugin.host_tier import NO_KV_HOST_POOL, attach_host_tier
+from sglang_mamba_ext.plugin.host_tier import attach_host_tier
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.sessions import RadixSessions, end_streaming_turn
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX
@@ -179,9 +179,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
 
     @property
     def token_to_kv_pool_host(self):
-        """SGLang's host-tier metrics read a KV host pool: attention KV is not offloaded
-        here (the host tier holds SSM states), so it reports 0 tokens."""
-        return NO_KV_HOST_POOL
+        """The host tier's KV pool (SGLang's host-tier metrics read ``logical_size`` and
+        ``available_size()``), or ``None`` without ``--enable-hierarchical-cache``."""
+        return self.core.kv_host_pool
 
     def flush_pending_backups(self) -> None:
         """Called by SGLang's scheduler once per processed batch (no host backups here):
@@ -405,6 +405,12 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "host_loads": core.host_loads_total,
             "host_demotions": core.host_demotions_total,
             "host_evicted": core.host_evicted_total,
+            # host tier of attention KV (tokens)
+            "host_kv_tokens_total": core.kv_host_pool.size if core.kv_host_pool is not None else 0,
+            "host_kv_tokens": core.host_kv_tokens(),
+            "host_kv_demoted": core.host_kv_demoted_total,
+            "host_kv_loaded": core.host_kv_loaded_total,
+            "host_kv_evicted": core.host_kv_evicted_total,
             # --enable-session-radix-cache: states open sessions pin (evicted last)
             "session_pins": len(core.pinned_nodes()),
             **core.stats_snapshot(),
@@ -533,7 +539,7 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     params = ctx.params
     write_policy = "write_through"
     if ctx.enable_hierarchical_cache:
-        write_policy = attach_host_tier(params.req_to_token_pool)
+        write_policy = attach_host_tier(params.req_to_token_pool, params.token_to_kv_pool_allocator)
     algo = str(get_spec().speculative_algorithm or "").upper()
     if params.is_eagle and algo != "FROZEN_KV_MTP":
         # EAGLE / EAGLE3 drafts write KV keyed by token pairs (SGLang's bigram radix keys);

@@ -1,7 +1,7 @@
 """The host tier of ``--enable-hierarchical-cache`` under ``--enable-mamba-radix``
 (``docs/design.md``, "Host tier"): building it from SGLang's flags onto the plugin's request
-pool, and the stand-in KV host pool SGLang's host-tier metrics read (attention KV is not
-offloaded). The tier's mechanism is the core's (``mem_cache/state_tiers.py``).
+pool — a host pool of SSM states and one of attention KV over SGLang's device KV buffers.
+The tier's mechanism is the core's (``mem_cache/state_tiers.py``).
 """
 
 from __future__ import annotations
@@ -13,48 +13,75 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def attach_host_tier(pool) -> str:
+def attach_host_tier(pool, kv_allocator) -> str:
     """``--enable-hierarchical-cache``: give the pool a host tier of SSM states
-    (:class:`~sglang_mamba_ext.mem_cache.checkpoint_pool.HostStatePool`; ``docs/design.md``,
-    "Host tier") sized by SGLang's ``--hicache-size`` (GiB) or ``--hicache-ratio`` (host
-    states per device slot, default 2.0), page-locked where CUDA is available. Returns
-    ``--hicache-write-policy``.
+    (:class:`~sglang_mamba_ext.mem_cache.checkpoint_pool.HostStatePool`) and one of attention
+    KV (:class:`~sglang_mamba_ext.mem_cache.kv_host_pool.HostKVPool` over the device KV
+    pool's buffers; ``docs/design.md``, "Host tier"), sized by SGLang's ``--hicache-ratio``
+    (host states per device slot and host KV tokens per device KV token, default 2.0) or
+    ``--hicache-size`` (GiB, shared between the two in the proportion of their device
+    bytes), page-locked where CUDA is available. Returns ``--hicache-write-policy``.
 
     Raises:
-        ValueError: the sizes give no host slot."""
+        ValueError: the sizes give no host slot, or the KV pool has no per-layer buffers."""
     from sglang.srt.runtime_context import get_memory
 
     from sglang_mamba_ext.mem_cache.checkpoint_pool import HostStatePool
+    from sglang_mamba_ext.mem_cache.kv_host_pool import HostKVPool
 
     mem = get_memory()
     active = pool.core_mamba_pool
     probe = HostStatePool(1, active)
+    kv_buffers, page_size = _kv_buffers(kv_allocator)
+    kv_device_tokens = int(kv_allocator.size)
+    token_bytes = sum(b[0].numel() * b.element_size() for b in kv_buffers)
     if mem.hicache_size:
-        slots = int(mem.hicache_size * (1 << 30)) // probe.slot_bytes()
+        total = int(mem.hicache_size * (1 << 30))
+        state_dev = active.size * probe.slot_bytes()
+        share = state_dev / max(state_dev + kv_device_tokens * token_bytes, 1)
+        slots = int(total * share) // probe.slot_bytes()
+        kv_tokens = int(total * (1 - share)) // max(token_bytes, 1)
         how = f"--hicache-size {mem.hicache_size} GiB"
     else:
         ratio = mem.hicache_ratio if mem.hicache_ratio is not None else 2.0
         slots = int(active.size * ratio)
+        kv_tokens = int(kv_device_tokens * ratio)
         how = f"--hicache-ratio {ratio} x {active.size} device slots"
     if slots < 1:
         raise ValueError(f"--enable-hierarchical-cache: {how} holds no SSM state of {probe.slot_bytes()} bytes")
+    kv_tokens -= kv_tokens % page_size
+    if kv_tokens < page_size:
+        raise ValueError(f"--enable-hierarchical-cache: {how} holds no KV page of {token_bytes * page_size} bytes")
     pin = active.device.type == "cuda" and torch.cuda.is_available()
     host = HostStatePool(slots, active, pin_memory=pin)
+    kv_host = HostKVPool(kv_tokens, page_size, kv_buffers, pin_memory=pin)
     pool.core.mamba_host_pool = host
+    pool.core.kv_host_pool = kv_host
     logger.info(
-        "sglang-mamba-ext: host tier of %d SSM states (%s, %.1f MiB, write policy %s)",
-        slots, how, host.total_bytes() / (1 << 20), mem.hicache_write_policy,
+        "sglang-mamba-ext: host tier of %d SSM states and %d KV tokens (%s, %.1f + %.1f MiB, write policy %s)",
+        slots, kv_tokens, how, host.total_bytes() / (1 << 20), kv_host.total_bytes() / (1 << 20),
+        mem.hicache_write_policy,
     )
     return mem.hicache_write_policy
 
 
-class _NoKVHostPool:
-    logical_size = 0
+def _kv_buffers(kv_allocator):
+    """``(buffers, page_size)``: the per-layer device tensors of SGLang's KV pool behind
+    ``kv_allocator`` (an MHA pool's ``k_buffer + v_buffer``, an MLA pool's ``kv_buffer``; a
+    hybrid pool's full-attention pool), each indexed by KV slot.
 
-    @staticmethod
-    def available_size() -> int:
-        return 0
-
-
-#: What the adapter answers for SGLang's ``token_to_kv_pool_host`` (host-tier metrics).
-NO_KV_HOST_POOL = _NoKVHostPool()
+    Raises:
+        ValueError: the pool has neither."""
+    kvcache = kv_allocator.get_kvcache()
+    full = getattr(kvcache, "full_kv_pool", None) or kvcache
+    k, v = getattr(full, "k_buffer", None), getattr(full, "v_buffer", None)
+    if k is not None and v is not None:
+        buffers = list(k) + list(v)
+    elif getattr(full, "kv_buffer", None) is not None:
+        buffers = list(full.kv_buffer)
+    else:
+        raise ValueError(
+            f"--enable-hierarchical-cache: the KV pool {type(full).__name__} has no per-layer "
+            "k_buffer / v_buffer or kv_buffer to copy to host memory (drop --enable-hierarchical-cache)"
+        )
+    return buffers, int(getattr(kv_allocator, "page_size", 1))

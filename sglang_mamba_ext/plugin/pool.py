@@ -443,6 +443,8 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
             self.core_ckpt_pool.clear_all()  # the tree was reset: no stored state is held
         if self.core.mamba_host_pool is not None:
             self.core.mamba_host_pool.clear_all()  # host memory of the tree's states released
+        if self.core.kv_host_pool is not None:
+            self.core.kv_host_pool.clear()  # and of their KV
 
 
 @contextlib.contextmanager

@@ -13,10 +13,12 @@ the reference's within that tolerance. ``/server_info`` reports the checkpoint p
 SGLang's strict idle checks (its two-pool check for int8 checkpoints).
 
 ``TestHostTier`` serves it with ``--enable-hierarchical-cache --hicache-ratio 4
---max-mamba-cache-size 8``: the same six prompts (18 states, more than the 8 device
-slots) sent twice; on the second pass each hits ``len - 1`` tokens from a state the device
-tier had given up for its host copy (``docs/design.md``, "Host tier"), and the outputs equal
-the reference's greedy tokens (host copies are exact). ``/flush_cache`` releases the host
+--max-mamba-cache-size 8 --max-total-tokens 640``: the same six prompts (18 states, more than
+the 8 device slots; 1248 tokens of KV, more than the 640 device KV slots) sent twice; on the
+second pass each hits ``len - 1`` tokens from a state the device tier had given up for its
+host copy, its KV loaded back from the host where the device had given that up too
+(``docs/design.md``, "Host tier"), and the outputs equal the reference's greedy tokens (host
+copies are exact). ``/flush_cache`` releases the host
 memory; strict idle checks.
 
 ``TestSessions`` serves it with ``--enable-streaming-session --enable-session-radix-cache
@@ -46,6 +48,9 @@ PROMPTS = 6
 PROMPT_LEN = 200
 NEW_TOKENS = 8
 ACTIVE_SLOTS = 8
+#: Device KV tokens of the host-tier server (``--max-total-tokens``): three of the six
+#: prompts' 208 tokens, so the host tier holds the rest of their KV.
+KV_TOKENS = 640
 CKPT_SLOTS = 20
 #: Largest next-token log-probability difference accepted between the server (a continuation
 #: from an int8 state) and the reference recurrence (tests/test_int8_checkpoints.py states the
@@ -150,24 +155,34 @@ class TestInt8Checkpoints(_Prompts):
 
 
 class TestHostTier(_Prompts):
-    ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "4", "--max-mamba-cache-size", str(ACTIVE_SLOTS)]
+    ARGS = ["--enable-hierarchical-cache", "--hicache-ratio", "4", "--max-mamba-cache-size", str(ACTIVE_SLOTS),
+            "--max-total-tokens", str(KV_TOKENS)]
 
     def test_a_second_pass_hits_every_prompt_from_the_host_tier(self):
         self.post("/flush_cache", {})
         info = self.info()
         self.assertEqual(info["host_ssm_slots_total"], 4 * ACTIVE_SLOTS)
         self.assertEqual(info["host_ssm_slots_free"], 4 * ACTIVE_SLOTS)
+        self.assertEqual(info["host_kv_tokens_total"], 4 * info["kv_slots_total"])
         first = [self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS) for ids in self.prompts]
         self.assertEqual([o["meta_info"]["cached_tokens"] for o in first], [0] * PROMPTS)
         info = self.info()
         # write_through: every state the tree took has a host copy; the device keeps few
         self.assertEqual(info["host_ssm_states"], 3 * PROMPTS)
         self.assertLessEqual(info["ssm_states"], ACTIVE_SLOTS)
-        loads = info["host_loads"]
+        # 6 x 207 tokens of KV (the last generated token has none) against a device pool of
+        # KV_TOKENS: the tree keeps all of it, the rest in the host tier
+        self.assertGreater(info["host_kv_tokens"], 0)
+        self.assertEqual(info["host_kv_tokens"] + info["kv_evictable_tokens"], PROMPTS * (PROMPT_LEN + NEW_TOKENS - 1))
+        loads, kv_loads = info["host_loads"], info["host_kv_loaded"]
         second = [self.server.generate(input_ids=ids, max_new_tokens=NEW_TOKENS) for ids in self.prompts]
         self.assertEqual([o["meta_info"]["cached_tokens"] for o in second], [PROMPT_LEN - 1] * PROMPTS)
-        # every hit of the second pass came back from the host tier
-        self.assertEqual(self.info()["host_loads"] - loads, PROMPTS)
+        # every hit of the second pass came back from the host tier, state and KV: the
+        # pass walks the prompts in order, so each finds its KV given up to the host (the
+        # device KV holds three prompts, the least recently used go first)
+        info = self.info()
+        self.assertEqual(info["host_loads"] - loads, PROMPTS)
+        self.assertEqual(info["host_kv_loaded"] - kv_loads, PROMPTS * (PROMPT_LEN - 1))
         for ids, out in zip(self.prompts, second):
             self.assertEqual(out["output_ids"], self.greedy(ids))
         idle_and_checked(self.server)
@@ -178,6 +193,7 @@ class TestHostTier(_Prompts):
         self.post("/flush_cache", {})
         info = self.info()
         self.assertEqual((info["host_ssm_states"], info["host_ssm_slots_free"]), (0, info["host_ssm_slots_total"]))
+        self.assertEqual(info["host_kv_tokens"], 0)
         self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
         idle_and_checked(self.server)
 
