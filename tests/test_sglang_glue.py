@@ -496,6 +496,72 @@ class TestPoolAndCacheCreation(_ContextTest):
             self.assertIsInstance(cache, UnifiedRadixCache)
 
 
+class TestHostTierPools(unittest.TestCase):
+    """``--enable-hierarchical-cache``: the host tier's KV pool over SGLang's own
+    ``MHATokenToKVPool`` buffers (``plugin/host_tier.py``), its sizes from SGLang's flags, and
+    one KV round trip through it (device -> host at eviction, host -> device at a match)."""
+
+    def build(self, *flags):
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--enable-hierarchical-cache",
+                                                 "--max-mamba-cache-size", str(MAMBA_SIZE), *flags))
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(F.in_context(ctx))
+        self.addCleanup(self._stack.close)
+        kv_pool = MHATokenToKVPool(64, page_size=1, dtype=torch.float32, head_num=2, head_dim=4, layer_num=2,
+                                   device="cpu", enable_memory_saver=False)
+        cache, _ = F.build_tree_cache(F.build_req_pool(), 64, hierarchical=True, kv_pool=kv_pool)
+        return cache, kv_pool
+
+    def test_ratio_sizes_the_kv_host_pool_over_sglang_buffers(self):
+        cache, kv_pool = self.build("--hicache-ratio", "3")
+        host = cache.core.kv_host_pool
+        self.assertIs(cache.token_to_kv_pool_host, host)
+        self.assertEqual((host.size, host.logical_size, host.available_size()), (192, 192, 192))
+        self.assertEqual(len(host.host_buffers), 4)  # K and V of 2 layers
+        self.assertEqual(tuple(host.host_buffers[0].shape), (193, 2, 4))
+        self.assertIs(host.device_buffers[0], kv_pool.k_buffer[0])
+        self.assertIs(host.device_buffers[2], kv_pool.v_buffer[0])
+
+    def test_size_in_gib_is_shared_by_states_and_kv(self):
+        cache, _ = self.build("--hicache-size", "1")
+        core = cache.core
+        kv_bytes = core.kv_host_pool.size * core.kv_host_pool.token_bytes()
+        state_bytes = core.mamba_host_pool.size * core.mamba_host_pool.slot_bytes()
+        self.assertGreater(core.kv_host_pool.size, 0)
+        self.assertGreater(core.mamba_host_pool.size, 0)
+        self.assertLessEqual(kv_bytes + state_bytes, (1 << 30))
+        self.assertGreater(kv_bytes + state_bytes, (1 << 30) - core.mamba_host_pool.slot_bytes() - core.kv_host_pool.token_bytes())
+
+    def test_kv_round_trip_through_the_host(self):
+        from sglang_mamba_ext.mem_cache import CacheReq
+
+        cache, kv_pool = self.build("--hicache-ratio", "2")
+        core = cache.core
+        kv = core.token_to_kv_pool_allocator
+        slots = kv.alloc(8)
+        torch.manual_seed(0)
+        for b in kv_pool.k_buffer + kv_pool.v_buffer:
+            b[slots] = torch.randn(8, 2, 4)
+        want = [b[slots].clone() for b in kv_pool.k_buffer + kv_pool.v_buffer]
+        core.insert(list(range(10, 18)), slots, mamba_value=core.mamba_pool.alloc_list(1)[0])
+        self.assertEqual(core.evict(num_tokens=8).num_tokens_evicted, 8)
+        self.assertEqual(core.host_kv_tokens(), 8)
+        for b in kv_pool.k_buffer + kv_pool.v_buffer:
+            b.zero_()
+        req = CacheReq("r", list(range(10, 19)))
+        m = core.match_prefix(list(range(10, 18)), cow_mamba=True, req=req)
+        self.assertEqual((m.prefix_len, core.host_kv_loaded_total), (8, 8))
+        for b, w in zip(kv_pool.k_buffer + kv_pool.v_buffer, want):
+            self.assertTrue(torch.equal(b[m.device_indices], w))
+        core.mamba_pool.free([req.mamba_pool_idx])
+        core.sanity_check()
+        self.assertEqual(kv.available_size() + core.total_size(), 64)
+        host = core.kv_host_pool
+        self.assertEqual((host.available_size(), core.host_kv_tokens()), (host.size, 0))
+
+
 class TestLifecycle(_ContextTest):
     def setUp(self):
         super().setUp()

@@ -76,9 +76,12 @@ def build_req_pool(max_num_reqs: int = 4, context_len: int = 256):
     return KVCacheConfigurator._build_hybrid_req_pool(conf, max_num_reqs=max_num_reqs, extra_max_context_len=0)
 
 
-def build_tree_cache(pool, kv_size: int, page_size: int = 1, *, hierarchical: bool = False, **cache_init_params: Any):
+def build_tree_cache(
+    pool, kv_size: int, page_size: int = 1, *, hierarchical: bool = False, kv_pool: Any = None, **cache_init_params: Any
+):
     """``(cache, kv_allocator)``: SGLang's ``registry.create_tree_cache`` over ``pool`` and a
-    ``TokenToKVPoolAllocator`` of ``kv_size`` tokens, with the flags of the current runtime
+    ``TokenToKVPoolAllocator`` of ``kv_size`` tokens (over SGLang's KV pool ``kv_pool``, or
+    slots only without one), with the flags of the current runtime
     context; ``cache_init_params`` sets further ``CacheInitParams`` fields (e.g.
     ``enable_kv_cache_events=True``, as the scheduler sets it under ``--kv-events-config``).
     Call inside a scheduler context."""
@@ -87,7 +90,7 @@ def build_tree_cache(pool, kv_size: int, page_size: int = 1, *, hierarchical: bo
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
     from sglang.srt.runtime_context import get_exec, get_memory, get_server_args
 
-    allocator = TokenToKVPoolAllocator(kv_size, torch.float32, "cpu", None, False)
+    allocator = TokenToKVPoolAllocator(kv_size, torch.float32, "cpu", kv_pool, False)
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=pool,

@@ -106,6 +106,9 @@ class HostKVPool:
         for dev, host in zip(self.device_buffers, self.host_buffers):
             d_idx = device_indices.to(dev.device, torch.int64)
             dev[d_idx] = host[h_idx].to(dev.device, non_blocking=False)
+        if self.device_buffers and self.device_buffers[0].device.type == "cuda":
+            # the scatters are queued on this stream; a forward on another stream reads them
+            torch.cuda.current_stream(self.device_buffers[0].device).synchronize()
 
 
 def _same_len(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

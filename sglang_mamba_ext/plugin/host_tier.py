@@ -49,6 +49,8 @@ def attach_host_tier(pool, kv_allocator) -> str:
         how = f"--hicache-ratio {ratio} x {active.size} device slots"
     if slots < 1:
         raise ValueError(f"--enable-hierarchical-cache: {how} holds no SSM state of {probe.slot_bytes()} bytes")
+    if not kv_buffers:  # slots only (no KV data): as many host tokens as the ratio gives
+        kv_tokens = max(kv_tokens, kv_device_tokens)
     kv_tokens -= kv_tokens % page_size
     if kv_tokens < page_size:
         raise ValueError(f"--enable-hierarchical-cache: {how} holds no KV page of {token_bytes * page_size} bytes")
@@ -68,11 +70,15 @@ def attach_host_tier(pool, kv_allocator) -> str:
 def _kv_buffers(kv_allocator):
     """``(buffers, page_size)``: the per-layer device tensors of SGLang's KV pool behind
     ``kv_allocator`` (an MHA pool's ``k_buffer + v_buffer``, an MLA pool's ``kv_buffer``; a
-    hybrid pool's full-attention pool), each indexed by KV slot.
+    hybrid pool's full-attention pool), each indexed by KV slot; no buffers for an allocator
+    without a KV pool (the offline benchmarks' ``benchmarks/ours.py``: slots only, no data).
 
     Raises:
         ValueError: the pool has neither."""
     kvcache = kv_allocator.get_kvcache()
+    page_size = int(getattr(kv_allocator, "page_size", 1))
+    if kvcache is None:
+        return [], page_size
     full = getattr(kvcache, "full_kv_pool", None) or kvcache
     k, v = getattr(full, "k_buffer", None), getattr(full, "v_buffer", None)
     if k is not None and v is not None:
@@ -84,4 +90,4 @@ def _kv_buffers(kv_allocator):
             f"--enable-hierarchical-cache: the KV pool {type(full).__name__} has no per-layer "
             "k_buffer / v_buffer or kv_buffer to copy to host memory (drop --enable-hierarchical-cache)"
         )
-    return buffers, int(getattr(kv_allocator, "page_size", 1))
+    return buffers, page_size
