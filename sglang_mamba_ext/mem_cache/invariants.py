@@ -91,7 +91,7 @@ def sanity_check(cache: "MambaRadixCache") -> None:
     assert kv_counts == (fe, fp), f"KV counters {kv_counts} != tree {(fe, fp)}"
     ssm_counts = (cache.mamba_evictable_size(), cache.mamba_protected_size())
     assert ssm_counts == (me, mp), f"SSM counters {ssm_counts} != tree {(me, mp)}"
-    assert len(cache.full_lru_list) == nodes, "KV LRU list size != node count"
+    assert len(cache.full_lru_list) + len(cache.host_kv_lru_list) == nodes, "KV LRU list size != node count"
     assert cache.host_kv_tokens() == host_kv, f"host KV counter {cache.host_kv_tokens()} != tree {host_kv}"
     if host_kv_seen:
         allhost = torch.cat(host_kv_seen)
@@ -100,12 +100,18 @@ def sanity_check(cache: "MambaRadixCache") -> None:
     if kv_seen:
         allkv = torch.cat(kv_seen)
         assert torch.unique(allkv).numel() == allkv.numel(), "a KV slot is in two nodes"
-    # Recency: every node is at least as recent as its descendants in the KV list.
+    # Recency: every node is at least as recent as its descendants in its KV list (device KV
+    # in full_lru_list, host-only KV in host_kv_lru_list, whose parents may be on the device).
     seen = set()
-    for link in cache.full_lru_list:
-        node = link.owner
-        assert node.parent is root or node.parent.id in seen, f"{node!r} is more recent than its parent in the KV LRU list"
-        seen.add(node.id)
+    for lru, host in ((cache.full_lru_list, False), (cache.host_kv_lru_list, True)):
+        for link in lru:
+            node = link.owner
+            assert (node.value is None) == host, f"{node!r} is in the wrong KV LRU list"
+            parent = node.parent
+            assert parent is root or parent.id in seen or (host and parent.value is not None), (
+                f"{node!r} is more recent than its parent in the KV LRU list"
+            )
+            seen.add(node.id)
     # Session pins (session_pins.py): each one in the tree (removed ones are skipped).
     for pin in cache.pinned_nodes():
         assert pin.id in seen, f"session pin {pin!r} is not in the tree"

@@ -37,7 +37,8 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         kv_allocator: KV slot allocator (``alloc(n)``, ``free(idx)``, ``available_size()``):
             :class:`~sglang_mamba_ext.mem_cache.allocator.KVSlotAllocator` or SGLang's
             ``TokenToKVPoolAllocator``.
-        req_to_token_pool: the hybrid request pool; its ``mamba_pool`` is the SSM pool.
+        req_to_token_pool: the hybrid request pool; its ``mamba_pool`` is the SSM pool, its
+            ``mamba_ckpt_pool`` / ``mamba_host_pool`` / ``kv_host_pool`` the tiers (or ``None``).
         page_size: tokens per KV page (>= 1). Keys are matched and stored in whole pages.
         mamba_track_interval: tokens between ping-pong checkpoints (a multiple of
             ``page_size``).
@@ -128,6 +129,9 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         self.root_node.full_lock_ref = 1
         self.root_node.mamba_lock_ref = 1
         self.full_lru_list = LRUList()
+        #: Nodes whose KV is in the host tier only (the host KV pool's recency list; their
+        #: ``full_link`` is here instead of in ``full_lru_list``).
+        self.host_kv_lru_list = LRUList()
         self.mamba_lru_list = LRUList()
         self.host_lru_list = LRUList()
         self._eviction.reset()
@@ -509,22 +513,27 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         # parent just ahead of the child, so parents stay more recent than children).
         self._clock += 1
         child.last_access_time = self._clock
-        self.full_lru_list.push_front(child.full_link)
-        self.full_lru_list.insert_before(new.full_link, child.full_link)
+        lru = self.full_lru_list if child.value is not None else self.host_kv_lru_list
+        lru.push_front(child.full_link)
+        lru.insert_before(new.full_link, child.full_link)
         if self.event_sink is not None:
             self.event_sink("split", new, child)
         return new
 
     def _touch_path(self, node: TreeNode) -> None:
         """Mark ``node`` and its ancestors used now, deepest first, so that every node stays
-        at least as recent as its descendants in the KV LRU list."""
+        at least as recent as its descendants in its KV LRU list (the device's, or the host
+        tier's for host-only KV)."""
         self._clock += 1
         now = self._clock
         root = self.root_node
         push = self.full_lru_list.push_front
         while node is not root:
             node.last_access_time = now
-            push(node.full_link)
+            if node.value is None:
+                self.host_kv_lru_list.push_front(node.full_link)
+            else:
+                push(node.full_link)
             node = node.parent
 
     def _touch_state(self, node: TreeNode, event: str) -> None:
@@ -596,12 +605,13 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
                 kv_free(node.value)
                 self._full_evictable -= k
                 res.num_tokens_evicted += k
+                self.full_lru_list.remove(node.full_link)
             else:  # KV in the host tier
                 self.kv_host_pool.free(node.host_value)
                 self._host_kv_tokens -= k
                 res.host_tokens_evicted += k
                 self.host_kv_evicted_total += k
-            self.full_lru_list.remove(node.full_link)
+                self.host_kv_lru_list.remove(node.full_link)
             del parent.children[self._child_key(node.key, 0, node.extra_key)]
             node.removed = True
             if self.event_sink is not None:

@@ -1,9 +1,11 @@
-"""Where the tree's SSM states live besides the active pool (``docs/design.md``, "int8
+"""Where the tree's SSM states and KV live besides the device pools (``docs/design.md``, "int8
 checkpoints" and "Host tier"): the int8 checkpoint pool a state is quantized into when it
-enters the tree, and the host tier that keeps a copy of a state the device tier gives up,
-with its write policies, its eviction in the policy's order and the copy back into a
-request's slot on a hit. :class:`StateTiers` is mixed into
-:class:`~.radix_cache.MambaRadixCache` and uses its tree operations.
+enters the tree; the host tier that keeps a copy of a state the device tier gives up, with
+its write policies, its eviction in the policy's order and the copy back into a request's
+slot on a hit; and the host tier of attention KV, where a device leaf's KV moves when the
+device KV pool evicts it and from which a copy-on-write match loads it back.
+:class:`StateTiers` is mixed into :class:`~.radix_cache.MambaRadixCache` and uses its tree
+operations.
 """
 
 from __future__ import annotations
@@ -215,6 +217,8 @@ class StateTiers:
         self.token_to_kv_pool_allocator.free(node.value)
         node.value = None
         node.host_value = host
+        self.full_lru_list.remove(node.full_link)
+        self.host_kv_lru_list.push_front(node.full_link)  # after its (host-only) children
         self._full_evictable -= k
         self._host_kv_tokens += k
         res.num_tokens_evicted += k
@@ -225,13 +229,13 @@ class StateTiers:
         """Free ``num_tokens`` of the host KV pool if possible: unlocked host-only leaves go,
         least recently used first, with their host state and the bare ancestors they leave
         (added to ``res``)."""
-        lru = self.full_lru_list
+        lru = self.host_kv_lru_list
         link = lru.lru()
         target = res.host_tokens_evicted + num_tokens
         while link is not None and res.host_tokens_evicted < target:
             node = link.owner
             nxt = lru.step_toward_head(link)
-            if node.value is None and not node.children and node.full_lock_ref == 0:
+            if not node.children and node.full_lock_ref == 0:
                 self._delete_leaf(node, res)
             link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
 
@@ -257,15 +261,17 @@ class StateTiers:
                     return False
             dev = dev.to(torch.int64)
             pool = self.kv_host_pool
-            off = 0
-            for n in nodes:
+            off = total
+            for n in reversed(nodes):  # deepest first: each parent ends more recent
                 k = len(n.key)
-                d = dev[off : off + k]
-                off += k
+                d = dev[off - k : off]
+                off -= k
                 pool.load(n.host_value, d)
                 pool.free(n.host_value)
                 n.host_value = None
                 n.value = d
+                self.host_kv_lru_list.remove(n.full_link)
+                self.full_lru_list.push_front(n.full_link)
                 self._full_protected += k  # locked just above
                 self._host_kv_tokens -= k
             self.host_kv_loaded_total += total
@@ -279,6 +285,8 @@ class StateTiers:
         self.kv_host_pool.free(node.host_value)
         node.host_value = None
         node.value = value
+        self.host_kv_lru_list.remove(node.full_link)
+        self.full_lru_list.push_front(node.full_link)  # the insert touches its path after
         k = len(node.key)
         self._host_kv_tokens -= k
         if node.full_lock_ref > 0:

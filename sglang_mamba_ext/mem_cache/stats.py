@@ -56,7 +56,7 @@ class CacheCounters:
 
     def tombstone_count(self) -> int:
         """Nodes holding KV but no SSM state (O(1): nodes minus states)."""
-        return self.full_lru_list.size - self.mamba_lru_list.size
+        return self.full_lru_list.size + self.host_kv_lru_list.size - self.mamba_lru_list.size
 
     @staticmethod
     def hit_of(prompt_len: int, result: MatchResult) -> Tuple[int, int, int, Optional[str]]:
@@ -98,7 +98,7 @@ class CacheCounters:
             "kv_tokens": self._full_evictable + self._full_protected,
             "ssm_states": self._mamba_evictable + self._mamba_protected,
             "tombstones": self.tombstone_count(),
-            "nodes": self.full_lru_list.size,
+            "nodes": self.full_lru_list.size + self.host_kv_lru_list.size,
         }
         for origin, n in s.states_stored.items():
             out["states_stored_" + origin] = n
