@@ -264,6 +264,29 @@ class TestHostKV(unittest.TestCase):
         cache.sanity_check()
         cache.check_slot_accounting()
 
+    def test_full_host_kv_pool_evicts_in_the_policy_order(self):
+        """16 host KV tokens holding two demoted leaves, the older ranked higher; a third
+        demotion needs room: LRU removes the older leaf, the recompute policy the lower
+        ranked (newer) one."""
+        for policy, gone_first in (("lru", True), ("recompute", False)):
+            with self.subTest(policy=policy):
+                cache = make_cache(kv_size=16, mamba_size=4, track_slots=0, host_size=8, kv_host_size=16,
+                                   eviction_policy=policy)
+                kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+                for t in (1, 2, 3, 4):  # each insert demotes the oldest device leaf
+                    if kv.available_size() < 8:
+                        cache.evict(num_tokens=8)
+                    cache.insert([t] * 8, kv.alloc(8), mamba_value=pool.alloc_list(1)[0])
+                older, newer = cache.root_node.children[1], cache.root_node.children[2]
+                self.assertEqual((older.value, newer.value), (None, None))
+                older.priority, newer.priority = 5.0, 1.0
+                cache.evict(num_tokens=8)  # [3]*8 to the host: 8 host tokens must go
+                kept = set(cache.root_node.children)
+                self.assertEqual(kept, {2, 3, 4} if gone_first else {1, 3, 4})
+                self.assertEqual(cache.host_kv_evicted_total, 8)
+                cache.sanity_check()
+                cache.check_slot_accounting()
+
     def test_load_without_device_room_uses_what_is_on_the_device(self):
         """Every device KV slot held by a running request: the copy-on-write match cannot load
         the host tokens and returns the device prefix (none), with nothing lost."""

@@ -83,6 +83,15 @@ class LRUEviction:
                 return link.owner
         return None
 
+    def host_kv_victim(self) -> Optional[TreeNode]:
+        """The host KV pool's next victim (``docs/design.md``, "Host tier"): its least
+        recently used unlocked host-only leaf, or ``None``."""
+        for link in reversed_links(self.cache.host_kv_lru_list):
+            node = link.owner
+            if not node.children and node.full_lock_ref == 0:
+                return node
+        return None
+
     def evict_full(self, num_tokens: int, res: EvictResult) -> None:
         """Evict unlocked device leaves until ``res.num_tokens_evicted >= num_tokens`` or none
         is left: their KV moves to the host tier if there is one (``_evict_kv_leaf``),
@@ -191,6 +200,24 @@ class RecomputeEviction(LRUEviction):
                 p = self.priority_of(node)
                 if best is None or p < best_p:
                     best, best_p = node, p
+        return best
+
+    def host_kv_victim(self) -> Optional[TreeNode]:
+        """The host KV pool's next victim: of its :attr:`HOST_VICTIM_SCAN` least recently
+        used unlocked host-only leaves, the one whose (host) state has the lowest priority, so
+        that the KV tier keeps what the state tier ranks highest (a leaf without a state
+        first; ties: least recently used)."""
+        best, best_p, seen = None, 0.0, 0
+        for link in reversed_links(self.cache.host_kv_lru_list):
+            if seen == self.HOST_VICTIM_SCAN:
+                break
+            node = link.owner
+            if node.children or node.full_lock_ref:
+                continue
+            seen += 1
+            p = self.priority_of(node) if node.has_state else float("-inf")
+            if best is None or p < best_p:
+                best, best_p = node, p
         return best
 
     def priority_of(self, node: TreeNode) -> float:

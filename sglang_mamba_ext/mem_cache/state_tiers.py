@@ -226,18 +226,16 @@ class StateTiers:
         return True
 
     def _evict_host_kv(self, num_tokens: int, res: EvictResult) -> None:
-        """Free ``num_tokens`` of the host KV pool if possible: unlocked host-only leaves go,
-        least recently used first, with their host state and the bare ancestors they leave
-        (added to ``res``)."""
-        lru = self.host_kv_lru_list
-        link = lru.lru()
+        """Free ``num_tokens`` of the host KV pool if possible: unlocked host-only leaves go in
+        the eviction policy's order (``host_kv_victim``), with their host state and the bare
+        ancestors they leave (added to ``res``)."""
         target = res.host_tokens_evicted + num_tokens
-        while link is not None and res.host_tokens_evicted < target:
-            node = link.owner
-            nxt = lru.step_toward_head(link)
-            if not node.children and node.full_lock_ref == 0:
-                self._delete_leaf(node, res)
-            link = nxt if nxt is None or nxt.linked else lru.step_toward_head(nxt)
+        victim = self._eviction.host_kv_victim
+        while res.host_tokens_evicted < target:
+            node = victim()
+            if node is None:
+                return
+            self._delete_leaf(node, res)
 
     def _load_kv(self, nodes: List[TreeNode]) -> bool:
         """Load the host-only KV of ``nodes`` (a path's consecutive host-only nodes, top
