@@ -188,6 +188,13 @@ class CacheMachine(RuleBasedStateMachine):
             node = next(iter(node.children.values()))
         return node
 
+    def _first_child_path_tokens(self):
+        node, key = self.cache.root_node, []
+        while node.children:
+            node = next(iter(node.children.values()))
+            key += node.key
+        return key
+
     @rule(depth=st.integers(0, 4))
     def lock_node(self, depth):
         node = self._first_child_path(depth)
@@ -218,7 +225,37 @@ class CacheMachine(RuleBasedStateMachine):
     def close_session(self, session):
         self.cache.release_session(f"s{session}")
 
-    @rule(tokens=st.integers(0, 40), mamba=st.integers(0, 4))
+    @rule(cut=st.integers(1, 40), extra=st.lists(st.integers(0, 3), max_size=6))
+    def cow_match_and_drop(self, cut, extra):
+        """A copy-on-write match of the first-child path cut anywhere (often inside a node,
+        or inside host-only KV), then the request goes without running (SGLang's admission
+        rejecting it): the matched KV is checked, everything it took is given back."""
+        key = self._first_child_path_tokens() + extra
+        probe = CacheReq(rid="probe", token_ids=key[:cut] + [0])
+        m = self.cache.match_prefix(RadixKey(key[:cut]), cow_mamba=True, req=probe)
+        assert m.prefix_len <= m.kv_match_len <= cut
+        self.sim.check_kv(m.device_indices, key[: m.prefix_len], 0, "copy-on-write match")
+        self.sim.release(probe, checkpoint=False)
+        self._assert_released(probe)
+
+    @precondition(lambda self: not self.live and not self.locks)
+    @rule()
+    def flush(self):
+        """``/flush_cache``: the tree reset, then every pool cleared."""
+        c = self.cache
+        c.reset()
+        c.token_to_kv_pool_allocator.clear()
+        c.req_to_token_pool.clear()
+        c.mamba_pool.clear_all()
+        for tier in (c.mamba_host_pool, c.mamba_ckpt_pool):
+            if tier is not None:
+                tier.clear_all()
+        if c.kv_host_pool is not None:
+            c.kv_host_pool.clear()
+
+    # now and then (1 in 11) more than the tree holds: everything unlocked goes
+    @rule(tokens=st.integers(0, 44).map(lambda t: 10**6 if t > 40 else t),
+          mamba=st.integers(0, 4).map(lambda m: 10**6 if m == 4 else m))
     def evict(self, tokens, mamba):
         before = self.cache.total_size(), self.cache.mamba_total_size()
         res = self.cache.evict(num_tokens=tokens, mamba_num=mamba)
@@ -299,6 +336,13 @@ CONFIGS = {
         page_size=1, track_slots=2, finish_state="working", sessions=True, mamba_size=6, cache_kwargs=dict(
             branch_checkpoints=True, host_size=6, kv_host_size=48, hicache_write_policy="write_through_selective",
             eviction_policy="adaptive", max_states_per_path=3)
+    ),
+    # a host tier smaller than one request's KV: demotions that cannot fit, host-only
+    # subtrees dropped under device leaves (a fresh user's fuzzing found the bare-leaf case)
+    "page4_track_tiny_host_back_adaptive": dict(
+        page_size=4, track_slots=2, finish_state="working", sessions=True, mamba_size=6, cache_kwargs=dict(
+            branch_checkpoints=True, host_size=2, kv_host_size=8, hicache_write_policy="write_back",
+            eviction_policy="adaptive", max_states_per_path=1)
     ),
     "page2_nobuffer_host_back_recompute": dict(
         page_size=2, track_slots=0, finish_state="working", mamba_size=5, cache_kwargs=dict(

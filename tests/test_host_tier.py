@@ -287,6 +287,51 @@ class TestHostKV(unittest.TestCase):
                 cache.sanity_check()
                 cache.check_slot_accounting()
 
+    # A fresh user's fuzzing found the next three (each fails without its fix).
+    def test_stateless_leaf_left_bare_by_the_host_eviction_is_removed_once(self):
+        """A stateless device leaf (the split-off ``[1]*4``) whose only child is host-only,
+        with the host KV pool full of that child: making room removes the child, which leaves
+        ``[1]*4`` a bare leaf; it is removed once (it used to be removed, then freed again)."""
+        for node_len in (4, 8):  # 8: longer than the host pool as well
+            with self.subTest(node_len=node_len):
+                cache = make_cache(kv_size=16, mamba_size=4, track_slots=0, host_size=4, kv_host_size=4)
+                kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+                cache.insert([1] * node_len + [2] * 4, kv.alloc(node_len + 4), mamba_value=pool.alloc_list(1)[0])
+                cache.match_prefix([1] * node_len + [3])  # split: [1]*node_len holds no state
+                self.assertEqual(cache.evict(num_tokens=4).num_tokens_evicted, 4)  # [2]*4 to the host
+                res = cache.evict(num_tokens=node_len)
+                self.assertEqual((res.num_tokens_evicted, res.host_tokens_evicted), (node_len, 4))
+                self.assertEqual((kv.available_size(), cache.host_kv_tokens(), len(cache.root_node.children)), (16, 0, 0))
+                cache.sanity_check()
+                cache.check_slot_accounting()
+
+    def test_leaf_longer_than_the_host_pool_leaves_the_host_tier_alone(self):
+        cache = make_cache(kv_size=16, mamba_size=4, track_slots=0, host_size=4, kv_host_size=8)
+        kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+        cache.insert([1] * 4, kv.alloc(4), mamba_value=pool.alloc_list(1)[0])
+        cache.evict(num_tokens=4)
+        cache.insert([2] * 12, kv.alloc(12), mamba_value=pool.alloc_list(1)[0])
+        res = cache.evict(num_tokens=12)  # [2]*12 cannot fit in 8 host tokens: removed
+        self.assertEqual((res.num_tokens_evicted, res.host_tokens_evicted), (12, 0))
+        self.assertEqual((cache.host_kv_tokens(), list(cache.root_node.children)), (4, [1]))
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
+    def test_evict_reports_the_kv_the_state_tier_removes(self):
+        """write_back with one host state slot: demoting ``[2]*4``'s state needs the slot, so
+        the host tier removes leaf ``[1]*4`` (its state on the host only) with its 4 KV
+        tokens; ``evict`` reports them."""
+        cache = make_cache(kv_size=16, mamba_size=4, track_slots=0, host_size=1, kv_host_size=8,
+                           hicache_write_policy="write_back")
+        kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+        cache.insert([1] * 4, kv.alloc(4), mamba_value=pool.alloc_list(1)[0])
+        cache.evict(mamba_num=1)
+        cache.insert([2] * 4, kv.alloc(4), mamba_value=pool.alloc_list(1)[0])
+        before = cache.total_size()
+        res = cache.evict(mamba_num=1)
+        self.assertEqual((before - cache.total_size(), res.num_tokens_evicted), (4, 4))
+        cache.sanity_check()
+
     def test_load_without_device_room_uses_what_is_on_the_device(self):
         """Every device KV slot held by a running request: the copy-on-write match cannot load
         the host tokens and returns the device prefix (none), with nothing lost."""

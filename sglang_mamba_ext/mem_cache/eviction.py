@@ -60,7 +60,7 @@ class LRUEviction:
             node = link.owner
             nxt = lru.step_toward_head(link)
             if node.mamba_lock_ref == 0:
-                if cache._demote(node):  # kept in the host tier
+                if cache._demote(node, res):  # kept in the host tier
                     res.mamba_num_evicted += 1
                 elif node.children:
                     cache._drop_state(node)
@@ -141,7 +141,7 @@ class RecomputeEviction(LRUEviction):
             node = self._victim(leaf_only=False)
             if node is None:
                 return
-            if cache._demote(node):  # kept in the host tier
+            if cache._demote(node, res):  # kept in the host tier
                 res.mamba_num_evicted += 1
             elif node.children:
                 cache._drop_state(node)

@@ -374,13 +374,22 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         """
         if node is self.root_node:
             return
+        self._release_lock(node)
+        # A tombstone locked directly may have lost its children meanwhile.
+        if not node.has_state and not node.children and node.full_lock_ref == 0 and not node.removed:
+            res = EvictResult()
+            self._delete_leaf(node, res)
+            self._count_evicted(res)
+
+    def _release_lock(self, node: TreeNode) -> None:
+        """:meth:`dec_lock_ref` without removing ``node`` if that leaves it a bare leaf (the
+        caller does)."""
         if node.mamba_lock_ref <= 0 or node.full_lock_ref <= 0:
             raise RuntimeError(f"dec_lock_ref on an unlocked node {node!r}")
         node.mamba_lock_ref -= 1
         if node.mamba_lock_ref == 0 and node.mamba_value is not None:
             self._mamba_protected -= 1
             self._mamba_evictable += 1
-        start = node
         root = self.root_node
         while node is not root:
             node.full_lock_ref -= 1
@@ -389,11 +398,6 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
                 self._full_protected -= k
                 self._full_evictable += k
             node = node.parent
-        # A tombstone locked directly may have lost its children meanwhile.
-        if not start.has_state and not start.children and start.full_lock_ref == 0 and not start.removed:
-            res = EvictResult()
-            self._delete_leaf(start, res)
-            self._count_evicted(res)
 
     # ================================================================ tree helpers
     def _child_key(self, tokens: List[int], pos: int, extra_key: Optional[str]):

@@ -86,16 +86,17 @@ class StateTiers:
 
     # ================================================================ host tier
     # docs/design.md, "Host tier": a state's copy in host memory (``mamba_host_value``)
-    def _backup(self, node: TreeNode) -> bool:
+    def _backup(self, node: TreeNode, res: Optional[EvictResult] = None) -> bool:
         """Give ``node``'s device state a host copy (evicting the host tier's least recently
-        used copy if it is full; ``node`` is locked meanwhile). False if no host slot."""
+        used copy if it is full; ``node`` is locked meanwhile; what that frees is added to
+        ``res`` if given). False if no host slot."""
         if node.mamba_host_value is not None:
             return True
         host = self.mamba_host_pool
         got = host.alloc_list(1)
         if got is None:
             self.inc_lock_ref(node)
-            self._evict_host(1)
+            self._evict_host(1, res)
             self.dec_lock_ref(node)
             got = host.alloc_list(1)
             if got is None:
@@ -106,15 +107,17 @@ class StateTiers:
         self.host_backups_total += 1
         return True
 
-    def _demote(self, node: TreeNode) -> bool:
+    def _demote(self, node: TreeNode, res: Optional[EvictResult] = None) -> bool:
         """The device tier evicts ``node``'s (unlocked) state: with a host tier it keeps its
         host copy (made now under ``write_back`` and ``write_through`` if it has none; under
         ``write_through_selective`` a state without one is dropped) and gives its device slot
-        back. False when the state is not kept (the caller drops it as without a host tier)."""
+        back. False when the state is not kept (the caller drops it as without a host tier).
+        What the host tier evicts meanwhile is added to ``res`` if given (the caller's
+        eviction reports it)."""
         if self.mamba_host_pool is None:
             return False
         if node.mamba_host_value is None:
-            if self.hicache_write_policy == "write_through_selective" or not self._backup(node):
+            if self.hicache_write_policy == "write_through_selective" or not self._backup(node, res):
                 return False
         self.mamba_pool.free([node.mamba_value])
         node.mamba_value = None
@@ -129,12 +132,15 @@ class StateTiers:
         node.mamba_host_value = None
         self.host_lru_list.remove(node.host_link)
 
-    def _evict_host(self, num: int) -> int:
+    def _evict_host(self, num: int, res: Optional[EvictResult] = None) -> int:
         """Free ``num`` host slots if possible, victims in the eviction policy's order
         (``host_victim``: LRU, or the recompute / adaptive priority): a copy whose node also
         holds a device state, or an inner node's, is dropped; a leaf whose state is on the
-        host only is removed with its KV; locked nodes are skipped. Returns slots freed."""
-        res = EvictResult()
+        host only is removed with its KV (added to ``res`` if given, else counted here);
+        locked nodes are skipped. Returns slots freed."""
+        own = res is None
+        if own:
+            res = EvictResult()
         freed = 0
         while freed < num:
             node = self._eviction.host_victim()
@@ -145,7 +151,8 @@ class StateTiers:
             else:
                 self._delete_leaf(node, res)
             freed += 1
-        self._count_evicted(res)
+        if own:
+            self._count_evicted(res)
         self.host_evicted_total += freed
         return freed
 
@@ -177,15 +184,33 @@ class StateTiers:
 
     def _evict_kv_leaf(self, node: TreeNode, res: EvictResult) -> bool:
         """KV eviction of the unlocked device leaf ``node``: its KV (with its state, which
-        goes to the host tier or, failing that, is dropped) moves to the host KV pool; a leaf
-        of the whole tree that cannot move is removed as without a host tier. False if
-        nothing was freed (an inner node whose KV finds no host room)."""
+        goes to the host tier or, failing that, is dropped) moves to the host KV pool; if it
+        cannot move (no host room: longer than the pool, or the rest locked), ``node`` is
+        removed as without a host tier, with the host-only subtree below it. False if nothing
+        was freed (a host-only descendant is locked)."""
         if self._demote_kv(node, res):
             return True
         if node.children:
-            return False
+            self._drop_host_subtree(node, res)
+            if node.children:
+                return False
         self._delete_leaf(node, res)
         return True
+
+    def _drop_host_subtree(self, node: TreeNode, res: EvictResult) -> None:
+        """Remove the (host-only) descendants of the device leaf ``node``, deepest first,
+        skipping locked ones (and so their ancestors); ``node`` stays."""
+        order: List[TreeNode] = []
+        stack = list(node.children.values())
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        self.inc_lock_ref(node)  # the removals' cascade stops below it
+        for n in reversed(order):  # every node after its descendants
+            if not n.removed and not n.children and n.full_lock_ref == 0:
+                self._delete_leaf(n, res)
+        self._release_lock(node)
 
     def _demote_kv(self, node: TreeNode, res: EvictResult) -> bool:
         """Move ``node``'s device KV to the host KV pool (evicting host-only leaves for room),
@@ -196,16 +221,22 @@ class StateTiers:
         if pool is None:
             return False
         k = len(node.key)
+        if k > pool.size:
+            return False  # never fits: keep the host tier as it is
         host = pool.alloc(k)
         if host is None:
             self.inc_lock_ref(node)  # the host eviction may not remove it as a bare ancestor
             self._evict_host_kv(k - pool.available_size(), res)
-            self.dec_lock_ref(node)
+            self._release_lock(node)
+            if not node.children and not node.has_state:
+                # its host-only children went and it holds no state: a bare leaf, removed
+                self._delete_leaf(node, res)
+                return True
             host = pool.alloc(k)
             if host is None:
                 return False
         if node.mamba_value is not None:
-            if self._demote(node):
+            if self._demote(node, res):
                 res.mamba_num_evicted += 1
             elif node.children:
                 self._drop_state(node)
