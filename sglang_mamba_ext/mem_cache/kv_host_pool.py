@@ -89,10 +89,7 @@ class HostKVPool:
 
         Raises:
             ValueError: the two index tensors differ in length."""
-        _same_len(device_indices, host_indices, "backup")
-        h_idx = host_indices.to("cpu", torch.int64)
-        for dev, host in zip(self.device_buffers, self.host_buffers):
-            d_idx = device_indices.to(dev.device, torch.int64)
+        for dev, host, d_idx, h_idx in self._buffer_pairs(device_indices, host_indices, "backup"):
             host[h_idx] = dev[d_idx].to("cpu")
 
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
@@ -101,16 +98,22 @@ class HostKVPool:
 
         Raises:
             ValueError: the two index tensors differ in length."""
-        _same_len(device_indices, host_indices, "load")
-        h_idx = host_indices.to("cpu", torch.int64)
-        for dev, host in zip(self.device_buffers, self.host_buffers):
-            d_idx = device_indices.to(dev.device, torch.int64)
+        for dev, host, d_idx, h_idx in self._buffer_pairs(device_indices, host_indices, "load"):
             dev[d_idx] = host[h_idx].to(dev.device, non_blocking=False)
         if self.device_buffers and self.device_buffers[0].device.type == "cuda":
             # the scatters are queued on this stream; a forward on another stream reads them
             torch.cuda.current_stream(self.device_buffers[0].device).synchronize()
 
+    def _buffer_pairs(self, device_indices: torch.Tensor, host_indices: torch.Tensor, what: str):
+        """``(device buffer, host buffer, device index, host index)`` per buffer, the indices
+        int64 on each buffer's device.
 
-def _same_len(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    if a.numel() != b.numel():
-        raise ValueError(f"HostKVPool.{what}: {a.numel()} device slots for {b.numel()} host slots")
+        Raises:
+            ValueError: the two index tensors differ in length."""
+        if device_indices.numel() != host_indices.numel():
+            raise ValueError(
+                f"HostKVPool.{what}: {device_indices.numel()} device slots for {host_indices.numel()} host slots"
+            )
+        h_idx = host_indices.to("cpu", torch.int64)
+        for dev, host in zip(self.device_buffers, self.host_buffers):
+            yield dev, host, device_indices.to(dev.device, torch.int64), h_idx

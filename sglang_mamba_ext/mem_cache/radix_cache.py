@@ -8,7 +8,7 @@ slot by copy-on-write; locks pin a node's state and its root path's KV; eviction
 states and KV leaves independently (policies in :mod:`.eviction`). Prefix-checkpoint
 planning, the per-path cap and the finish state are in :mod:`.prefix_checkpoints`; the
 invariant checks in :mod:`.invariants` (run through :mod:`.tree_queries`, with the size
-queries); the counters in :mod:`.stats`; int8 checkpoints and the host tier in
+queries); the locks in :mod:`.tree_locks`; the counters in :mod:`.stats`; int8 checkpoints and the host tier in
 :mod:`.state_tiers`; sessions' pins in :mod:`.session_pins`.
 """
 
@@ -25,12 +25,13 @@ from .state_tiers import HOST_WRITE_POLICIES, StateTiers  # noqa: F401  (re-expo
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
 from .session_pins import SessionPins
+from .tree_locks import TreeLocks
 from .tree_queries import TreeQueries
 from .stats import CacheCounters, CacheStats
 from .tree_node import EMPTY_INDICES, EvictResult, InsertResult, KeyLike, MatchResult, TreeNode, drop_removed_tail, match_len, split_key
 
 
-class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, CacheCounters):
+class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, TreeQueries, CacheCounters):
     """Hybrid prefix cache: attention KV + SSM state per node (``docs/design.md``).
 
     Args:
@@ -140,7 +141,6 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         self._full_protected = 0
         self._mamba_evictable = 0
         self._mamba_protected = 0
-        self._host_kv_tokens = 0
         #: Open sessions' pins (``--enable-session-radix-cache``, :mod:`.session_pins`).
         self._session_pins = {}
         if self.event_sink is not None:
@@ -346,58 +346,6 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
         self._state_used = policy.state_used
         self._evict_mamba = policy.evict_mamba
         self._evict_full = policy.evict_full
-
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        """Lock ``node`` (SSM) and its root path (KV) against eviction, whether or not it
-        holds a state now (``docs/design.md``, "Locks")."""
-        if node is self.root_node:
-            return
-        if node.mamba_lock_ref == 0 and node.mamba_value is not None:
-            self._mamba_evictable -= 1
-            self._mamba_protected += 1
-        node.mamba_lock_ref += 1
-        root = self.root_node
-        while node is not root:
-            if node.full_lock_ref == 0 and node.value is not None:  # host-only KV: no count
-                k = len(node.key)
-                self._full_evictable -= k
-                self._full_protected += k
-            node.full_lock_ref += 1
-            node = node.parent
-
-    def dec_lock_ref(self, node: TreeNode) -> None:
-        """Release one :meth:`inc_lock_ref` of ``node``. A tombstone that is left an
-        unlocked leaf is removed (counted in ``evicted_tokens_total``).
-
-        Raises:
-            RuntimeError: if ``node`` is not locked (an unbalanced release).
-        """
-        if node is self.root_node:
-            return
-        self._release_lock(node)
-        # A tombstone locked directly may have lost its children meanwhile.
-        if not node.has_state and not node.children and node.full_lock_ref == 0 and not node.removed:
-            res = EvictResult()
-            self._delete_leaf(node, res)
-            self._count_evicted(res)
-
-    def _release_lock(self, node: TreeNode) -> None:
-        """:meth:`dec_lock_ref` without removing ``node`` if that leaves it a bare leaf (the
-        caller does)."""
-        if node.mamba_lock_ref <= 0 or node.full_lock_ref <= 0:
-            raise RuntimeError(f"dec_lock_ref on an unlocked node {node!r}")
-        node.mamba_lock_ref -= 1
-        if node.mamba_lock_ref == 0 and node.mamba_value is not None:
-            self._mamba_protected -= 1
-            self._mamba_evictable += 1
-        root = self.root_node
-        while node is not root:
-            node.full_lock_ref -= 1
-            if node.full_lock_ref == 0 and node.value is not None:
-                k = len(node.key)
-                self._full_protected -= k
-                self._full_evictable += k
-            node = node.parent
 
     # ================================================================ tree helpers
     def _child_key(self, tokens: List[int], pos: int, extra_key: Optional[str]):
@@ -612,7 +560,6 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeQueries, C
                 self.full_lru_list.remove(node.full_link)
             else:  # KV in the host tier
                 self.kv_host_pool.free(node.host_value)
-                self._host_kv_tokens -= k
                 res.host_tokens_evicted += k
                 self.host_kv_evicted_total += k
                 self.host_kv_lru_list.remove(node.full_link)

@@ -251,7 +251,6 @@ class StateTiers:
         self.full_lru_list.remove(node.full_link)
         self.host_kv_lru_list.push_front(node.full_link)  # after its (host-only) children
         self._full_evictable -= k
-        self._host_kv_tokens += k
         res.num_tokens_evicted += k
         self.host_kv_demoted_total += k
         return True
@@ -289,20 +288,18 @@ class StateTiers:
                 if dev is None:
                     return False
             dev = dev.to(torch.int64)
-            pool = self.kv_host_pool
+            host = torch.cat([n.host_value for n in nodes]) if len(nodes) > 1 else nodes[0].host_value
+            self.kv_host_pool.load(host, dev)  # one copy per layer buffer for the whole path
+            self.kv_host_pool.free(host)
             off = total
             for n in reversed(nodes):  # deepest first: each parent ends more recent
                 k = len(n.key)
-                d = dev[off - k : off]
+                n.value = dev[off - k : off]
                 off -= k
-                pool.load(n.host_value, d)
-                pool.free(n.host_value)
                 n.host_value = None
-                n.value = d
                 self.host_kv_lru_list.remove(n.full_link)
                 self.full_lru_list.push_front(n.full_link)
                 self._full_protected += k  # locked just above
-                self._host_kv_tokens -= k
             self.host_kv_loaded_total += total
             return True
         finally:
@@ -317,15 +314,16 @@ class StateTiers:
         self.host_kv_lru_list.remove(node.full_link)
         self.full_lru_list.push_front(node.full_link)  # the insert touches its path after
         k = len(node.key)
-        self._host_kv_tokens -= k
         if node.full_lock_ref > 0:
             self._full_protected += k
         else:
             self._full_evictable += k
 
     def host_kv_tokens(self) -> int:
-        """KV tokens the tree holds in the host tier (O(1))."""
-        return self._host_kv_tokens
+        """KV tokens the tree holds in the host tier (O(1): the host KV pool's used slots;
+        only the tree holds them)."""
+        pool = self.kv_host_pool
+        return pool.size - pool.available_size() if pool is not None else 0
 
     def host_states(self) -> int:
         """States with a host copy (O(1))."""
