@@ -384,8 +384,12 @@ def _make_case(name, cfg):
                 # state the device tier gave up: too rare here to assert, about one run in
                 # ten has none; test_host_tier.py loads under each policy)
                 self.assertGreater(CacheMachine.host_backups - backups, 0)
-            if kw.get("kv_host_size"):
-                self.assertGreater(CacheMachine.host_kv_demoted - demoted, 0)  # KV went to the host
+            if kw.get("kv_host_size") and kw.get("hicache_write_policy") != "write_through_selective":
+                # KV went to the host. Not asserted under write_through_selective: there a leaf's
+                # KV moves only with a state that was hit before (one without a host copy is
+                # dropped, and its leaf with it), and about one run in three has none
+                # (test_host_tier.py's TestHostKV covers that policy's demotions)
+                self.assertGreater(CacheMachine.host_kv_demoted - demoted, 0)
             if cfg.get("cache_kwargs", {}).get("ckpt_size"):
                 # states really went through the checkpoint pool
                 self.assertGreater(ExactCheckpointPool.total_stores - stores, 0)

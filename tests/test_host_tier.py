@@ -209,6 +209,29 @@ class TestHostKV(unittest.TestCase):
         cache.sanity_check()
         cache.check_slot_accounting()
 
+    def test_selective_moves_only_the_kv_of_a_hit_state(self):
+        """Under ``write_through_selective`` a leaf's KV moves to the host only with a state a
+        request resumed from (it got its host copy at the hit); a leaf whose state was never
+        hit is removed, KV and state. 24 device KV tokens hold ``[1]*8``, ``[2]*8``, ``[3]*8``;
+        ``[1]*8``'s state is hit (a copy-on-write match), then 16 tokens are evicted, then 8."""
+        cache = make_cache(kv_size=24, mamba_size=4, track_slots=0, host_size=4, kv_host_size=64,
+                           hicache_write_policy="write_through_selective")
+        kv, pool = cache.token_to_kv_pool_allocator, cache.mamba_pool
+        for t in (1, 2, 3):
+            cache.insert([t] * 8, kv.alloc(8), mamba_value=pool.alloc_list(1)[0])
+        req = CacheReq("a", [1] * 8 + [4])
+        m = cache.match_prefix([1] * 8 + [4], cow_mamba=True, req=req)
+        self.assertEqual((m.prefix_len, cache.host_backups_total), (8, 1))
+        pool.free([req.mamba_pool_idx])
+        cache.evict(num_tokens=16)  # [2]*8, [3]*8 (least recently used): removed, not moved
+        self.assertEqual((set(cache.root_node.children), cache.host_kv_demoted_total), ({1}, 0))
+        cache.evict(num_tokens=8)
+        first = cache.root_node.children[1]
+        self.assertEqual((first.value, first.host_value.numel(), first.mamba_host_value is not None), (None, 8, True))
+        self.assertEqual((cache.host_kv_demoted_total, cache.host_kv_tokens(), cache.total_size()), (8, 8, 0))
+        cache.sanity_check()
+        cache.check_slot_accounting()
+
     def test_plain_match_stops_above_host_kv(self):
         """A match without copy-on-write (the scheduler's sort) loads nothing: prefix 0,
         while the KV match still reports the 8 host tokens."""
