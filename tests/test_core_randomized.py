@@ -3,7 +3,8 @@ admit (alloc) / prefill chunk / decode / finish / abort / lock / unlock / evict 
 pools. After every step: ``sanity_check()``, the exact content oracle of ``cache_sim``
 (every node's KV and SSM slots summarise its root path) and the exact slot accounting
 (every slot in exactly one place); at every idle point ``free + evictable + protected ==
-size`` for both pools.
+size`` for both pools. Each example ends by evicting everything unlocked (to the host tiers
+where configured), then the idle checks.
 
 The number of operations is set by ``SGLANG_MAMBA_EXT_RANDOM_OPS`` (default 100,000, what CI
 runs); each configuration below gets an equal share.
