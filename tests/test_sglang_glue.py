@@ -359,6 +359,23 @@ class TestFlags(unittest.TestCase):
             F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-hierarchical-cache", "--hicache-ratio", "0.1",
                                      "--max-mamba-cache-size", "8"))
         self.assertIn("--hicache-ratio 0.1 x --max-mamba-cache-size 8 holds no SSM state", str(cm.exception))
+        # a fresh user's find: a ratio that holds a state but no KV page got past the parse, then
+        # the scheduler failed with a traceback (exit 137)
+        for extra, message in (
+            (("--page-size", "16", "--hicache-ratio", "0.01"),
+             "--hicache-ratio 0.01 x --max-total-tokens 640 holds no KV page of --page-size 16 tokens in the "
+             "host tier of --enable-mamba-radix: give a ratio of at least 0.025"),
+            (("--max-mamba-cache-size", "1024", "--hicache-ratio", "0.001"),
+             "--hicache-ratio 0.001 x --max-total-tokens 640 holds no KV page of --page-size 1 tokens"),
+        ):
+            with self.subTest(extra=extra):
+                with self.assertRaises(ValueError) as cm:
+                    F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-hierarchical-cache",
+                                             "--max-total-tokens", "640", *extra))
+                self.assertIn(message, str(cm.exception))
+        # 640 x 0.01 = 6 host KV tokens at page size 1, 1 host state of 128: served
+        F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-hierarchical-cache", "--max-total-tokens", "640",
+                                 "--hicache-ratio", "0.01", "--max-mamba-cache-size", "128"))
 
     def test_non_hybrid_model_is_refused(self):
         d = tempfile.TemporaryDirectory()

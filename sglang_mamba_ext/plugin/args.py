@@ -223,6 +223,7 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
                     ENABLE_FLAG, CPU_OVERLAP_ENV)
     settings["strategy"] = server_args.mamba_radix_cache_strategy
     _check_mamba_cache_size(server_args)
+    _check_host_tier_size(server_args)
     return settings
 
 
@@ -278,12 +279,33 @@ def _check_mamba_cache_size(server_args) -> None:
             f"{per_request}, about {per_request} per running request you want, or leave the "
             "flag out (sized from memory; 128 slots on --device cpu)"
         )
-    host_ratio = getattr(server_args, "hicache_ratio", None)
-    if getattr(server_args, "enable_hierarchical_cache", False) and not getattr(server_args, "hicache_size", 0) \
-            and host_ratio is not None and int(size * host_ratio) < 1:
+
+
+def _check_host_tier_size(server_args) -> None:
+    """Refuse a ``--hicache-ratio`` whose host tier (``plugin/host_tier.py``) would hold no SSM
+    state (``ratio x --max-mamba-cache-size < 1``) or no KV page (``ratio x --max-total-tokens``
+    under one ``--page-size``), where those sizes are given; sized from memory, the scheduler
+    refuses it at start-up instead. ``--hicache-size`` sizes the tier alone (as in SGLang).
+
+    Raises:
+        FlagError: naming the flags and the smallest ratio that holds one."""
+    ratio = getattr(server_args, "hicache_ratio", None)
+    if not getattr(server_args, "enable_hierarchical_cache", False) or getattr(server_args, "hicache_size", 0) \
+            or ratio is None:
+        return
+    size = getattr(server_args, "max_mamba_cache_size", None)
+    if size and int(size * ratio) < 1:
         raise FlagError(
-            f"--hicache-ratio {host_ratio} x --max-mamba-cache-size {size} holds no SSM state in the "
+            f"--hicache-ratio {ratio} x --max-mamba-cache-size {size} holds no SSM state in the "
             f"host tier of {ENABLE_FLAG}: give a ratio of at least {1 / size:g} (SGLang's default is 2)"
+        )
+    tokens = getattr(server_args, "max_total_tokens", None)
+    page = getattr(server_args, "page_size", None) or 1
+    if tokens and int(tokens * ratio) < page:
+        raise FlagError(
+            f"--hicache-ratio {ratio} x --max-total-tokens {tokens} holds no KV page of --page-size {page} "
+            f"tokens in the host tier of {ENABLE_FLAG}: give a ratio of at least {page / tokens:g} "
+            "(SGLang's default is 2)"
         )
 
 

@@ -41,19 +41,23 @@ def attach_host_tier(pool, kv_allocator) -> str:
         share = state_dev / max(state_dev + kv_device_tokens * token_bytes, 1)
         slots = int(total * share) // probe.slot_bytes()
         kv_tokens = int(total * (1 - share)) // max(token_bytes, 1)
-        how = f"--hicache-size {mem.hicache_size} GiB"
+        how = how_kv = f"--hicache-size {mem.hicache_size} GiB"
     else:
         ratio = mem.hicache_ratio if mem.hicache_ratio is not None else 2.0
         slots = int(active.size * ratio)
         kv_tokens = int(kv_device_tokens * ratio)
         how = f"--hicache-ratio {ratio} x {active.size} device slots"
+        how_kv = f"--hicache-ratio {ratio} x {kv_device_tokens} device KV tokens"
     if slots < 1:
         raise ValueError(f"--enable-hierarchical-cache: {how} holds no SSM state of {probe.slot_bytes()} bytes")
     if not kv_buffers:  # slots only (no KV data): as many host tokens as the ratio gives
         kv_tokens = max(kv_tokens, kv_device_tokens)
     kv_tokens -= kv_tokens % page_size
     if kv_tokens < page_size:
-        raise ValueError(f"--enable-hierarchical-cache: {how} holds no KV page of {token_bytes * page_size} bytes")
+        raise ValueError(
+            f"--enable-hierarchical-cache: {how_kv} holds no KV page of {page_size} tokens "
+            f"({token_bytes * page_size} bytes); give a larger --hicache-ratio or --hicache-size"
+        )
     pin = active.device.type == "cuda" and torch.cuda.is_available()
     host = HostStatePool(slots, active, pin_memory=pin)
     kv_host = HostKVPool(kv_tokens, page_size, kv_buffers, pin_memory=pin)
