@@ -205,7 +205,9 @@ class OursSide(_Side):
             # As a scheduler under --kv-events-config (null publisher: the test drains).
             extra_argv = (*extra_argv, "--kv-events-config", '{"publisher": "null"}')
         self.ctx, _ = F.scheduler_context(
-            F.base_argv("--enable-mamba-radix", "--max-mamba-cache-size", str(mamba_size), *extra_argv)
+            # SGLang's eviction order (LRU), named: the plugin's default policy is adaptive
+            F.base_argv("--enable-mamba-radix", "--max-mamba-cache-size", str(mamba_size),
+                        "--radix-eviction-policy", "lru", *extra_argv)
         )
         with self.active():
             self.pool = F.build_req_pool(max_num_reqs=rows, context_len=512)

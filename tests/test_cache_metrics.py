@@ -299,7 +299,7 @@ class TestAdapterCounting(unittest.TestCase):
         core = self.cache.core
         self.assertEqual(info["backend"], "mamba_radix_ext")
         self.assertEqual(info["mamba_track_interval"], 16)
-        self.assertEqual(info["eviction_policy"], "lru")
+        self.assertEqual(info["eviction_policy"], "adaptive")  # the default policy
         self.assertTrue(info["ping_pong_tracking"])
         self.assertEqual(info["ssm_states"], core.mamba_total_size())
         self.assertEqual(info["kv_tokens"], core.total_size())

@@ -105,6 +105,7 @@ class _EventsCase(unittest.TestCase):
             F.base_argv(
                 "--enable-mamba-radix", "--page-size", str(cls.PAGE_SIZE), "--max-mamba-cache-size", str(MAMBA_SIZE),
                 "--kv-events-config", '{"publisher": "null"}',
+                "--radix-eviction-policy", "lru",  # the eviction orders below are LRU's
             )
         )
 

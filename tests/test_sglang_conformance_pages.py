@@ -93,6 +93,7 @@ class _PagedCase(unittest.TestCase):
             F.base_argv(
                 "--enable-mamba-radix", "--page-size", str(ps), "--mamba-track-interval", str(max(16, ps)),
                 "--max-mamba-cache-size", str(MAMBA_SIZE), "--chunked-prefill-size", str(2 * ps),
+                "--radix-eviction-policy", "lru",  # SGLang's order, which the cases compare with
             )
         )
 

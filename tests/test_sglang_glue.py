@@ -411,11 +411,25 @@ class TestEvictionPolicyFlag(unittest.TestCase):
                     cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
                     self.assertEqual(cache.core.eviction_policy, policy)
                     self.assertIs(type(cache.core._eviction), cls)
-        ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix"))
+        ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--radix-eviction-policy", "lru"))
         with F.in_context(ctx):
             cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
-            self.assertEqual(cache.core.eviction_policy, "lru")
+            self.assertEqual(cache.core.eviction_policy, "lru")  # named: kept, although SGLang's default
+
+    def test_default_policy_is_adaptive(self):
+        """``--enable-mamba-radix`` alone selects ``adaptive`` (issue 38); the flag given in
+        either argv form keeps the named policy; without the plugin's flag SGLang's ``lru``."""
+        ctx, sa = F.scheduler_context(F.base_argv("--enable-mamba-radix"))
+        self.assertEqual(sa.radix_eviction_policy, "adaptive")
+        with F.in_context(ctx):
+            cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE)
+            self.assertEqual(cache.core.eviction_policy, "adaptive")
             self.assertEqual(cache.core.max_states_per_path, 0)  # SGLang's default -1: no bound
+        for argv in (["--radix-eviction-policy=lru"], ["--radix-eviction-policy", "recompute"]):
+            with self.subTest(argv=argv):
+                sa = F.parse_args(F.base_argv("--enable-mamba-radix", *argv))
+                self.assertEqual(sa.radix_eviction_policy, argv[-1].split("=")[-1])
+        self.assertEqual(F.parse_args(F.base_argv()).radix_eviction_policy, "lru")
 
     def test_max_states_per_path_reaches_the_core_cache(self):
         ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--mamba-max-states-per-path", "3"))

@@ -195,6 +195,17 @@ VARIANTS: dict[str, Variant] = {
         _ours("ours-branch-adaptive-overlap", overlap=True, prefix_checkpoints=True, eviction_policy="adaptive"),
         "ours-branch-adaptive under overlap scheduling's timing (finish one batch late)",
     ),
+    "ours-default": Variant(
+        "ours",
+        _ours("ours-default", defaults=True),
+        "MambaRadixCache with what --enable-mamba-radix alone selects (policy, strategy, checkpoints), "
+        "--disable-overlap-schedule",
+    ),
+    "ours-default-overlap": Variant(
+        "ours",
+        _ours("ours-default-overlap", overlap=True, defaults=True),
+        "ours-default with overlap scheduling on (its default) and its timing (finish one batch late)",
+    ),
     "oracle-belady": Variant(
         "oracle",
         _oracle("oracle-belady"),

@@ -112,11 +112,13 @@ def build_plugin_cache(
     kv_size: int,
     mamba_size: int,
     *,
-    eviction_policy: str = "lru",
+    eviction_policy: Optional[str] = "lru",
     max_context_len: int = 4096,
     max_num_reqs: int = 4,
     int8_slots: int = 0,
     host_ratio: float = 0.0,
+    defaults: bool = False,
+    overlap: bool = False,
 ):
     """``(adapter, kv_allocator, req_to_token_pool, runtime_context)`` built through SGLang's code paths
     (module docstring). Sizes: ``kv_size`` tokens, ``mamba_size`` SSM slots (slot 0 of
@@ -125,19 +127,27 @@ def build_plugin_cache(
     Raises:
         ValueError: from the plugin, for sizes or a policy it refuses (naming the flag).
 
-    ``int8_slots > 0``: ``--enable-int8-mamba-checkpoint --int8-mamba-ckpt-size int8_slots``
-    (the tree's states in SGLang's int8 checkpoint pool). ``host_ratio > 0``:
-    ``--enable-hierarchical-cache --hicache-ratio host_ratio`` (a host tier of the states).
+    ``eviction_policy=None``: ``--radix-eviction-policy`` not given (the plugin's default).
+    ``defaults``: ``--enable-mamba-radix`` with no strategy flag (the plugin's choice,
+    ``extra_buffer``: two ping-pong slots per request) and overlap scheduling as
+    ``overlap`` says; otherwise ``--mamba-radix-cache-strategy no_buffer
+    --disable-overlap-schedule``. ``int8_slots > 0``: ``--enable-int8-mamba-checkpoint
+    --int8-mamba-ckpt-size int8_slots`` (the tree's states in SGLang's int8 checkpoint pool).
+    ``host_ratio > 0``: ``--enable-hierarchical-cache --hicache-ratio host_ratio`` (a host
+    tier of the states).
     """
     from sglang.srt.runtime_context import use_context
 
+    if defaults:
+        mode = [] if overlap else ["--disable-overlap-schedule"]
+    else:
+        mode = ["--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"]
     ctx = scheduler_context(
         [
             "--model-path", tiny_model_dir(), "--device", "cpu", "--page-size", "1",
-            "--enable-mamba-radix", "--mamba-radix-cache-strategy", "no_buffer",
-            "--disable-overlap-schedule", "--max-mamba-cache-size", str(mamba_size),
-            "--radix-eviction-policy", eviction_policy,
+            "--enable-mamba-radix", *mode, "--max-mamba-cache-size", str(mamba_size),
         ]
+        + (["--radix-eviction-policy", eviction_policy] if eviction_policy else [])
         + (["--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", str(int8_slots)] if int8_slots else [])
         + (["--enable-hierarchical-cache", "--hicache-ratio", str(host_ratio)] if host_ratio else [])
     )
@@ -151,12 +161,18 @@ class OursDriver(SchedulerDriver):
     """The plugin's ``MambaRadixCacheAdapter`` under SGLang's scheduler functions.
 
     Args (besides :class:`.scheduler.SchedulerDriver`'s, in ``kw``):
-        eviction_policy: ``--radix-eviction-policy`` (``"lru"`` or ``"recompute"``).
+        eviction_policy: ``--radix-eviction-policy`` (``"lru"``, ``"recompute"`` or
+            ``"adaptive"``; ``None``: not given, the plugin's default).
         prefix_checkpoints: plan branch-point / prompt-end checkpoints (module docstring).
+        defaults: exactly what ``--enable-mamba-radix`` alone selects (:func:`build_plugin_cache`
+            ``defaults``; no policy named, prefix checkpoints planned, SGLang's post-prefill
+            insert run as its result processor does).
         name: label in reports.
     """
 
     name = "ours"
+    #: overlap scheduling on in the parsed flags (``--enable-mamba-radix`` defaults only)
+    overlap_timing = False
 
     def __init__(
         self,
@@ -168,9 +184,14 @@ class OursDriver(SchedulerDriver):
         name: str = "ours",
         int8_slots: int = 0,
         host_ratio: float = 0.0,
+        defaults: bool = False,
         **kw,
     ):
         self.name = name
+        self.defaults = defaults
+        if defaults:
+            eviction_policy, prefix_checkpoints = None, True
+            kw.setdefault("prompt_checkpoint", True)
         self.int8_slots = int8_slots
         self.host_ratio = host_ratio
         self.eviction_policy = eviction_policy
@@ -181,20 +202,30 @@ class OursDriver(SchedulerDriver):
     def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
         cache, allocator, pool, self.context = build_plugin_cache(
             kv_size, mamba_size, eviction_policy=self.eviction_policy, max_context_len=max_context_len,
-            int8_slots=self.int8_slots, host_ratio=self.host_ratio,
+            int8_slots=self.int8_slots, host_ratio=self.host_ratio, defaults=self.defaults,
+            overlap=self.overlap_timing,
         )
         pool.prefix_checkpoint_writer = self.prefix_checkpoints
+        self.eviction_policy = cache.core.eviction_policy  # the one the plugin chose
         return cache, allocator, pool
 
     def describe(self) -> str:
         return (
             f"{self.name}: {type(self.cache).__name__} via SGLang scheduler functions "
             f"kv_size={self.allocator.size} mamba_size={self.req_to_token_pool.mamba_pool.size} "
-            f"page_size={self.cache.page_size} strategy=no_buffer cow_copy={self.cow_copy} "
+            f"page_size={self.cache.page_size} strategy={self.strategy} cow_copy={self.cow_copy} "
             f"prefix_checkpoints={self.prefix_checkpoints} eviction_policy={self.eviction_policy}"
             + (f" int8_ckpt_slots={self.int8_slots}" if self.int8_slots else "")
             + (f" hicache_ratio={self.host_ratio}" if self.host_ratio else "")
         )
+
+    @property
+    def strategy(self) -> str:
+        """``--mamba-radix-cache-strategy`` as the plugin resolved it."""
+        from sglang.srt.runtime_context import get_server_args
+
+        with self.activate():
+            return get_server_args().mamba_radix_cache_strategy
 
     def alloc_mamba(self, h: Handle) -> None:
         super().alloc_mamba(h)
@@ -237,6 +268,8 @@ class OursOverlapDriver(OursDriver):
     finished one still holds its slots at that admission), unless the next request is the
     next turn of its conversation (``TraceRecord.parent``: its client had the reply first).
     The finish donates the live state (``finish_state="overlap"``)."""
+
+    overlap_timing = True
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

@@ -121,9 +121,17 @@ class PrefixCheckpoints:
         return cap - on_path - planned - 1
 
     # ------------------------------------------------------------------ helpers
-    def _checkpoint_running(self, req: CacheReq, up_to: Optional[int]) -> None:
+    def _checkpoint_running(self, req: CacheReq, up_to: Optional[int], release_tracking: bool = False) -> None:
         """:meth:`checkpoint` of a running request: planned prefix checkpoints, then the
-        newest ping-pong checkpoint (or, untracked, a copy of the working state)."""
+        newest ping-pong checkpoint (or, untracked, a copy of the working state); with
+        ``release_tracking`` the ping-pong slots are then freed (entries ``-1``)."""
+        self._insert_running(req, up_to, release_tracking)
+        if release_tracking:
+            self.req_to_token_pool.release_track_slots(req)
+
+    def _insert_running(self, req: CacheReq, up_to: Optional[int], release_tracking: bool) -> None:
+        """The inserts of :meth:`_checkpoint_running`; a donated ping-pong entry gets no
+        fresh slot when ``release_tracking``."""
         if req.req_pool_idx is None:
             raise ValueError(f"checkpoint: request {req.rid!r} has no req_pool_idx")
         limit = req.kv_committed_len if up_to is None else min(up_to, req.kv_committed_len)
@@ -156,7 +164,7 @@ class PrefixCheckpoints:
         res = self._adopt_prefix(req, n, slot, "ping_pong" if tracked else "chunk")
         if tracked:
             if not res.mamba_exist:
-                fresh = self._alloc_mamba_slot()
+                fresh = None if release_tracking else self._alloc_mamba_slot()
                 pool.replace_track_slot(req, entry, -1 if fresh is None else fresh)
                 req.mamba_last_track_seqlen = None
         elif res.mamba_exist:

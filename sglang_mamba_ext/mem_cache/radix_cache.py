@@ -106,6 +106,8 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
         self.page_size = page_size
         self.mamba_track_interval = mamba_track_interval
         self.finish_state = finish_state
+        #: Give a request's ping-pong slots back once its prefill ran (:meth:`checkpoint`).
+        self.release_track_slots = True
         self.branch_checkpoints = branch_checkpoints
         self.max_states_per_path = max(int(max_states_per_path), 0)
         self.eviction_policy = eviction_policy
@@ -270,7 +272,9 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
             )
         return self._insert(tokens, extra_key, value, mamba_value, prev_prefix_len, self.root_node, origin)
 
-    def checkpoint(self, req: CacheReq, up_to: Optional[int] = None, finished: bool = False) -> int:
+    def checkpoint(
+        self, req: CacheReq, up_to: Optional[int] = None, finished: bool = False, prefill_done: bool = False
+    ) -> int:
         """Hand the tree what the request has computed of its first ``up_to`` tokens
         (default and cap: ``req.kv_committed_len``); SGLang's ``checkpoint(req, up_to)``
         (``docs/design.md``, "Ping-pong checkpoints", "Prefix checkpoints").
@@ -288,6 +292,15 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
         the page); nothing is inserted for one that is not, and the KV past the inserted
         length stays the caller's, freed with the row.
 
+        ``prefill_done`` (a running request whose prompt has now run in full): when the
+        finish will donate the working state (``finish_state`` ``"working"`` or
+        ``"overlap"``), :attr:`release_track_slots` is set and pages are single tokens (with
+        larger pages an unaligned finish falls back to a decode checkpoint), the request's ping-pong slots
+        go back to the pool after the insert and its entries become ``-1`` (SGLang's track
+        scatter skips a negative destination): decode never inserts their checkpoints, so a
+        decoding request holds one SSM slot instead of three (``docs/design.md``, "Ping-pong
+        checkpoints").
+
         Each insert frees the request's KV slots that duplicate the tree's, writes the
         tree's indices back into ``req_to_token``, moves the request's lock to the new
         node and advances ``cache_protected_len``. KV slots at and above it, the row and
@@ -302,7 +315,11 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
         if finished:
             self._checkpoint_finished(req, up_to)
         else:
-            self._checkpoint_running(req, up_to)
+            release = (
+                prefill_done and self.release_track_slots and self.page_size == 1
+                and self.finish_state in ("working", "overlap")
+            )
+            self._checkpoint_running(req, up_to, release_tracking=release)
         return req.cache_protected_len
 
     def on_release(self, req: CacheReq) -> None:

@@ -237,11 +237,26 @@ class HybridReqToTokenPool:
             req.req_pool_idx = None
 
     def replace_track_slot(self, req: CacheReq, entry: int, slot: int) -> None:
-        """Put ``slot`` (or ``-1``) into ping-pong entry ``entry`` of the request, after the
-        old slot there was donated to the tree."""
+        """Put ``slot`` (or ``-1``: none) into ping-pong entry ``entry`` of the request, after
+        the old slot there was donated to the tree or freed. The row's mapping, which the
+        forward's track writes read, gets the padding slot for ``-1``: SGLang's track
+        scatter kernels do not skip a negative destination (``track_mamba_states_if_needed``
+        checks only with unified memory) and its extend path indexes with it."""
         req.mamba_ping_pong_track_buffer[entry] = slot
         if req.req_pool_idx is not None:
-            self.req_index_to_mamba_ping_pong_track_buffer_mapping[req.req_pool_idx, entry] = slot
+            mapped = slot if slot >= 0 else self.mamba_pool.padding_slot
+            self.req_index_to_mamba_ping_pong_track_buffer_mapping[req.req_pool_idx, entry] = mapped
+
+    def release_track_slots(self, req: CacheReq) -> None:
+        """Free the request's ping-pong slots and set both entries to ``-1`` (row mapping
+        too); it holds no checkpoint afterwards. Idempotent."""
+        held = [s for s in req.mamba_ping_pong_track_buffer if s >= 0]
+        if held:
+            self.mamba_pool.free(held)
+        for entry in range(len(req.mamba_ping_pong_track_buffer)):
+            self.replace_track_slot(req, entry, -1)
+        req.mamba_last_track_seqlen = None
+        req.mamba_prev_track_seqlen = None
 
     # -- prefix checkpoints (docs/design.md, "Prefix checkpoints") --------------------
     @staticmethod

@@ -94,7 +94,9 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     and on ``--device cpu`` with ``SGLANG_MAMBA_EXT_CPU_OVERLAP=0`` or for a PD prefill
     server (``--disaggregation-mode prefill``); otherwise it stays as
     SGLang sets it (on unless ``--disable-overlap-schedule``), on CPU as on a GPU. A user's
-    explicit strategy wins.
+    explicit strategy wins. Without ``--radix-eviction-policy`` on the command line
+    (SGLang's ``_radix_eviction_policy_explicitly_set``) the policy becomes
+    :data:`.settings.DEFAULT_POLICY` (``adaptive``); a named one, ``lru`` included, is kept.
 
     Raises:
         FlagError: ``SGLANG_MAMBA_EXT_CPU_OVERLAP`` other than ``0`` or ``1``.
@@ -191,6 +193,11 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         mode = getattr(server_args, "hicache_host_memory_mode", "cache")
         if mode not in (None, "cache"):
             refuse(f"--hicache-host-memory-mode {mode}", " (its host tier is a cache: mode cache)")
+    if not getattr(server_args, "_radix_eviction_policy_explicitly_set", False):
+        # SGLang records whether argv named the policy (server_args.prepare_server_args), as its
+        # model overrides do before choosing theirs: unnamed, the plugin's default applies
+        policy = S.DEFAULT_POLICY
+        server_args.radix_eviction_policy = policy
     if policy not in S.SUPPORTED_POLICIES:
         refuse(
             f"--radix-eviction-policy {policy}",

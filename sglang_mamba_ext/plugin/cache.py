@@ -291,7 +291,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         # The insert frees duplicate KV and a slot allocation may evict: one batched free.
         group = self._free_group_begin()
         try:
-            self.core.checkpoint(creq, up_to=up_to, finished=finished)
+            self.core.checkpoint(creq, up_to=up_to, finished=finished, prefill_done=up_to >= len(fill))
         finally:
             if group:
                 self.token_to_kv_pool_allocator.free_group_end()

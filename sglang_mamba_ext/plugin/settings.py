@@ -37,6 +37,9 @@ ADAPTIVE_POLICY = "adaptive"
 PLUGIN_POLICIES = (RECOMPUTE_POLICY, ADAPTIVE_POLICY)
 #: ``--radix-eviction-policy`` values the plugin's cache accepts.
 SUPPORTED_POLICIES = ("lru",) + PLUGIN_POLICIES
+#: The policy ``--enable-mamba-radix`` selects when ``--radix-eviction-policy`` is not given:
+#: the best hit rate of the cache's policies on every hit-rate workload (docs/benchmarks.md).
+DEFAULT_POLICY = ADAPTIVE_POLICY
 
 # Settings of this process's last ``from_cli_args`` (the launcher, which also runs the
 # HTTP server and its warmups); used when ``get_server_args()`` is not published yet.

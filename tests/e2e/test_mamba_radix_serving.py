@@ -431,9 +431,9 @@ class TestRadixWorkload(_Workload):
 
     __test__ = True
 
-    FLAGS = ["--device", "cpu", "--enable-mamba-radix", "--mamba-track-interval", "16"]
+    FLAGS = ["--device", "cpu", "--enable-mamba-radix", "--mamba-track-interval", "16", "--radix-eviction-policy", "lru"]
     ENV = {**SERVER_ENV, "SGLANG_MAMBA_EXT_FINISH_STATE": "checkpoint"}
-    PROBE = True
+    PROBE = True  # the probe's order is LRU's: named, since the default policy is adaptive
 
     def test_hit_evicted_and_idle_checked(self):
         self.check_radix_server()

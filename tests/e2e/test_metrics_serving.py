@@ -189,7 +189,7 @@ class TestMetricsServing(unittest.TestCase):
         info = requests.get(self.server.base_url + "/server_info", timeout=60).json()
         entry = info["internal_states"][0]["mamba_radix"]
         self.assertEqual(entry["backend"], "mamba_radix_ext")
-        self.assertEqual(entry["eviction_policy"], "lru")
+        self.assertEqual(entry["eviction_policy"], "adaptive")  # --enable-mamba-radix's default
         self.assertEqual(entry["mamba_track_interval"], 256)
         self.assertTrue(entry["ping_pong_tracking"])
         self.assertTrue(entry["exact_prefix_checkpoints"])
