@@ -28,6 +28,10 @@ trace's (the chat workload's with ``--workload chat``) at the last size of
 ``--mamba-sizes`` (default 16 slots)::
 
     hit_ratio=<ours best / upstream best of all> oracle_ratio=<ours best / offline bound> upper_bound_ratio=<ours best / upper bound>
+    bytes_hit_ratio=<below> default_hit_ratio=<ours-default / upstream best of all>
+    default_overlap_points=<ours-default minus ours-default-overlap, percentage points>
+
+(one line; the ``default_*`` figures are what ``--enable-mamba-radix`` alone gives).
 
 Offline bound (:mod:`.oracle`): the same cache, the same checkpoint placement, but eviction
 victims chosen with the trace's future through the core's victim-priority seam
@@ -91,6 +95,12 @@ Variants (``--only`` names; see VARIANTS below):
   conversation). The gap to the rows without overlap is what overlap costs the cache: the
   next request cannot hit the state the previous one donates, and both requests' slots are
   held at that admission.
+* ``ours-default``, ``ours-default-overlap``: exactly what ``--enable-mamba-radix`` alone
+  selects, parsed by the plugin from that flag (no strategy, no policy named: today
+  ``extra_buffer`` with two ping-pong slots per request and ``adaptive``), prefix checkpoints
+  planned, and SGLang's post-prefill ``checkpoint_kv_cache`` run as its result processor
+  does (a request's ping-pong slots go back there); without and with overlap scheduling's
+  timing. These rows follow the default as it changes.
 * ``oracle-belady``, ``oracle-belady-cost``, ``oracle-belady-naive``: ``ours-branch-*``
   with offline victims (:class:`.oracle.OracleDriver`): Belady with deeper states
   shadowing shallower ones; the same weighted by the tokens a miss recomputes per request
@@ -114,6 +124,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import math
 import sys
 import time
 from typing import Optional, Sequence
@@ -139,6 +150,7 @@ from sglang_mamba_ext.benchmarks.hit_variants import (  # the variants: re-expor
 from sglang_mamba_ext.benchmarks.hit_report import (  # best_of and the ratios: re-exported
     best_of,
     comparison,
+    default_figures,
     format_table,
     oracle_ratio,
     upper_bound_ratio,
@@ -461,11 +473,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     h, _, _, _ = comparison(_counted(last, args.upstream_best_of))
     orat, _ = oracle_ratio(last)
     bh, ours_name, up_name = bytes_hit_ratio(last)
+    dh, dpoints = default_figures(_counted(last, args.upstream_best_of))
     print(f"mamba_size={args.mamba_sizes[-1]} equal device bytes ({_bytes_note()}): ours {ours_name}, "
           f"upstream {up_name}: bytes_hit_ratio={_fmt_ratio(bh)}")
     print(
         f"hit_ratio={_fmt_ratio(h)} oracle_ratio={_fmt_ratio(orat)} "
-        f"upper_bound_ratio={_fmt_ratio(upper_bound_ratio(last))} bytes_hit_ratio={_fmt_ratio(bh)}"
+        f"upper_bound_ratio={_fmt_ratio(upper_bound_ratio(last))} bytes_hit_ratio={_fmt_ratio(bh)} "
+        f"default_hit_ratio={_fmt_ratio(dh)} default_overlap_points={'nan' if math.isnan(dpoints) else f'{dpoints:.2f}'}"
     )
     return 1 if leak else 0
 

@@ -78,6 +78,19 @@ def oracle_ratio(results: Sequence[HitResult]) -> tuple[float, str]:
     return (ours.hit_rate / bound.hit_rate if bound.hit_rate > 0 else math.inf), bound.name
 
 
+def default_figures(results: Sequence[HitResult]) -> tuple[float, float]:
+    """``(default_hit_ratio, overlap_points)``: the ``ours-default`` row (what
+    ``--enable-mamba-radix`` alone selects) over the best ``"upstream"`` row among
+    ``results``, and the hit rate in percentage points it loses under overlap timing
+    (``ours-default`` minus ``ours-default-overlap``); NaN where a row is missing."""
+    by_name = {r.name: r for r in results}
+    ours, up = by_name.get("ours-default"), best_of(results, "upstream")
+    ratio = math.nan if ours is None or up is None else (ours.hit_rate / up.hit_rate if up.hit_rate > 0 else math.inf)
+    over = by_name.get("ours-default-overlap")
+    points = math.nan if ours is None or over is None else 100 * (ours.hit_rate - over.hit_rate)
+    return ratio, points
+
+
 def upper_bound_ratio(results: Sequence[HitResult]) -> float:
     """Ours' best hit rate over the ``"bound"`` row's (:mod:`.upper_bound`); NaN without
     an ours or a bound row."""

@@ -317,6 +317,8 @@ class OursOverlapDriver(OursDriver):
         return super().leak_check()
 
 
-def make_ours_driver(args: Any) -> OursDriver:
-    """The tree-ops benchmark's "ours" (``args``: ``kv_size``, ``mamba_size``, ``cow_copy``)."""
-    return OursDriver(args.kv_size, args.mamba_size, cow_copy=args.cow_copy)
+def make_ours_driver(args: Any, eviction_policy: Optional[str] = None) -> OursDriver:
+    """The tree-ops benchmark's "ours" (``args``: ``kv_size``, ``mamba_size``, ``cow_copy``):
+    the plugin's default policy unless ``eviction_policy`` names one."""
+    name = "ours" if eviction_policy is None else f"ours-{eviction_policy}"
+    return OursDriver(args.kv_size, args.mamba_size, cow_copy=args.cow_copy, eviction_policy=eviction_policy, name=name)

@@ -10,6 +10,10 @@ the leak check. With both caches the last line is
 
     speedup=<ours/upstream requests per s> hit_ratio=<ours/upstream hit rate>
 
+"ours" runs the plugin's default eviction policy (``adaptive``); "ours-lru" the same cache
+with ``--radix-eviction-policy lru``, and the line before the last compares the two per op
+(``policy_cost_ratio`` = time of the cycle under the default over under ``lru``).
+
 Usage (``scripts/bench_tree_ops.py`` takes the same arguments):
     python -m sglang_mamba_ext.benchmarks.tree_ops                  # both caches
     python -m sglang_mamba_ext.benchmarks.tree_ops --only upstream  # SGLang's cache alone
@@ -50,11 +54,31 @@ def _make_ours(args: argparse.Namespace) -> CacheDriver:
     return make_ours_driver(args)
 
 
+def _make_ours_lru(args: argparse.Namespace) -> CacheDriver:
+    from sglang_mamba_ext.benchmarks.ours import make_ours_driver
+
+    return make_ours_driver(args, eviction_policy="lru")
+
+
 # Order matters: "ours" first, "upstream" second, for the comparison line.
 DRIVERS: dict[str, Callable[[argparse.Namespace], CacheDriver]] = {
     "ours": _make_ours,
     "upstream": _make_upstream,
+    "ours-lru": _make_ours_lru,
 }
+
+
+def format_policy_cost(default: BenchResult, lru: BenchResult) -> str:
+    """The default eviction policy's own cost: mean microseconds per request of each cache
+    op (match, alloc with evict-if-short, finish with its insert) under the plugin's default
+    policy and under ``lru``, and their ratio (the same trace, pools and protocol)."""
+    parts = []
+    for op in ("match", "alloc_mamba", "alloc_extend", "alloc_decode", "finish"):
+        a = default.op_ns.get(op, 0) / max(default.num_requests, 1) / 1e3
+        b = lru.op_ns.get(op, 0) / max(lru.num_requests, 1) / 1e3
+        parts.append(f"{op} {a:.1f}/{b:.1f} us")
+    ratio = lru.requests_per_s / default.requests_per_s if default.requests_per_s else float("nan")
+    return f"policy cost (default/lru, per request): {', '.join(parts)}; policy_cost_ratio={ratio:.3f}"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -125,6 +149,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"[{name}] requests_per_s of each run: {rates} (median reported)")
 
     leak = any(not r.leak_ok for r in results.values())
+    if "ours" in results and "ours-lru" in results:
+        print(format_policy_cost(results["ours"], results["ours-lru"]))
     if "ours" in results and "upstream" in results:
         print(format_comparison(results["ours"], results["upstream"]))
     return 1 if leak else 0

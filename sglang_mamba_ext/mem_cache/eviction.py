@@ -13,7 +13,7 @@ per class of states.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Type, Iterator
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, Optional, Sequence, Tuple, Type
 
 from .tree_node import EvictResult, TreeNode
 
@@ -49,6 +49,13 @@ class LRUEviction:
 
     def reset(self) -> None:
         """The tree was emptied."""
+
+    def admits(self, state_class: tuple, saved: int) -> bool:
+        """Whether a new state of ``state_class`` (``(mamba_origin, under_state)``) that would
+        save ``saved`` tokens of recompute is worth evicting the next victim for: a planned
+        prefix checkpoint takes a slot only then (``docs/design.md``, "Eviction"). Always
+        ``True`` here: recency alone cannot rank a state not stored yet."""
+        return True
 
     def evict_mamba(self, num: int, res: EvictResult) -> None:
         """Free ``num`` more SSM states if possible, adding what was freed to ``res``."""
@@ -358,13 +365,28 @@ class AdaptiveEviction(RecomputeEviction):
             node.state_class = self.state_class(node)
         return node.priority + self.expected_hits(node.state_class, node.hits) * self.recompute_per_byte(node)
 
-    def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
+    def admits(self, state_class: tuple, saved: int) -> bool:
+        """A new state of ``state_class`` saving ``saved`` tokens (one slot, an inner node)
+        outranks the next victim: its priority ``L + E[hits | class, 0] * saved`` is above
+        the victim's. (A prompt-end checkpoint that a finished sequence will shadow, E near
+        0, then never evicts a system prompt's state.) ``True`` when nothing is evictable."""
+        victim, p = self._lowest(leaf_only=False)
+        if victim is None:
+            return True
+        return self.inflation + self.expected_hits(state_class, 0) * saved > p
+
+    def _lowest(self, leaf_only: bool) -> Tuple[Optional[TreeNode], float]:
+        """The candidate of lowest priority (ties: least recent) and its priority."""
         best = None
         best_p = 0.0
         for node in self._candidates(leaf_only):
             p = self.priority_of(node)
             if best is None or p <= best_p:
                 best, best_p = node, p
+        return best, best_p
+
+    def _victim(self, leaf_only: bool) -> Optional[TreeNode]:
+        best, best_p = self._lowest(leaf_only)
         if best is not None and best_p > self.inflation:
             self.inflation = best_p
         return best

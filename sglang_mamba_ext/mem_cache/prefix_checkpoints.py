@@ -51,7 +51,9 @@ class PrefixCheckpoints:
 
         Priority: the branch point, then prompt length - 1, then the boundaries in their
         order; each position takes an SSM slot now (evicting one state if the pool is
-        full), and planning stops at the first position without a slot. Positions are
+        full, and then only if the eviction policy ranks the new state above its victim:
+        ``admits``; a position it does not is skipped), and planning stops at the first
+        position without a slot. Positions are
         floored to whole pages and kept only inside ``(cache_protected_len, prompt_len)``;
         duplicates are planned once (under the first kind that names them). The forward
         writes the states (``HybridReqToTokenPool.prefix_checkpoints_in``);
@@ -86,6 +88,11 @@ class PrefixCheckpoints:
                 budget -= 1
         planned: List[Tuple[int, int]] = []
         for c, origin in wanted.items():
+            if not self.mamba_pool.available_size():
+                # a full pool: evict only for a state worth more than the victim
+                below = max([p] + [d for d, _ in planned if d < c])
+                if not self._eviction.admits((origin, below > 0), c - below):
+                    continue
             slot = self._alloc_mamba_slot()
             if slot is None:
                 break
