@@ -154,6 +154,61 @@ class TestAdaptiveEviction(unittest.TestCase):
         self.assertEqual((pol.reached, pol.more, pol.stores, pol.inflation), ({}, {}, 0, 0.0))
 
 
+class TestAdmission(unittest.TestCase):
+    """``AdaptiveEviction.admits`` (issue 38): with the SSM pool full, a planned prefix
+    checkpoint evicts a cached state only when its own priority ``L + E[hits | class, 0] *
+    saved`` is above the next victim's."""
+
+    def _full(self, prompt_end_stored=None):
+        """The four-request scenario of :class:`TestAdaptiveEviction` (lowest priority: the
+        finish states, 1/3 each), the pool's free slots taken; ``prompt_end_stored`` overrides
+        how many nested prompt-end states were stored with no hit (3 there)."""
+        cache = make_cache(kv_size=1024, mamba_size=32, track_slots=0, branch_checkpoints=True,
+                           eviction_policy="adaptive")
+        sim = SimModel(cache)
+        for i in range(4):
+            sim.run(SYS + user(i), [1], rid=f"r{i}")
+        pol = cache._eviction
+        if prompt_end_stored is not None:
+            pol.reached[(PROMPT_END, 0)] = prompt_end_stored
+            pol._expected.clear()
+        taken = cache.mamba_pool.alloc_list(cache.mamba_pool.available_size())
+        self.assertEqual(cache.mamba_pool.available_size(), 0)
+        return cache, sim, pol, taken
+
+    def test_admits_compares_with_the_victim(self):
+        cache, _, pol, _ = self._full()
+        # nested prompt-end, E(0) = 0.4: 0.4 * 5 = 2 > 1/3 (a finish state)
+        self.assertTrue(pol.admits(PROMPT_END, 5))
+        # 0.4 * 0 = 0 < 1/3: a state that saves nothing never evicts one
+        self.assertFalse(pol.admits(PROMPT_END, 0))
+        cache, _, pol, _ = self._full(prompt_end_stored=48)
+        # learned: E(0) = 1/50 * (1 + 1) = 0.04, 0.04 * 5 = 0.2 < 1/3
+        self.assertAlmostEqual(pol.expected_hits(PROMPT_END, 0), 0.04)
+        self.assertFalse(pol.admits(PROMPT_END, 5))
+        self.assertTrue(pol.admits(BRANCH, 5))  # E(0) of the branch class is above 1/15
+
+    def test_planning_skips_what_would_rank_below_the_victim(self):
+        """A fifth request hits the branch point (40 tokens) and plans its prompt-end
+        checkpoint (45) only while that class is worth evicting a finish state for."""
+        for stored, planned in ((None, [S + 5]), (48, [])):
+            with self.subTest(prompt_end_stored=stored):
+                cache, sim, pol, taken = self._full(stored)
+                cache.mamba_pool.free(taken[:1])  # the fifth request's working slot
+                r = CacheReq(rid="r4", token_ids=SYS + user(4))
+                self.assertTrue(sim.admit(r))
+                self.assertEqual(r.cache_protected_len, S)
+                self.assertEqual([c for c, _ in r.mamba_prefix_checkpoints], planned)
+                sim.release(r, checkpoint=False)
+                cache.mamba_pool.free(taken[1:])
+                cache.sanity_check()
+                cache.check_slot_accounting()
+
+    def test_lru_admits_everything(self):
+        cache = make_cache(kv_size=1024, mamba_size=8, track_slots=0, branch_checkpoints=True)
+        self.assertTrue(cache._eviction.admits(PROMPT_END, 0))
+
+
 def _path_tokens(node):
     """The token ids from the root to the end of ``node``."""
     keys = []
