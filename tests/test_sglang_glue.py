@@ -81,9 +81,11 @@ class _Harness:
         req.lock = self.cache.lock(req.last_node)
         alloc_req_slots(self.pool, [req], self.cache)
 
-    def forward_extend(self, req, end):
+    def forward_extend(self, req, end, process_result=True):
         """One prefill chunk ``[prefix_len, end)``: KV slots, the deferred COW / clear as
-        SGLang runs it, SGLang's track decision, then the fake forward."""
+        SGLang runs it, SGLang's track decision, then the fake forward; then the result
+        processor's ``checkpoint_kv_cache`` unless ``process_result`` is False (a launched
+        batch whose result the overlap scheduler has not processed yet)."""
         from sglang.srt.mem_cache.common import checkpoint_kv_cache
 
         row = req.kv.req_pool_idx
@@ -118,7 +120,7 @@ class _Harness:
         for off, slot in plan.get(0, []):
             self.write_state(slot, tokens[: start + off])
         self.write_state(work, tokens[:end])
-        if end < len(req.origin_input_ids) or not req.finished():
+        if process_result and (end < len(req.origin_input_ids) or not req.finished()):
             checkpoint_kv_cache(req, self.cache)
 
     def prefill(self, req, chunk=32):

@@ -103,6 +103,9 @@ def install_mamba_radix() -> None:
     from sglang_mamba_ext.plugin.disaggregation import register_disaggregation_hooks
 
     register_disaggregation_hooks()
+    from sglang_mamba_ext.plugin.overlap_publish import register_overlap_publish_hook
+
+    register_overlap_publish_hook()  # a launched prefill is matched by the next batch
     _installed = True
 
 
