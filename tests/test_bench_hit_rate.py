@@ -390,8 +390,24 @@ class OursVariantsTest(TraceDriverCase):
                 # Branch points hit the shared system prompts that no_buffer cannot.
                 self.assertGreater(res.matched_tokens, 1.5 * sum(nobuf))
 
+    def test_default_rows_follow_the_flag(self):
+        """``ours-default*`` are what ``--enable-mamba-radix`` alone selects (issue 38): the
+        plugin's policy and strategy as parsed, prefix checkpoints; with pools that evict
+        nothing they hit exactly what the branch-point model says, overlap timing included."""
+        branch, _, _ = reference_model(self.records, "branch")
+        for name, finish in (("ours-default", "working"), ("ours-default-overlap", "overlap")):
+            with self.subTest(variant=name):
+                driver = bench_hit_rate.VARIANTS[name].factory(400_000, 5 * self.N + 8)
+                self.assertEqual((driver.eviction_policy, driver.strategy), ("adaptive", "extra_buffer"))
+                self.assertEqual(driver.cache.core.finish_state, finish)
+                self.assertEqual(driver.req_to_token_pool.mamba_initial_tracking_slots, 2)
+                res = run_hit_trace(driver, self.records, side="ours")
+                self.assertEqual(res.prefix_lens, branch)
+                self.assertTrue(res.leak_ok, res.leak_details)
+
     def test_small_pools_evict_without_leak(self):
-        for name in ("ours-lru", "ours-branch-lru", "ours-branch-recompute", "ours-branch-adaptive"):
+        for name in ("ours-lru", "ours-branch-lru", "ours-branch-recompute", "ours-branch-adaptive",
+                     "ours-default", "ours-default-overlap"):
             with self.subTest(variant=name):
                 driver = bench_hit_rate.VARIANTS[name].factory(8192, 6)
                 res = run_hit_trace(driver, self.records, side="ours")
