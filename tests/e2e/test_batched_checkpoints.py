@@ -58,6 +58,10 @@ class _BatchedCheckpoints(unittest.TestCase):
             "--device", "cpu", "--enable-mamba-radix",
             "--chunked-prefill-size", str(cls.CHUNK), "--mamba-track-interval", str(cls.TRACK),
             "--max-mamba-cache-size", str(cls.MAMBA_SLOTS), "--page-size", str(cls.PAGE),
+            # the probes expect every state of a batch to survive the probes before them, which
+            # is LRU's order under this pressure (the default adaptive policy may evict a finish
+            # state it ranks lower first)
+            "--radix-eviction-policy", "lru",
         ]
         cls.server = Server(tiny_model_dir(), args, os.path.join(cls.tmp.name, "server.log"), env=dict(CHECKED_ENV))
         cls.addClassCleanup(cls.server.stop)
