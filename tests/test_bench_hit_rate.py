@@ -359,7 +359,11 @@ class UpstreamDriversTest(TraceDriverCase):
             "hit_ratio=nan recompute_ratio=nan oracle_ratio=nan upper_bound_ratio=nan",
         )
         self.assertTrue(lines[-2].endswith("ours -, upstream upstream-xbuf: bytes_hit_ratio=nan"), lines[-2])
-        self.assertEqual(lines[-1], "hit_ratio=nan oracle_ratio=nan upper_bound_ratio=nan bytes_hit_ratio=nan")
+        self.assertEqual(
+            lines[-1],
+            "hit_ratio=nan oracle_ratio=nan upper_bound_ratio=nan bytes_hit_ratio=nan "
+            "default_hit_ratio=nan default_overlap_points=nan",
+        )
         self.assertTrue(any(l.startswith("upstream-xbuf ") for l in lines))
         self.assertFalse(any(l.startswith("chat") for l in lines))
 
@@ -657,8 +661,8 @@ class MainChatTest(unittest.TestCase):
         upper bound, at the last ``--mamba-sizes``, as :func:`run_config` measures them."""
         from sglang_mamba_ext.benchmarks.chat_workload import chat_workload
 
-        names = ["upstream-nobuf", "upstream-xbuf", "ours-branch-recompute", "oracle-belady", "upper-bound-lp",
-                 "upstream-xbuf-int8", "ours-branch-adaptive-int8"]
+        names = ["upstream-nobuf", "upstream-xbuf", "ours-branch-recompute", "ours-default", "ours-default-overlap",
+                 "oracle-belady", "upper-bound-lp", "upstream-xbuf-int8", "ours-branch-adaptive-int8"]
         argv = ["--workload", "chat", "--limit", "80", "--mamba-sizes", "12,6"]
         for n in names:
             argv += ["--only", n]
@@ -669,13 +673,15 @@ class MainChatTest(unittest.TestCase):
         lines = out.getvalue().strip().splitlines()
         results, _ = run_config(names, 200_000, 6, chat_workload(0)[:80])
         by = {r.name: r for r in results}
-        ours = by["ours-branch-recompute"].hit_rate
+        ours = max(by[n].hit_rate for n in ("ours-branch-recompute", "ours-default", "ours-default-overlap"))
         up = max(by["upstream-nobuf"].hit_rate, by["upstream-xbuf"].hit_rate)
+        default, overlap = by["ours-default"].hit_rate, by["ours-default-overlap"].hit_rate
         self.assertEqual(
             lines[-1],
             f"hit_ratio={ours / up:.4f} oracle_ratio={ours / by['oracle-belady'].hit_rate:.4f} "
             f"upper_bound_ratio={ours / by['upper-bound-lp'].hit_rate:.4f} "
-            f"bytes_hit_ratio={max(ours, by['ours-branch-adaptive-int8'].hit_rate) / max(up, by['upstream-xbuf-int8'].hit_rate):.4f}",
+            f"bytes_hit_ratio={max(ours, by['ours-branch-adaptive-int8'].hit_rate) / max(up, by['upstream-xbuf-int8'].hit_rate):.4f} "
+            f"default_hit_ratio={default / up:.4f} default_overlap_points={100 * (default - overlap):.2f}",
         )
         self.assertGreaterEqual(by["oracle-belady"].matched_tokens, by["ours-branch-recompute"].matched_tokens)
         self.assertGreaterEqual(by["upper-bound-lp"].matched_tokens, by["oracle-belady"].matched_tokens)
