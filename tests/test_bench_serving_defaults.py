@@ -86,6 +86,9 @@ class ParseArgsTest(unittest.TestCase):
             ["--gsp-output-len", "1"],
             ["--noreuse-prompts", "0"],
             ["--bench-timeout", "0"],
+            ["--bench-timeout", "nan"],
+            ["--extra-flags", '"unterminated'],
+            ["--work-dir", __file__],  # a file, not a directory
         ):
             err = io.StringIO()
             with self.assertRaises(SystemExit) as cm, contextlib.redirect_stderr(err):

@@ -115,6 +115,21 @@ class TraceLoadingTest(unittest.TestCase):
         with self.assertRaisesRegex(TraceError, "not found"):
             load_trace(os.path.join(self.tmp.name, "nope.jsonl.gz"))
 
+    def test_not_gzip_is_a_clean_error(self):
+        """A plain file given with ``--no-verify``: exit status 2 and one line naming it."""
+        import contextlib
+        import io
+
+        from sglang_mamba_ext.benchmarks import tree_ops
+
+        plain = os.path.join(self.tmp.name, "plain.txt")
+        with open(plain, "w") as f:
+            f.write("root:x:0:0\n")
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(tree_ops.main(["--trace", plain, "--no-verify"]), 2)
+        self.assertIn(f"tree_ops: {plain}: not a readable gzip JSON-lines trace", err.getvalue())
+
 
 class _ScriptedDriver(CacheDriver):
     """Returns a scripted prefix length per request and logs every call."""

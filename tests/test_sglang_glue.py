@@ -433,6 +433,14 @@ class TestEvictionPolicyFlag(unittest.TestCase):
                 self.assertEqual(sa.radix_eviction_policy, argv[-1].split("=")[-1])
         self.assertEqual(F.parse_args(F.base_argv()).radix_eviction_policy, "lru")
 
+    def test_policy_config_is_reported_ignored(self):
+        """``--radix-eviction-policy-config`` configures SGLang's policies: under the flag a
+        start-up warning says the plugin's cache does not read it."""
+        with self.assertLogs("sglang_mamba_ext.plugin.args", level="WARNING") as cm:
+            F.parse_args(F.base_argv("--enable-mamba-radix", "--radix-eviction-policy-config", '{"x": 1}'))
+        self.assertIn("--radix-eviction-policy-config is ignored", "\n".join(cm.output))
+        self.assertIn("--radix-eviction-policy adaptive", "\n".join(cm.output))
+
     def test_max_states_per_path_reaches_the_core_cache(self):
         ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix", "--mamba-max-states-per-path", "3"))
         with F.in_context(ctx):

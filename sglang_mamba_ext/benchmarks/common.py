@@ -202,8 +202,8 @@ def check_common_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
     """``p.error`` (exit 2) for a value of :func:`add_common_args`' options out of range."""
     if args.kv_size < 4096:
         p.error(
-            f"--kv-size {args.kv_size} is below 4096; one request of the trace needs up "
-            "to 3,766 KV slots, so use at least 4096"
+            f"--kv-size {args.kv_size} is below 4096; one request of the shared trace needs up "
+            "to 3,766 KV slots (the chat workload's fewer), so use at least 4096"
         )
     if args.threads < 1:
         p.error(f"--threads {args.threads} must be at least 1")
@@ -222,6 +222,9 @@ def load_trace_for(args: argparse.Namespace, prog: str) -> Optional[list[TraceRe
         )
     except TraceError as e:
         print(f"{prog}: {e}", file=sys.stderr)
+        return None
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # not a gzip file, truncated, unreadable
+        print(f"{prog}: {args.trace}: not a readable gzip JSON-lines trace ({e})", file=sys.stderr)
         return None
 
 

@@ -84,6 +84,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import shlex
@@ -181,8 +182,14 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.gsp_output_len < 2 or args.noreuse_output_len < 2:
         p.error("--gsp-output-len and --noreuse-output-len must be >= 2 (TPOT needs a second token)")
-    if args.bench_timeout <= 0:
-        p.error("--bench-timeout must be > 0")
+    if not math.isfinite(args.bench_timeout) or args.bench_timeout <= 0:
+        p.error("--bench-timeout must be a finite number of seconds > 0")
+    try:
+        shlex.split(args.extra_flags)
+    except ValueError as e:
+        p.error(f"--extra-flags {args.extra_flags!r}: {e}")
+    if args.work_dir is not None and os.path.exists(args.work_dir) and not os.path.isdir(args.work_dir):
+        p.error(f"--work-dir {args.work_dir}: exists and is not a directory")
     return args
 
 

@@ -110,8 +110,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     check_common_args(p, args)
-    if args.mamba_size < 1:
-        p.error(f"--mamba-size {args.mamba_size} must be at least 1")
+    if args.mamba_size < 3:
+        p.error(f"--mamba-size {args.mamba_size} must be at least 3 (a running request holds up to 3 SSM slots)")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat} must be at least 1")
     return args

@@ -60,8 +60,9 @@ def add_cli_args_after(result, parser, *args, **kwargs):
             "Serve a hybrid (full attention + linear attention / SSM) model with "
             "sglang-mamba-ext's prefix cache holding both attention KV and SSM state "
             f"(--radix-cache-backend {S.BACKEND_NAME}) and its hybrid request pool; SSM "
-            "checkpoints are tracked every --mamba-track-interval tokens. Cannot be combined "
-            "with --disable-radix-cache, --radix-cache-backend, --enable-hierarchical-cache."
+            "checkpoints are tracked every --mamba-track-interval tokens. Without "
+            f"--radix-eviction-policy it evicts states by the {S.DEFAULT_POLICY} policy. Cannot be "
+            "combined with --disable-radix-cache or another --radix-cache-backend."
         ),
     )
     group.add_argument(
@@ -198,6 +199,11 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         # model overrides do before choosing theirs: unnamed, the plugin's default applies
         policy = S.DEFAULT_POLICY
         server_args.radix_eviction_policy = policy
+    if getattr(server_args, "radix_eviction_policy_config", None):
+        logger.warning(
+            "%s: --radix-eviction-policy-config is ignored: it configures SGLang's own eviction "
+            "policies, and the plugin's cache evicts by --radix-eviction-policy %s", ENABLE_FLAG, policy,
+        )
     if policy not in S.SUPPORTED_POLICIES:
         refuse(
             f"--radix-eviction-policy {policy}",
