@@ -128,10 +128,19 @@ class PrefixCheckpoints:
         return cap - on_path - planned - 1
 
     # ------------------------------------------------------------------ helpers
-    def _checkpoint_running(self, req: CacheReq, up_to: Optional[int], release_tracking: bool = False) -> None:
+    def _checkpoint_running(self, req: CacheReq, up_to: Optional[int], prefill_done: bool = False) -> None:
         """:meth:`checkpoint` of a running request: planned prefix checkpoints, then the
-        newest ping-pong checkpoint (or, untracked, a copy of the working state); with
-        ``release_tracking`` the ping-pong slots are then freed (entries ``-1``)."""
+        newest ping-pong checkpoint (or, untracked, a copy of the working state).
+
+        After the prefill (``prefill_done``), when the finish will donate the working state
+        (``finish_state`` ``"working"`` / ``"overlap"``), ``release_track_slots`` is set and
+        pages are single tokens (with larger pages an unaligned finish falls back to a decode
+        checkpoint), the ping-pong slots are freed (entries ``-1``): decode never inserts
+        their checkpoints, so a decoding request holds one SSM slot instead of three."""
+        release_tracking = (
+            prefill_done and self.release_track_slots and self.page_size == 1
+            and self.finish_state in ("working", "overlap")
+        )
         self._insert_running(req, up_to, release_tracking)
         if release_tracking:
             self.req_to_token_pool.release_track_slots(req)

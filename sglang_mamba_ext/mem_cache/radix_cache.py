@@ -272,9 +272,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
             )
         return self._insert(tokens, extra_key, value, mamba_value, prev_prefix_len, self.root_node, origin)
 
-    def checkpoint(
-        self, req: CacheReq, up_to: Optional[int] = None, finished: bool = False, prefill_done: bool = False
-    ) -> int:
+    def checkpoint(self, req: CacheReq, up_to: Optional[int] = None, finished=False, prefill_done=False) -> int:
         """Hand the tree what the request has computed of its first ``up_to`` tokens
         (default and cap: ``req.kv_committed_len``); SGLang's ``checkpoint(req, up_to)``
         (``docs/design.md``, "Ping-pong checkpoints", "Prefix checkpoints").
@@ -292,13 +290,8 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
         the page); nothing is inserted for one that is not, and the KV past the inserted
         length stays the caller's, freed with the row.
 
-        ``prefill_done`` (a running request whose prompt has now run in full): when the
-        finish will donate the working state (``finish_state`` ``"working"`` or
-        ``"overlap"``), :attr:`release_track_slots` is set and pages are single tokens (with
-        larger pages an unaligned finish falls back to a decode checkpoint), the request's ping-pong slots
-        go back to the pool after the insert and its entries become ``-1`` (SGLang's track
-        scatter skips a negative destination): decode never inserts their checkpoints, so a
-        decoding request holds one SSM slot instead of three (``docs/design.md``, "Ping-pong
+        ``prefill_done`` (the prompt has now run in full) may give the request's ping-pong
+        slots back after the insert (``_checkpoint_running``; ``docs/design.md``, "Ping-pong
         checkpoints").
 
         Each insert frees the request's KV slots that duplicate the tree's, writes the
@@ -315,11 +308,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
         if finished:
             self._checkpoint_finished(req, up_to)
         else:
-            release = (
-                prefill_done and self.release_track_slots and self.page_size == 1
-                and self.finish_state in ("working", "overlap")
-            )
-            self._checkpoint_running(req, up_to, release_tracking=release)
+            self._checkpoint_running(req, up_to, prefill_done)
         return req.cache_protected_len
 
     def on_release(self, req: CacheReq) -> None:
