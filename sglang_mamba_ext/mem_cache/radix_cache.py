@@ -106,8 +106,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
         self.page_size = page_size
         self.mamba_track_interval = mamba_track_interval
         self.finish_state = finish_state
-        #: Give a request's ping-pong slots back once its prefill ran (:meth:`checkpoint`).
-        self.release_track_slots = True
+        self.release_track_slots = True  #: ping-pong slots back after the prefill (_checkpoint_running)
         self.branch_checkpoints = branch_checkpoints
         self.max_states_per_path = max(int(max_states_per_path), 0)
         self.eviction_policy = eviction_policy

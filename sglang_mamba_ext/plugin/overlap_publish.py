@@ -23,10 +23,6 @@ is left for the result processor to advance.
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger(__name__)
-
 GET_NEXT_BATCH = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 
 
