@@ -78,6 +78,10 @@ class ExactCheckpointPool(SlotPool):
     def slot_bytes(self) -> int:
         return self.num_layers * (self.temporal_state[0, 0].nbytes + self.conv_state[0, 0].nbytes)
 
+    def state_tensors(self):
+        """As :meth:`MambaPool.state_tensors` (the host tier copies these)."""
+        return [self.conv_state, self.temporal_state]
+
     def store_from_active(self, active, active_slots, ckpt_slots) -> None:
         self.stores += len(ckpt_slots)
         ExactCheckpointPool.total_stores += len(ckpt_slots)
@@ -106,13 +110,14 @@ def make_cache(
 ):
     """``ckpt_size > 0``: the tree keeps its states in an :class:`ExactCheckpointPool` of
     that many slots (the int8 checkpoint lifecycle); ``host_size > 0``: a host tier of that
-    many states (:class:`HostStatePool`, exact copies); ``kv_host_size > 0`` (with
+    many states (:class:`HostStatePool`, exact copies of the tree's pool, the checkpoint
+    pool's with ``ckpt_size``); ``kv_host_size > 0`` (with
     ``host_size``): a host tier of that many KV tokens (:class:`HostKVPool`; a
     :class:`SimModel` gives it its KV buffers)."""
     kv = KVSlotAllocator(kv_size, page_size)
     mp = MambaPool(mamba_size, num_layers, (CONV_W - 1,), (2,), dtype=torch.int64)
     ckpt = ExactCheckpointPool(ckpt_size, mp) if ckpt_size > 0 else None
-    host = HostStatePool(host_size, mp) if host_size > 0 else None
+    host = HostStatePool(host_size, ckpt if ckpt is not None else mp) if host_size > 0 else None
     kv_host = HostKVPool(kv_host_size, page_size) if kv_host_size > 0 else None
     rp = HybridReqToTokenPool(
         rows, max_context_len, mp, track_slots_per_req=track_slots, mamba_ckpt_pool=ckpt, mamba_host_pool=host,

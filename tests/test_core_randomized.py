@@ -353,6 +353,12 @@ CONFIGS = {
             branch_checkpoints=True, host_size=8, kv_host_size=40, hicache_write_policy="write_back",
             eviction_policy="recompute", kv_bytes_per_token=64)
     ),
+    # int8 checkpoints' lifecycle with a host tier of the checkpoint slots (issue 42)
+    "page1_branch_ckpt_host_back_adaptive": dict(
+        page_size=1, track_slots=2, finish_state="working", mamba_size=8, cache_kwargs=dict(
+            branch_checkpoints=True, ckpt_size=5, host_size=7, kv_host_size=40, hicache_write_policy="write_back",
+            eviction_policy="adaptive", max_states_per_path=3)
+    ),
     "page2_nobuffer_ckpt_recompute": dict(
         page_size=2, track_slots=0, finish_state="working", sessions=True, cache_kwargs=dict(
             branch_checkpoints=True, ckpt_size=5, eviction_policy="recompute", kv_bytes_per_token=64)

@@ -105,6 +105,11 @@ class Int8CheckpointPool(SlotPool):
         """Bytes held by the pool's tensors (``size + 1`` slots)."""
         return self.slot_bytes() * (self.size + 1)
 
+    def state_tensors(self):
+        """The tensors of a stored state, each ``[L, size + 1, ...]``: ``qdata`` (int8),
+        ``scale``, ``conv_state`` (what :class:`HostStatePool` copies for the host tier)."""
+        return [self.qdata, self.scale, self.conv_state]
+
     def store_from_active(self, active: MambaPool, active_slots: SlotsLike, ckpt_slots: SlotsLike) -> None:
         """Quantize the states of ``active_slots`` of ``active`` into ``ckpt_slots`` (a state
         entering the tree).
@@ -150,10 +155,13 @@ def copy_on_write(active: MambaPool, ckpt: Optional[Int8CheckpointPool], src: Sl
 
 class HostStatePool(SlotPool):
     """The host tier of the tree's SSM states (``--enable-hierarchical-cache``;
-    ``docs/design.md``, "Host tier"): slots ``1 .. size`` of full-precision copies, in host
-    memory, of the state tensors of an active pool (slot 0 reserved).
+    ``docs/design.md``, "Host tier"): slots ``1 .. size`` of copies, in host memory, of the
+    state tensors of the pool the tree keeps its states in (slot 0 reserved): full precision
+    from a :class:`MambaPool`, or int8 data, scales and conv windows as they are from an
+    :class:`Int8CheckpointPool` (``--enable-int8-mamba-checkpoint``; about twice the
+    states per host byte, no second quantization).
 
-    Tensors: for each state tensor ``t`` of the active pool (``[L, S + 1, *shape]``:
+    Tensors: for each state tensor ``t`` of that pool (``[L, S + 1, *shape]``:
     ``active.state_tensors()``, the conv window and the temporal state for
     :class:`MambaPool`) one host tensor ``[size + 1, L, *shape]`` of the same dtype, on the
     CPU (page-locked with ``pin_memory``, for asynchronous copies from a GPU). Slot-major, so
@@ -163,7 +171,9 @@ class HostStatePool(SlotPool):
 
     Args:
         size: host slots (states), >= 1.
-        active: the device pool whose states are copied here.
+        active: the device pool whose states are copied here (anything with
+            ``state_tensors()``: :class:`MambaPool`, :class:`Int8CheckpointPool`, the
+            plugin's pools over SGLang's).
         pin_memory: page-locked host memory (only where CUDA is available).
 
     Raises:

@@ -66,8 +66,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
 
     Raises:
         ValueError: on a bad ``page_size``, ``mamba_track_interval``, ``finish_state`` or
-            ``eviction_policy``, or ``hicache_write_policy``; int8 checkpoints together with
-            a host tier.
+            ``eviction_policy``, or ``hicache_write_policy``.
     """
 
     #: Observer of tree changes, ``event_sink(kind, node, other=None)`` (``docs/design.md``,

@@ -29,21 +29,20 @@ class StateTiers:
         """Take the request pool's ``mamba_ckpt_pool`` / ``mamba_host_pool``.
 
         Raises:
-            ValueError: a bad ``hicache_write_policy``, or both tiers given."""
+            ValueError: a bad ``hicache_write_policy``, or a KV host pool without a state one."""
         #: Where tree states live when they are stored compressed (``docs/design.md``, "int8
         #: checkpoints"): a state entering the tree is quantized into a slot of this pool
         #: and its active slot given back; ``None``: the tree holds active slots.
         self.mamba_ckpt_pool = getattr(req_to_token_pool, "mamba_ckpt_pool", None)
         #: The pool the tree's ``mamba_value`` slots belong to.
         self.state_pool = self.mamba_ckpt_pool if self.mamba_ckpt_pool is not None else self.mamba_pool
-        #: The host tier of the states (``mamba_host_value`` slots), or ``None``.
+        #: The host tier of the states (``mamba_host_value`` slots), or ``None``: copies of
+        #: ``state_pool``'s slots (int8 ones with int8 checkpoints).
         self.mamba_host_pool = getattr(req_to_token_pool, "mamba_host_pool", None)
         if hicache_write_policy not in HOST_WRITE_POLICIES:
             raise ValueError(
                 f"hicache_write_policy must be one of {', '.join(HOST_WRITE_POLICIES)}, got {hicache_write_policy!r}"
             )
-        if self.mamba_host_pool is not None and self.mamba_ckpt_pool is not None:
-            raise ValueError("int8 checkpoints and a host tier cannot be combined (SGLang refuses it too)")
         #: The host tier of attention KV (:class:`~.kv_host_pool.HostKVPool`), or ``None``:
         #: KV eviction then removes leaves.
         self.kv_host_pool = getattr(req_to_token_pool, "kv_host_pool", None)
@@ -101,7 +100,7 @@ class StateTiers:
             got = host.alloc_list(1)
             if got is None:
                 return False
-        host.store_from_active(self.mamba_pool, [node.mamba_value], got)
+        host.store_from_active(self.state_pool, [node.mamba_value], got)
         node.mamba_host_value = got[0]
         self.host_lru_list.push_front(node.host_link)
         self.host_backups_total += 1
@@ -119,7 +118,7 @@ class StateTiers:
         if node.mamba_host_value is None:
             if self.hicache_write_policy == "write_through_selective" or not self._backup(node, res):
                 return False
-        self.mamba_pool.free([node.mamba_value])
+        self.state_pool.free([node.mamba_value])
         node.mamba_value = None
         self._mamba_evictable -= 1
         self.mamba_lru_list.remove(node.mamba_link)
@@ -159,16 +158,40 @@ class StateTiers:
     def _load_from_host(self, node: TreeNode, req: Optional[CacheReq]) -> Optional[int]:
         """A copy-on-write match ending at ``node``, whose state is in the host tier only: the
         request's working slot (its own, or one allocated now) gets the state copied from the
-        host. ``None`` (nothing copied) if no slot can be had."""
-        if req is not None and req.mamba_pool_idx is not None:
-            slot = req.mamba_pool_idx
+        host (with int8 checkpoints through a checkpoint slot borrowed for the copy and
+        dequantized from there, as a device hit is). ``None`` (nothing copied) if no slot can
+        be had."""
+        own = req is not None and req.mamba_pool_idx is not None
+        slot = req.mamba_pool_idx if own else self._alloc_mamba_slot(protect=node)
+        if slot is None:
+            return None
+        ckpt = self.mamba_ckpt_pool
+        if ckpt is None:
+            self.mamba_host_pool.load_to_active(self.mamba_pool, [node.mamba_host_value], [slot])
         else:
-            slot = self._alloc_mamba_slot(protect=node)
-            if slot is None:
+            staging = self._borrow_ckpt_slot(node)
+            if staging is None:
+                if not own:
+                    self.mamba_pool.free([slot])
                 return None
-        self.mamba_host_pool.load_to_active(self.mamba_pool, [node.mamba_host_value], [slot])
+            self.mamba_host_pool.load_to_active(ckpt, [node.mamba_host_value], [staging])
+            ckpt.load_to_active(self.mamba_pool, [staging], [slot])
+            ckpt.free([staging])
         self.host_loads_total += 1
         return slot
+
+    def _borrow_ckpt_slot(self, node: TreeNode) -> Optional[int]:
+        """A free int8 checkpoint slot for a host load into ``node``'s request, evicting one
+        unlocked tree state if none is free (``node`` locked meanwhile, so the host tier's
+        eviction that the device one may cause cannot take its copy). ``None`` if none."""
+        ckpt = self.mamba_ckpt_pool
+        got = ckpt.alloc_list(1)
+        if got is None:
+            self.inc_lock_ref(node)
+            self.evict(mamba_num=1)
+            self.dec_lock_ref(node)
+            got = ckpt.alloc_list(1)
+        return got[0] if got is not None else None
 
     # ================================================================ host tier of KV
     # docs/design.md, "Host tier": a node's KV in host memory (``host_value``, ``value None``)

@@ -165,14 +165,6 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     for field, flag, why in checks:
         if getattr(server_args, field, False):
             refuse(flag, f" ({why})")
-    if getattr(server_args, "enable_int8_mamba_checkpoint", False) and getattr(
-        server_args, "enable_hierarchical_cache", False
-    ):
-        raise FlagError(
-            "--enable-int8-mamba-checkpoint cannot be combined with --enable-hierarchical-cache under "
-            f"{ENABLE_FLAG} (the host tier copies full-precision states; SGLang refuses the pair too); "
-            "drop one of them"
-        )
     storage = getattr(server_args, "hicache_storage_backend", None)
     if storage:
         # SGLang turns its storage prefetch on with the backend alone (L3, a KV store)
@@ -456,27 +448,31 @@ def _check_page_grid(view, hf_config) -> None:
 def int8_mamba_checkpoint_step(server_args, previous) -> None:
     """Override of SGLang's resolution step ``handle_int8_mamba_checkpoint``
     (``arg_groups/mamba_hook.py``), which refuses ``--enable-int8-mamba-checkpoint`` with any
-    ``--radix-cache-backend`` because a custom cache would read checkpoint slots as active
-    ones. The plugin's cache keeps its states in SGLang's checkpoint pool
-    (``docs/design.md``, "int8 checkpoints"), so under ``--enable-mamba-radix`` the step runs
-    with the backend hidden: its other refusals (``--enable-hierarchical-cache``,
-    ``--enable-lmcache``) still apply, naming both flags."""
+    ``--radix-cache-backend`` ("is not int8-aware") and with ``--enable-hierarchical-cache``
+    ("the host-offload path is not int8-aware"): both reasons are about SGLang's own cache
+    and host offload reading checkpoint slots as active ones. The plugin's cache keeps its
+    states in SGLang's checkpoint pool and its host tier copies those int8 slots
+    (``docs/design.md``, "int8 checkpoints" and "Host tier"), so under ``--enable-mamba-radix``
+    the step runs with both hidden: its other refusal (``--enable-lmcache``) still applies."""
     if not _ours(server_args):
         return previous(server_args)
     previous(_BackendHidden(server_args))
 
 
 class _BackendHidden:
-    """Read-only view of server arguments that shows no ``radix_cache_backend``."""
+    """Read-only view of server arguments that shows no ``radix_cache_backend`` and no
+    ``enable_hierarchical_cache`` (the plugin's own cache and host tier)."""
 
     __slots__ = ("_server_args",)
+
+    _HIDDEN = {"radix_cache_backend": None, "enable_hierarchical_cache": False}
 
     def __init__(self, server_args):
         object.__setattr__(self, "_server_args", server_args)
 
     def __getattr__(self, name):
-        if name == "radix_cache_backend":
-            return None
+        if name in _BackendHidden._HIDDEN:
+            return _BackendHidden._HIDDEN[name]
         return getattr(object.__getattribute__(self, "_server_args"), name)
 
     def __setattr__(self, name, value):

@@ -20,7 +20,11 @@ def attach_host_tier(pool, kv_allocator) -> str:
     pool's buffers; ``docs/design.md``, "Host tier"), sized by SGLang's ``--hicache-ratio``
     (host states per device slot and host KV tokens per device KV token, default 2.0) or
     ``--hicache-size`` (GiB, shared between the two in the proportion of their device
-    bytes), page-locked where CUDA is available. Returns ``--hicache-write-policy``.
+    bytes), page-locked where CUDA is available. Under ``--enable-int8-mamba-checkpoint``
+    the host tier copies the int8 checkpoint slots (SGLang's ``MambaCheckpointPool``
+    tensors, as they are) and the same host bytes hold more states: the ratio then gives
+    the bytes of ``ratio`` full-precision states per device slot, filled with int8 ones
+    (about twice as many). Returns ``--hicache-write-policy``.
 
     Raises:
         ValueError: the sizes give no host slot, or the KV pool has no per-layer buffers."""
@@ -31,20 +35,24 @@ def attach_host_tier(pool, kv_allocator) -> str:
 
     mem = get_memory()
     active = pool.core_mamba_pool
-    probe = HostStatePool(1, active)
+    # the tree's states: int8 checkpoint slots under --enable-int8-mamba-checkpoint
+    stored = pool.core_ckpt_pool if pool.core_ckpt_pool is not None else active
+    full_bytes = HostStatePool(1, active).slot_bytes()
+    probe = HostStatePool(1, stored)
     kv_buffers, page_size = _kv_buffers(kv_allocator)
     kv_device_tokens = int(kv_allocator.size)
     token_bytes = sum(b[0].numel() * b.element_size() for b in kv_buffers)
     if mem.hicache_size:
         total = int(mem.hicache_size * (1 << 30))
-        state_dev = active.size * probe.slot_bytes()
+        state_dev = active.size * full_bytes
         share = state_dev / max(state_dev + kv_device_tokens * token_bytes, 1)
         slots = int(total * share) // probe.slot_bytes()
         kv_tokens = int(total * (1 - share)) // max(token_bytes, 1)
         how = how_kv = f"--hicache-size {mem.hicache_size} GiB"
     else:
         ratio = mem.hicache_ratio if mem.hicache_ratio is not None else 2.0
-        slots = int(active.size * ratio)
+        # host bytes of `ratio` full-precision states per device slot; int8 states fit more
+        slots = int(active.size * ratio) * full_bytes // probe.slot_bytes()
         kv_tokens = int(kv_device_tokens * ratio)
         how = f"--hicache-ratio {ratio} x {active.size} device slots"
         how_kv = f"--hicache-ratio {ratio} x {kv_device_tokens} device KV tokens"
@@ -59,14 +67,14 @@ def attach_host_tier(pool, kv_allocator) -> str:
             f"({token_bytes * page_size} bytes); give a larger --hicache-ratio or --hicache-size"
         )
     pin = active.device.type == "cuda" and torch.cuda.is_available()
-    host = HostStatePool(slots, active, pin_memory=pin)
+    host = HostStatePool(slots, stored, pin_memory=pin)
     kv_host = HostKVPool(kv_tokens, page_size, kv_buffers, pin_memory=pin)
     pool.core.mamba_host_pool = host
     pool.core.kv_host_pool = kv_host
     logger.info(
-        "sglang-mamba-ext: host tier of %d SSM states and %d KV tokens (%s, %.1f + %.1f MiB, write policy %s)",
-        slots, kv_tokens, how, host.total_bytes() / (1 << 20), kv_host.total_bytes() / (1 << 20),
-        mem.hicache_write_policy,
+        "sglang-mamba-ext: host tier of %d %sSSM states and %d KV tokens (%s, %.1f + %.1f MiB, write policy %s)",
+        slots, "int8 " if stored is not active else "", kv_tokens, how, host.total_bytes() / (1 << 20),
+        kv_host.total_bytes() / (1 << 20), mem.hicache_write_policy,
     )
     return mem.hicache_write_policy
 

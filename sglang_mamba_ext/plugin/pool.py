@@ -105,6 +105,12 @@ class SGLangCheckpointPool(CoreSlotPool):
         """Bytes of one stored state (int8 data, scales, conv windows), all layers."""
         return self._slot_bytes
 
+    def state_tensors(self):
+        """SGLang's tensors of a stored state, each ``[L, size + 1, ...]``: every conv window
+        (its dtype), the int8 ``qdata`` and the ``scale`` (what the host tier copies)."""
+        ckpt = self.sglang_ckpt_pool
+        return [*ckpt.conv, ckpt.temporal.qdata, ckpt.temporal.scale]
+
     def store_from_active(self, active: "SGLangStateMambaPool", active_slots, ckpt_slots) -> None:
         self.sglang_ckpt_pool.store_from_active(active.sglang_mamba_pool, _index(active_slots, self.device), _index(ckpt_slots, self.device))
 

@@ -52,6 +52,9 @@ ACTIVE_SLOTS = 8
 #: prompts' 208 tokens, so the host tier holds the rest of their KV.
 KV_TOKENS = 640
 CKPT_SLOTS = 20
+#: Host slots of ``TestInt8HostTier``: the bytes of 2 x 8 full-precision states filled with
+#: int8 ones (measured from the tiny model's pools; see the class).
+HOST_INT8_SLOTS = 36
 #: Largest next-token log-probability difference accepted between the server (a continuation
 #: from an int8 state) and the reference recurrence (tests/test_int8_checkpoints.py states the
 #: same tolerance for the core's round trip).
@@ -194,6 +197,46 @@ class TestHostTier(_Prompts):
         info = self.info()
         self.assertEqual((info["host_ssm_states"], info["host_ssm_slots_free"]), (0, info["host_ssm_slots_total"]))
         self.assertEqual(info["host_kv_tokens"], 0)
+        self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
+        idle_and_checked(self.server)
+
+
+class TestInt8HostTier(TestInt8Checkpoints):
+    """Issue 42: ``--enable-int8-mamba-checkpoint --enable-hierarchical-cache`` together. The
+    host tier copies the int8 checkpoint slots as they are; at ``--hicache-ratio 2`` its bytes
+    are those of 2 full-precision states per device slot, which hold ``HOST_INT8_SLOTS`` int8
+    states (2.28 times as many). The 18 states of the six prompts overflow the 6 checkpoint
+    slots into the host; the second pass hits ``len - 1`` of every prompt from a host copy,
+    within the int8 tolerance of the reference."""
+
+    ARGS = ["--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", "6", "--max-mamba-cache-size",
+            str(ACTIVE_SLOTS), "--enable-hierarchical-cache", "--hicache-ratio", "2"]
+
+    def test_a_second_pass_hits_every_prompt_from_int8_states(self):
+        self.flush()
+        info = self.info()
+        self.assertEqual((info["int8_ckpt_slots_total"], info["host_ssm_slots_total"]), (6, HOST_INT8_SLOTS))
+        first = [self.generate(ids) for ids in self.prompts]
+        self.assertEqual([o["meta_info"]["cached_tokens"] for o in first], [0] * PROMPTS)
+        info = self.info()
+        # write_through: every state has its int8 host copy; the checkpoint pool keeps 6
+        self.assertEqual((info["host_ssm_states"], info["ssm_states"]), (3 * PROMPTS, 6))
+        loads = info["host_loads"]
+        second = [self.generate(ids) for ids in self.prompts]
+        self.assertEqual([o["meta_info"]["cached_tokens"] for o in second], [PROMPT_LEN - 1] * PROMPTS)
+        # after the first pass the 6 checkpoint slots hold the last two prompts' states: the
+        # first four hits come from the host, the last two from the device (the states
+        # the second pass stores evict others under the default adaptive policy, not those)
+        self.assertEqual(self.info()["host_loads"] - loads, PROMPTS - 2)
+        for ids, out in zip(self.prompts, second):
+            self.check_against_reference(ids, out)
+        idle_and_checked(self.server)
+
+    def test_b_flush_gives_every_checkpoint_slot_back(self):
+        self.generate(self.prompts[0])
+        self.flush()
+        info = self.info()
+        self.assertEqual((info["int8_ckpt_slots_free"], info["host_ssm_slots_free"]), (6, HOST_INT8_SLOTS))
         self.assertEqual(info["ssm_slots_free"], ACTIVE_SLOTS)
         idle_and_checked(self.server)
 
