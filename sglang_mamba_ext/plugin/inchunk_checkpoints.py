@@ -23,10 +23,11 @@ Start state: the extend's initial state, read in place from the row's working sl
 (``forward_metadata.mamba_cache_indices``; zeros for a row without prefix, as SGLang's kernels
 treat ``extend_prefix_lens == 0``). SGLang exposes per-chunk states ``h`` only from some
 extend kernels and only for its own track rows (its FlashInfer KDA prefill and CuTe DSL GDN
-kernels return none),
-so the writer does not start at the chunk before the checkpoint: it steps the recurrence from
-the extend start, ``offset`` tokens (all layers' heads in parallel, one program per value-head
-tile). ``scripts/gpu_check.sh`` measures that cost against the prefill it saves.
+kernels return none), so the writer computes the chunk-boundary states itself from the raw
+inputs, in the chunked WY form (one pass per row, up to its deepest checkpoint's chunk), and
+each checkpoint steps at most ``chunk - 1`` tokens from the boundary below it (issue 39;
+``speculative/ops/inchunk/chunked.py``). ``scripts/gpu_check.sh`` measures that cost against
+the prefill it saves.
 
 Every hook returns SGLang's result unchanged without ``--enable-mamba-radix`` (the pool has no
 ``prefix_checkpoint_writer``) or without a plan. Hook targets: ``docs/sglang-hooks.md``.
@@ -191,12 +192,10 @@ def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
 
 
 def _layer_weights(backend, layer, per_head_gate: bool):
-    """The layer's :class:`ReplayWeights` (``L = 1``), cached on the backend by layer id; for
-    the torch writer (:func:`backend_impl`) with a
-    :class:`~sglang_mamba_ext.models.linear_attn.GatedDeltaRuleMixer` holding the layer's conv
-    taps, ``A_log`` and ``dt_bias`` (float32 copies; its projections are unused), the math the
-    torch reference steps."""
-    from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
+    """The layer's :class:`ReplayWeights` (``L = 1``; its conv taps, ``A_log`` and ``dt_bias``),
+    cached on the backend by layer id. Both writers read these tensors (the torch writer no
+    longer steps a :class:`~sglang_mamba_ext.models.linear_attn.GatedDeltaRuleMixer`)."""
+    from sglang_mamba_ext.models.linear_attn import LinearAttnShape
     from sglang_mamba_ext.speculative.replay import ReplayWeights
 
     cache: Dict[int, object] = backend.__dict__.setdefault("_mamba_radix_inchunk_weights", {})
@@ -217,41 +216,42 @@ def _layer_weights(backend, layer, per_head_gate: bool):
             layer.dt_bias.detach().reshape(1, -1).float().contiguous(),
             per_head_gate=per_head_gate,
         )
-        if backend_impl(backend) == "torch":
-            mixer = GatedDeltaRuleMixer(1, shape, conv_bias=w.conv_bias is not None,
-                                        gate="gdn" if per_head_gate else "kda").to(cw.device)
-            with torch.no_grad():
-                mixer.conv_weight.copy_(w.conv_weight[0].float())
-                if w.conv_bias is not None:
-                    mixer.conv_bias.copy_(w.conv_bias[0].float())
-                mixer.A_log.copy_(w.A_log[0])
-                mixer.dt_bias.copy_(w.dt_bias[0])
-            w.mixers = [mixer.requires_grad_(False)]
         cache[layer.layer_id] = w
     return w
 
 
 def _writes_for(backend, forward_batch, plan: Dict[int, List[Tuple[int, int]]]):
     """The batch's :class:`CheckpointWrites` (rows in ``plan``), cached per forward batch."""
+    return _writes_and_host(backend, forward_batch, plan)[0]
+
+
+def _writes_and_host(backend, forward_batch, plan: Dict[int, List[Tuple[int, int]]]):
+    """``(writes, host)``: the batch's :class:`CheckpointWrites` and the same plan as host
+    lists ``(starts, offsets, dst_slots)`` (the writers' chunk layout reads these, so no device
+    value is read back), cached per forward batch."""
     from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
 
     cached = backend.__dict__.get("_mamba_radix_inchunk_writes")
     if cached is not None and cached[0] is forward_batch:
-        return cached[1]
+        return cached[1], cached[2]
     lens = list(forward_batch.extend_seq_lens_cpu)
     starts = [0]
     for n in lens[:-1]:
         starts.append(starts[-1] + int(n))
     rows = sorted(plan)
     cache_idx = backend.forward_metadata.mamba_cache_indices
-    writes = plan_writes([(starts[r], 0, plan[r]) for r in rows], cache_idx.device)
+    packed = [(starts[r], 0, plan[r]) for r in rows]
+    writes = plan_writes(packed, cache_idx.device)
+    width = writes.offsets.shape[1]
+    host = ([p[0] for p in packed], [[o for o, _ in p[2]] + [-1] * (width - len(p[2])) for p in packed],
+            [[d for _, d in p[2]] + [-1] * (width - len(p[2])) for p in packed])
     # start state: the row's working slot when it has a prefix, zeros otherwise (no sync)
     sel = torch.tensor(rows, dtype=torch.int64, device=cache_idx.device)
     has_prefix = forward_batch.extend_prefix_lens.to(cache_idx.device)[sel] > 0
     src = torch.where(has_prefix, cache_idx[sel].to(torch.int64), torch.full_like(sel, -1))
     writes = writes._replace(src_slots=src)
-    backend.__dict__["_mamba_radix_inchunk_writes"] = (forward_batch, writes)
-    return writes
+    backend.__dict__["_mamba_radix_inchunk_writes"] = (forward_batch, writes, host)
+    return writes, host
 
 
 def write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b,
@@ -279,7 +279,7 @@ def write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b,
         mixed_qkv = torch.cat(list(mixed_qkv), dim=-1)
     T = mixed_qkv.shape[0]
     w = _layer_weights(backend, layer, layout.per_head_gate)
-    writes = _writes_for(backend, forward_batch, plan)
+    writes, host = _writes_and_host(backend, forward_batch, plan)
     cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
     conv, temporal = layout.replay_views(cache.conv[0], cache.temporal)
     write_checkpoints(
@@ -288,6 +288,7 @@ def write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b,
         b.reshape(T, -1).unsqueeze(0).contiguous(),
         writes, conv.unsqueeze(0), temporal.unsqueeze(0), w, impl=impl,
         check_offsets=False,  # prefix_checkpoint_plan keeps offsets within the row's new tokens
+        host=host,
     )
 
 

@@ -3,17 +3,21 @@ SSM state at arbitrary token positions of a prefill, from a start state and the 
 the tokens after it, for KDA (decay per key channel) and Gated DeltaNet (decay per value head).
 SGLang's chunked KDA / GDN kernels keep states only on their 64-token chunk grid; this op gives
 the plugin exact branch-point and prompt-end checkpoints with them
-(``plugin/inchunk_checkpoints.py``). :mod:`.naive` (torch reference, the mixer's segment runner)
-and :mod:`.fused` (Triton, two launches for all layers and requests) share one signature; the
-token math is the replay kernel's (``speculative/ops/replay``, ``ops/triton_utils.py``) and the
+(``plugin/inchunk_checkpoints.py``). Each checkpoint starts from the chunk-boundary state below
+it and covers at most ``chunk - 1`` tokens (issue 39; :mod:`.layout`): :mod:`.chunked` (torch,
+the boundary states in the chunked WY form) and :mod:`.fused` (Triton, the same chunks) share one
+signature; :mod:`.naive` is the token scan from the extend start that they replaced, kept as the
+reference (the mixer's segment runner). The token math is the replay kernel's (``speculative/ops/replay``, ``ops/triton_utils.py``) and the
 layer weights its :class:`~sglang_mamba_ext.speculative.replay.ReplayWeights`. No SGLang import.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
+
+from sglang_mamba_ext.speculative.ops.inchunk.layout import DEFAULT_CHUNK, chunk_layout
 
 __all__ = ["CheckpointWrites", "plan_writes", "write_checkpoints"]
 
@@ -55,14 +59,17 @@ def plan_writes(rows: Sequence[Tuple[int, int, Sequence[Tuple[int, int]]]], devi
 def write_checkpoints(
     mixed_qkv: torch.Tensor, g_raw: torch.Tensor, b_raw: torch.Tensor, writes: CheckpointWrites,
     conv_state: torch.Tensor, temporal_state: torch.Tensor, weights, impl: str = "triton",
-    check_offsets: bool = True,
+    check_offsets: bool = True, chunk: int = DEFAULT_CHUNK, host=None, stats: Optional[dict] = None,
 ) -> None:
     """For every request ``i`` and linear layer ``l``, run the layer's conv + gated delta rule
     from slot ``writes.src_slots[i]``'s states over tokens ``starts[i] ..`` of the inputs and
     store the conv window and SSM state reached after ``offsets[i, j]`` tokens into slot
     ``dst_slots[i, j]`` (state cast to the pool dtype; computed in fp32, with the forward's
     rounding of the post-conv activations to the inputs' dtype, as the replay). The source
-    slot is only read.
+    slot is only read. Each checkpoint at offset ``o`` starts from the state at the chunk
+    boundary ``(o // chunk) * chunk`` (one chunked pass per row, shared by its checkpoints and
+    batched over layers) and steps the ``o % chunk`` tokens after it, so its cost does not grow
+    with ``o`` beyond the chunked pass (issue 39).
 
     Args:
         mixed_qkv: ``[L, T, conv_dim]`` raw (pre-conv) projections, contiguous.
@@ -74,13 +81,20 @@ def write_checkpoints(
         temporal_state: ``[L, slots, HV, K, V]`` view (SGLang's ``[HV, V, K]`` transposed).
         weights: :class:`~sglang_mamba_ext.speculative.replay.ReplayWeights` of the ``L``
             layers (``from_mixers`` for ``impl="torch"``).
-        impl: ``"triton"`` (:mod:`.fused`) or ``"torch"`` (:mod:`.naive`).
+        impl: ``"triton"`` (:mod:`.fused`), ``"torch"`` (:mod:`.chunked`) or ``"reference"``
+            (:mod:`.naive`: the token scan from the extend start; needs ``from_mixers`` weights).
         check_offsets: check ``starts + offsets <= T`` (a device sync on CUDA; the serving
             hook, whose plan is checked on the host, passes False).
+        chunk: tokens per chunk (Triton: a power of two >= 16); 64, SGLang's kernel chunk.
+        host: ``(starts, offsets, dst_slots)`` as host lists (no device read; the serving glue);
+            else read with ``.tolist()``.
+        stats: if a dict, receives ``"scanned"`` (tokens stepped after its boundary state, per
+            checkpoint; torch) and ``"chunks"`` (whole chunks of the longest chunked pass).
 
     Raises:
         ValueError: shapes or gate width disagree with ``weights``, non-contiguous inputs, an
-            offset past the inputs, or an unknown ``impl``.
+            offset past the inputs, an unknown ``impl``, or a Triton ``chunk`` that is not a power
+            of two >= 16.
     """
     sh = weights.shape
     if mixed_qkv.dim() != 3 or g_raw.dim() != 3 or b_raw.dim() != 3:
@@ -105,13 +119,23 @@ def write_checkpoints(
         ends = writes.starts[:, None] + writes.offsets
         if bool(((writes.offsets >= 0) & (ends > T)).any()):
             raise ValueError(f"write_checkpoints: an offset reaches past the {T} input tokens")
-    if impl == "triton":
-        from sglang_mamba_ext.speculative.ops.inchunk.fused import write_checkpoints_triton
-
-        write_checkpoints_triton(mixed_qkv, g_raw, b_raw, writes, conv_state, temporal_state, weights)
-    elif impl == "torch":
+    if impl == "reference":
         from sglang_mamba_ext.speculative.ops.inchunk.naive import write_checkpoints_torch
 
         write_checkpoints_torch(mixed_qkv, g_raw, b_raw, writes, conv_state, temporal_state, weights)
+        return
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"write_checkpoints: unknown impl {impl!r} (triton, torch, reference)")
+    if impl == "triton" and (chunk < 16 or chunk & (chunk - 1)):
+        raise ValueError(f"write_checkpoints: the Triton writer needs a chunk that is a power of two >= 16, not {chunk}")
+    lay = chunk_layout(writes, chunk, host)
+    if impl == "triton":
+        from sglang_mamba_ext.speculative.ops.inchunk.fused import write_checkpoints_triton
+
+        write_checkpoints_triton(mixed_qkv, g_raw, b_raw, writes, conv_state, temporal_state, weights, lay)
+        if stats is not None:
+            stats.update(scanned=lay.scanned(), chunks=lay.max_chunks)
     else:
-        raise ValueError(f"write_checkpoints: unknown impl {impl!r} (triton, torch)")
+        from sglang_mamba_ext.speculative.ops.inchunk.chunked import write_checkpoints_chunked
+
+        write_checkpoints_chunked(mixed_qkv, g_raw, b_raw, writes, conv_state, temporal_state, weights, lay, stats)

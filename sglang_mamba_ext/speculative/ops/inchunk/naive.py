@@ -1,9 +1,11 @@
-"""Torch reference of the in-chunk checkpoint writer (``docs/design.md``, "Prefix
-checkpoints"): per request and linear layer, the raw gates are activated
+"""Reference of the in-chunk checkpoint writer (``docs/design.md``, "Prefix checkpoints";
+``impl="reference"``): the token scan from the extend start that the chunked writers replaced
+(issue 39), its cost growing with the offset; kept as the oracle of their tests and the "old"
+side of ``benchmarks/checkpoint_cost``. Per request and linear layer, the raw gates are activated
 (``GatedDeltaRuleMixer.activate_gates``) and the tokens run through the mixer's own segment
 runner (``GatedDeltaRuleMixer.run_segments``) from the start state, cut at the requested
 offsets, each cut's states copied into its destination slot. Same signature and results (to
-float rounding) as the Triton kernels of :mod:`.fused`; a loop, for tests. Plain torch.
+float rounding) as :mod:`.chunked` and :mod:`.fused`. Plain torch.
 """
 
 from __future__ import annotations
