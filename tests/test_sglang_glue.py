@@ -322,6 +322,27 @@ class TestFlags(unittest.TestCase):
                 self.assertIn(f"--mamba-track-interval ({interval}) must be a positive number of tokens",
                               str(cm.exception))
 
+    def test_replayssm_flags(self):
+        """Issue 42: the ReplaySSM decode ring runs with the plugin's cache under SGLang's
+        strategy (no_buffer); an explicit extra_buffer is refused with SGLang's reason; the
+        spec-verify flag runs as the plugin's deferred mode, whose requirements it keeps."""
+        sa = F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-linear-replayssm"))
+        self.assertEqual((sa.mamba_radix_cache_strategy, sa.enable_linear_replayssm), ("no_buffer", True))
+        self.assertTrue(sa.disable_overlap_schedule)  # no_buffer: SGLang's no_buffer path needs it off
+        with self.assertRaises(ValueError) as cm:
+            F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-linear-replayssm",
+                                     "--mamba-radix-cache-strategy", "extra_buffer"))
+        self.assertIn("--enable-linear-replayssm cannot be combined with --mamba-radix-cache-strategy extra_buffer "
+                      "(SGLang: 'requires --mamba-radix-cache-strategy no_buffer", str(cm.exception))
+        sa = F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-linear-replayssm-spec",
+                                      "--speculative-algorithm", "FROZEN_KV_MTP", "--disable-overlap-schedule"))
+        self.assertEqual((sa._mamba_spec_state_update, sa.enable_linear_replayssm_spec), ("deferred", False))
+        with self.assertRaises(ValueError) as cm:
+            F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-linear-replayssm-spec"))
+        self.assertIn("--enable-linear-replayssm-spec under --enable-mamba-radix runs as the plugin's "
+                      "--mamba-spec-state-update deferred, which refuses this: --mamba-spec-state-update deferred "
+                      "needs speculative decoding", str(cm.exception))
+
     def test_capacity_flags_accepted_or_refused_naming_both_flags(self):
         """Issue 26: int8 checkpoints, the host tier, streaming and radix sessions are accepted with
         the flag; what is still refused names both flags and says why."""
@@ -336,7 +357,13 @@ class TestFlags(unittest.TestCase):
             with self.subTest(extra=extra):
                 F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
         refused = {
-            ("--enable-lmcache",): "--enable-mamba-radix cannot be combined with --enable-lmcache (SGLang's LMCache connector",
+            ("--enable-lmcache",):
+                "--enable-mamba-radix cannot be combined with --enable-lmcache (SGLang builds its LMCache connector",
+            ("--enable-unified-memory",):
+                "--enable-mamba-radix cannot be combined with --enable-unified-memory (SGLang builds its unified",
+            ("--enable-hierarchical-cache", "--hicache-host-memory-mode", "buffer_only"):
+                "--enable-mamba-radix cannot be combined with --hicache-host-memory-mode buffer_only (SGLang: "
+                "'buffer_only requires a storage backend",
             ("--enable-hierarchical-cache", "--hicache-storage-backend", "file"):
                 "--enable-mamba-radix cannot be combined with --hicache-storage-backend file (",
             ("--hicache-storage-backend", "file"):

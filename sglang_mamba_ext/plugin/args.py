@@ -151,20 +151,21 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     backend = server_args.radix_cache_backend
     if backend not in (None, "", S.BACKEND_NAME):
         refuse(f"--radix-cache-backend {backend}", f" (it selects --radix-cache-backend {S.BACKEND_NAME})")
-    # still refused, each with why (docs/flags.md, "SGLang's capacity flags")
+    # still refused, each with SGLang's own reason (docs/flags.md, "What is refused")
     checks = [
         ("enable_unified_memory", "--enable-unified-memory",
-         "SGLang's unified memory pool is not wired to the plugin's pools"),
+         "SGLang builds its unified byte pool and virtual-to-physical slot translation for its own "
+         "UnifiedRadixCache and pools only (mem_cache/kv_cache_configurator.py), and on CPU it refuses "
+         "the pair's implied --enable-page-major-kv-layout with a torch_native attention backend itself "
+         "(arg_groups/kv_cache_hook.py)"),
         ("enable_lmcache", "--enable-lmcache",
-         "SGLang's LMCache connector is wired to its own radix caches only"),
-        ("enable_linear_replayssm", "--enable-linear-replayssm",
-         "its SSM slots lag the live state by a ring of unflushed steps, the tree's states may not"),
-        ("enable_linear_replayssm_spec", "--enable-linear-replayssm-spec",
-         "its SSM slots lag the live state by a ring of unflushed steps, the tree's states may not"),
+         "SGLang builds its LMCache connector into LMCacheUnifiedRadixCache only "
+         "(mem_cache/registry.py, default_radix_cache_factory), never into a registered --radix-cache-backend"),
     ]
     for field, flag, why in checks:
         if getattr(server_args, field, False):
             refuse(flag, f" ({why})")
+    _map_replayssm(server_args)
     storage = getattr(server_args, "hicache_storage_backend", None)
     if storage:
         # SGLang turns its storage prefetch on with the backend alone (L3, a KV store)
@@ -185,7 +186,12 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         # the host tier of the tree's states (docs/design.md, "Host tier")
         mode = getattr(server_args, "hicache_host_memory_mode", "cache")
         if mode not in (None, "cache"):
-            refuse(f"--hicache-host-memory-mode {mode}", " (its host tier is a cache: mode cache)")
+            refuse(f"--hicache-host-memory-mode {mode}",
+                   " (SGLang: 'buffer_only requires a storage backend (--hicache-storage-backend): host "
+                   "memory is only a staging buffer and all cached data lives in storage', "
+                   "arg_groups/hicache_hook.py, and 'is only implemented for the unified radix tree', "
+                   "mem_cache/registry.py; the plugin has no storage tier, so its host tier is a cache: "
+                   "mode cache)")
     if not getattr(server_args, "_radix_eviction_policy_explicitly_set", False):
         # SGLang records whether argv named the policy (server_args.prepare_server_args), as its
         # model overrides do before choosing theirs: unnamed, the plugin's default applies
@@ -230,6 +236,58 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     _check_mamba_cache_size(server_args)
     _check_host_tier_size(server_args)
     return settings
+
+
+def _map_replayssm(server_args) -> None:
+    """SGLang's ReplaySSM flags under the flag (``docs/flags.md``, "ReplaySSM").
+
+    ``--enable-linear-replayssm`` (the decode ring) runs as SGLang runs it, with the plugin's
+    cache: SGLang requires ``--mamba-radix-cache-strategy no_buffer``
+    (``arg_groups/attention_hook.py``), so the strategy ``auto`` becomes ``no_buffer`` (not
+    the flag's usual ``extra_buffer``), and a finished request's ring is folded into its
+    state before the tree takes it (``plugin/replayssm.py``).
+
+    ``--enable-linear-replayssm-spec`` (verify without per-draft state snapshots, the
+    accepted tokens' inputs folded into the state) is what the plugin's
+    ``--mamba-spec-state-update deferred`` does for the one speculative algorithm the
+    plugin's cache serves (FROZEN_KV_MTP): it is mapped to it, with deferred mode's
+    requirements.
+
+    Raises:
+        FlagError: ``--enable-linear-replayssm`` with an explicit ``extra_buffer`` strategy
+            (SGLang's reason), or the spec flag where deferred mode cannot run."""
+    if getattr(server_args, "enable_linear_replayssm", False):
+        strategy = server_args.mamba_radix_cache_strategy
+        if strategy == "auto":
+            server_args.mamba_radix_cache_strategy = "no_buffer"
+            logger.info("%s with --enable-linear-replayssm: --mamba-radix-cache-strategy no_buffer "
+                        "(SGLang's requirement for the ReplaySSM decode ring)", ENABLE_FLAG)
+        elif strategy != "no_buffer":
+            raise FlagError(
+                f"--enable-linear-replayssm cannot be combined with --mamba-radix-cache-strategy {strategy} "
+                "(SGLang: 'requires --mamba-radix-cache-strategy no_buffer (the default); the extra_buffer "
+                "ping-pong donation path is not yet supported', arg_groups/attention_hook.py); "
+                "drop --mamba-radix-cache-strategy"
+            )
+    if getattr(server_args, "enable_linear_replayssm_spec", False):
+        from sglang_mamba_ext.plugin.speculative import hooks as spec_hooks
+
+        if getattr(server_args, spec_hooks.ATTR, None) == "snapshot":
+            raise FlagError(
+                f"--enable-linear-replayssm-spec under {ENABLE_FLAG} runs as {spec_hooks.FLAG} deferred, "
+                f"not {spec_hooks.FLAG} snapshot; drop one of them"
+            )
+        server_args.enable_linear_replayssm_spec = False
+        try:
+            spec_hooks.validate_flags(server_args, "deferred")
+        except FlagError as exc:
+            raise FlagError(
+                f"--enable-linear-replayssm-spec under {ENABLE_FLAG} runs as the plugin's "
+                f"{spec_hooks.FLAG} deferred, which refuses this: {exc}"
+            ) from exc
+        server_args.__dict__[spec_hooks.ATTR] = "deferred"
+        logger.info("%s: --enable-linear-replayssm-spec runs as %s deferred (the plugin's replay of "
+                    "accepted tokens)", ENABLE_FLAG, spec_hooks.FLAG)
 
 
 def _check_disaggregation(server_args) -> None:

@@ -38,6 +38,7 @@ from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.host_tier import attach_host_tier
+from sglang_mamba_ext.plugin import replayssm
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.sessions import RadixSessions, end_streaming_turn
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX
@@ -157,6 +158,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         #: The TP consistency check (``SGLANG_MAMBA_EXT_TP_DIGEST_STEPS``), set by
         #: :func:`build_tree_cache` under tensor parallelism; ``None`` otherwise.
         self.tp_digest = None
+        #: ReplaySSM decode-ring records folded into working states before the tree took
+        #: them (``--enable-linear-replayssm``; ``plugin/replayssm.py``)
+        self.replayssm_records_folded = 0
 
     # -- SGLang's hierarchical-cache protocol (--enable-hierarchical-cache) -------------
     #: The host tier is the core's (``docs/design.md``, "Host tier"): its copies are made
@@ -288,6 +292,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         creq = req_bridge.pull(req, tokens, pool=pool)
         row = creq.req_pool_idx
         finished = req.finished()
+        # --enable-linear-replayssm: the working state becomes the live one before the tree
+        # can take it (plugin/replayssm.py)
+        self.replayssm_records_folded += replayssm.flush_slots(pool.mamba_pool, [creq.mamba_pool_idx])
         # The insert frees duplicate KV and a slot allocation may evict: one batched free.
         group = self._free_group_begin()
         try:
@@ -392,6 +399,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "ssm_slots_free": pool.core_mamba_pool.available_size(),
             "ssm_evictable_states": core.mamba_evictable_size(),
             "ssm_protected_states": core.mamba_protected_size(),
+            # --enable-linear-replayssm: decode-ring records folded before the tree took a state
+            "replayssm_records_folded": self.replayssm_records_folded,
             # int8 checkpoints (--enable-int8-mamba-checkpoint): the tree's states are here,
             # not in the SSM slots above; 0 without the flag
             "int8_ckpt_slots_total": ckpt.size if ckpt is not None else 0,

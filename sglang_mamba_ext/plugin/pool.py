@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 from sglang_mamba_ext.mem_cache import HybridReqToTokenPool as CoreReqToTokenPool
 from sglang_mamba_ext.mem_cache import MambaPool as CoreMambaPool
 from sglang_mamba_ext.mem_cache.mamba_pool import SlotPool as CoreSlotPool
-from sglang_mamba_ext.plugin import chat_boundaries, req_bridge
+from sglang_mamba_ext.plugin import chat_boundaries, replayssm, req_bridge
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ class SGLangStateMambaPool(CoreMambaPool):
     which also cover extra conv tensors and side states a model may register.
     """
 
+    #: SGLang's ReplaySSM decode ring is on (``--enable-linear-replayssm``)
+    _replayssm = False
+
     def __init__(self, sglang_mamba_pool, size: int):
         cache = sglang_mamba_pool.mamba_cache
         conv = cache.conv[0]
@@ -62,11 +65,20 @@ class SGLangStateMambaPool(CoreMambaPool):
             temporal_state=temporal,
         )
         self.sglang_mamba_pool = sglang_mamba_pool
+        self._replayssm = replayssm.decode_ring(sglang_mamba_pool) is not None
 
     def state_tensors(self):
         """SGLang's state tensors of a slot: every conv tensor and the temporal state."""
         cache = self.sglang_mamba_pool.mamba_cache
         return [*cache.conv, cache.temporal]
+
+    def alloc_list(self, need_size: int):
+        """The core's allocation; under ``--enable-linear-replayssm`` each slot handed out
+        starts with an empty decode ring (``plugin/replayssm.py``)."""
+        slots = super().alloc_list(need_size)
+        if slots and self._replayssm:
+            replayssm.reset_cursor(self.sglang_mamba_pool, slots)
+        return slots
 
     def copy_from(self, src_slots, dst_slots) -> None:
         src = torch.as_tensor(src_slots, dtype=torch.int64, device=self.device).reshape(-1)
@@ -187,15 +199,12 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
 
     Raises:
         ValueError: for pool features the core does not implement
-            (``--mamba-radix-cache-strategy extra_buffer_lazy``, ``--enable-linear-replayssm``,
-            ``--enable-linear-replayssm-spec``).
+            (``--mamba-radix-cache-strategy extra_buffer_lazy``).
     """
 
     def __init__(self, **kwargs):
         unsupported = {
             "enable_mamba_extra_buffer_lazy": "--mamba-radix-cache-strategy extra_buffer_lazy",
-            "enable_linear_replayssm": "--enable-linear-replayssm",
-            "enable_linear_replayssm_spec": "--enable-linear-replayssm-spec",
         }
         for key, flag in unsupported.items():
             if kwargs.get(key):
