@@ -54,6 +54,7 @@ from sglang_mamba_ext.plugin.inchunk_checkpoints import (
     WRITER_ATTR,
     backend_impl,
     _plan_for,
+    _writes_and_host,
     _writes_for,
 )
 
@@ -228,7 +229,7 @@ def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
         raise RuntimeError(
             f"mamba-radix Mamba2 checkpoints: layer {ctx.layer_id}'s mamba_chunk_scan_combined call is not the one "
             "expected (after its conv; the mixer's A and dt_bias; softplus; dt_limit (0, inf); silu)")
-    writes = _writes_for(ctx.backend, ctx.forward_batch, ctx.plan)
+    writes, host = _writes_and_host(ctx.backend, ctx.forward_batch, ctx.plan)
     conv_pool, ssm_pool = ctx.cache.conv[0], ctx.cache.temporal
     T = ctx.xbc.shape[1]
     dt_raw = dt.reshape(-1, dt.shape[-1])[:T].unsqueeze(0).contiguous()
@@ -237,7 +238,7 @@ def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
     try:
         write_mamba2_checkpoints(ctx.xbc, dt_raw, writes, conv_pool.unsqueeze(0), ssm_pool.unsqueeze(0),
                                  _mamba2_weights(ctx.backend, ctx.layer_id, mixer), impl=backend_impl(ctx.backend),
-                                 check_offsets=False)
+                                 check_offsets=False, host=host)
     finally:
         conv_pool[ctx.prefixed] = advanced
     ctx.scan_done = True

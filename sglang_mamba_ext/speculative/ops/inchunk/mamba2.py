@@ -13,11 +13,15 @@ Per layer, token and head ``h`` (what SGLang's ``MambaMixer2.forward`` computes,
     dt     = clamp(softplus(dt_raw + dt_bias), dt_min, dt_max)        # [HV]
     state  = exp(dt * A) * state + dt * x[h] (outer) B[h // (HV/G)]   # [HV, P, N], fp32
 
-(C, D and the gate only shape the output, not the state.) :func:`write_mamba2_checkpoints_torch`
-is the loop reference; :func:`write_mamba2_checkpoints_triton` runs one program per (request and
-layer, head, ``P`` tile), keeping a ``[BP, N]`` state tile in registers over the row's tokens up
-to its deepest offset, and reuses the GDN / KDA writer's conv-window kernel (layout-agnostic).
-Neither writes the start slot. No SGLang import.
+(C, D and the gate only shape the output, not the state.) Each checkpoint starts from the state
+at the chunk boundary below it (issue 39; :mod:`.layout`, :mod:`.mamba2_chunked`: the boundary
+states from whole chunks in the SSD form, one contraction each): the torch path
+(:func:`write_mamba2_checkpoints_chunked`) adds the at most ``chunk - 1`` tokens after it in one
+more contraction; :func:`write_mamba2_checkpoints_triton` steps them in one program per
+(checkpoint and layer, head, ``P`` tile) holding a ``[BP, N]`` state tile, and reuses the GDN /
+KDA writer's conv-window kernel (layout-agnostic). :func:`write_mamba2_checkpoints_torch` is the
+token scan from the extend start they replaced (``impl="reference"``). None writes the start
+slot. No SGLang import.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Mamba2Weights(NamedTuple):
 def write_mamba2_checkpoints(
     xbc: torch.Tensor, dt_raw: torch.Tensor, writes: "CheckpointWrites", conv_state: torch.Tensor,
     ssm_state: torch.Tensor, weights: Mamba2Weights, impl: str = "triton", check_offsets: bool = True,
+    chunk: int = 64, host=None, stats: Optional[dict] = None,
 ) -> None:
     """For every request ``i`` and layer ``l``, run the layer's conv + SSD recurrence from slot
     ``writes.src_slots[i]``'s states over tokens ``starts[i] ..`` and store the conv window and
@@ -92,8 +97,13 @@ def write_mamba2_checkpoints(
         conv_state: ``[L, slots, D, W-1]`` view (any strides).
         ssm_state: ``[L, slots, HV, P, N]`` view (SGLang's Mamba2 ``temporal`` layout).
         weights: :class:`Mamba2Weights` of the ``L`` layers.
-        impl: ``"triton"`` or ``"torch"``.
+        impl: ``"triton"``, ``"torch"`` (chunked) or ``"reference"`` (token scan from the start).
         check_offsets: check ``starts + offsets <= T`` (a device sync on CUDA).
+        chunk: tokens per chunk (each checkpoint adds at most ``chunk - 1`` tokens to the
+            boundary state below it); 64, SGLang's Mamba2 chunk.
+        host: ``(starts, offsets, dst_slots)`` host lists (no device read), else ``.tolist()``.
+        stats: if a dict, receives ``"scanned"`` (tokens per checkpoint after its boundary) and
+            ``"chunks"``.
 
     Raises:
         ValueError: shapes disagree with ``weights``, non-contiguous inputs, an offset past
@@ -120,19 +130,46 @@ def write_mamba2_checkpoints(
         ends = writes.starts[:, None] + writes.offsets
         if bool(((writes.offsets >= 0) & (ends > T)).any()):
             raise ValueError(f"write_mamba2_checkpoints: an offset reaches past the {T} input tokens")
-    if impl == "triton":
-        write_mamba2_checkpoints_triton(xbc, dt_raw, writes, conv_state, ssm_state, weights)
-    elif impl == "torch":
+    if impl == "reference":
         write_mamba2_checkpoints_torch(xbc, dt_raw, writes, conv_state, ssm_state, weights)
+        return
+    if impl not in ("triton", "torch"):
+        raise ValueError(f"write_mamba2_checkpoints: unknown impl {impl!r} (triton, torch, reference)")
+    from sglang_mamba_ext.speculative.ops.inchunk.layout import chunk_layout
+
+    lay = chunk_layout(writes, chunk, host)
+    if impl == "triton":
+        write_mamba2_checkpoints_triton(xbc, dt_raw, writes, conv_state, ssm_state, weights, lay)
+        if stats is not None:
+            stats.update(scanned=lay.scanned(), chunks=lay.max_chunks)
     else:
-        raise ValueError(f"write_mamba2_checkpoints: unknown impl {impl!r} (triton, torch)")
+        write_mamba2_checkpoints_chunked(xbc, dt_raw, writes, conv_state, ssm_state, weights, lay, stats)
+
+
+def write_mamba2_checkpoints_chunked(xbc, dt_raw, writes, conv_state, ssm_state, weights: Mamba2Weights, lay,
+                                     stats: Optional[dict] = None) -> None:
+    """The torch writer; contract: :func:`write_mamba2_checkpoints` (inputs validated there),
+    ``lay`` its :func:`~.layout.chunk_layout`."""
+    from sglang_mamba_ext.speculative.ops.inchunk import mamba2_chunked as mc
+    from sglang_mamba_ext.speculative.ops.inchunk.chunked import write_states
+
+    if not lay.item_off:
+        if stats is not None:
+            stats.update(scanned=[], chunks=0)
+        return
+    src = writes.src_slots.to(torch.int64)[torch.tensor(lay.rows, dtype=torch.int64, device=xbc.device)]
+    prep = mc.prepare(xbc, dt_raw, lay, src, conv_state, weights)
+    bnd = mc.boundary_states(prep, lay, mc.start_states(ssm_state, src))
+    S = mc.add_partial(prep, lay, bnd[:, lay.item_bnd], stats)
+    write_states(prep.window, lay, S, conv_state, ssm_state)
 
 
 def write_mamba2_checkpoints_torch(
     xbc: torch.Tensor, dt_raw: torch.Tensor, writes: "CheckpointWrites", conv_state: torch.Tensor,
     ssm_state: torch.Tensor, weights: Mamba2Weights,
 ) -> None:
-    """Loop reference; contract: :func:`write_mamba2_checkpoints` (inputs validated there)."""
+    """Token-scan reference (``impl="reference"``: from the extend start, cost growing with the
+    offset); contract: :func:`write_mamba2_checkpoints` (inputs validated there)."""
     HV, P, N, G, W = weights.num_heads, weights.head_dim, weights.d_state, weights.n_groups, weights.conv_kernel
     lo_dt, hi_dt = weights.dt_limit
     starts, srcs, offs, dsts = (x.tolist() for x in writes)
@@ -171,7 +208,7 @@ try:  # Triton is optional for the torch reference
     import triton
     import triton.language as tl
 
-    from sglang_mamba_ext.speculative.ops.triton_utils import conv_at, deepest_offset, softplus, store_at_offset
+    from sglang_mamba_ext.speculative.ops.triton_utils import conv_at, softplus
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -180,83 +217,96 @@ if triton is not None:
     @triton.jit
     def _mamba2_inchunk_kernel(
         xbc_ptr, dt_ptr, T,
-        starts_ptr, src_ptr, offs_ptr, dst_ptr,
+        istart_ptr, isrc_ptr, ioff_ptr, idst_ptr, ibeg_ptr, ibnd_ptr, bnd_ptr, Q,
         conv_ptr, s_cl, s_cs, s_cd, s_cw,
         state_ptr, s_sl, s_ss, s_sh, s_sp, s_sn,
         cw_ptr, cb_ptr, a_ptr, dtb_ptr, DT_MIN, DT_MAX,
-        L: tl.constexpr, C: tl.constexpr, D: tl.constexpr, HV: tl.constexpr, G: tl.constexpr,
+        L: tl.constexpr, D: tl.constexpr, HV: tl.constexpr, G: tl.constexpr,
         P: tl.constexpr, N: tl.constexpr, W: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
         HAS_BIAS: tl.constexpr,
     ):
-        i_nl = tl.program_id(0)
+        # one program per (checkpoint and layer, head, P tile): the kept boundary state
+        # (bnd [L, Q, HV, P, N] fp32) stepped over the tokens b .. o-1 (at most chunk - 1)
+        i_jl = tl.program_id(0)
         i_h = tl.program_id(1)
         i_p = tl.program_id(2)
-        i_l = i_nl % L
-        i_n = i_nl // L
-        start = tl.load(starts_ptr + i_n).to(tl.int64)
-        src = tl.load(src_ptr + i_n).to(tl.int64)
+        i_l = i_jl % L
+        i_j = i_jl // L
+        start = tl.load(istart_ptr + i_j).to(tl.int64)
+        src = tl.load(isrc_ptr + i_j).to(tl.int64)
+        o = tl.load(ioff_ptr + i_j).to(tl.int64)
+        d = tl.load(idst_ptr + i_j).to(tl.int64)
+        b = tl.load(ibeg_ptr + i_j).to(tl.int64)
+        q = tl.load(ibnd_ptr + i_j).to(tl.int64)
         has_src = src >= 0
-        n = deepest_offset(offs_ptr, i_n, C)
-        if n >= 0:
-            offs_p = i_p * BP + tl.arange(0, BP)
-            offs_s = tl.arange(0, BN)
-            mp = offs_p < P
-            ms = offs_s < N
-            cx = i_h * P + offs_p                      # x channels of this head
-            cb_ch = HV * P + (i_h // (HV // G)) * N + offs_s  # B channels of its group
-            src0 = tl.maximum(src, 0)
-            conv_base = conv_ptr + i_l * s_cl + src0 * s_cs
-            tok0 = i_l * T + start
-            cw_base = cw_ptr + i_l * D * W
-            cbias = cb_ptr + i_l * D
-            st_base = state_ptr + i_l * s_sl + i_h * s_sh
-            tile = offs_p[:, None] * s_sp + offs_s[None, :] * s_sn
-            mps = mp[:, None] & ms[None, :]
-            S = tl.load(st_base + src0 * s_ss + tile, mask=mps & has_src, other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + i_l * HV + i_h).to(tl.float32)
-            dtb = tl.load(dtb_ptr + i_l * HV + i_h).to(tl.float32)
-            act_ty = xbc_ptr.dtype.element_ty
-            store_at_offset(st_base, s_ss, tile, S, offs_ptr, dst_ptr, i_n, 0, mps, C)  # offset 0: the start state
-            for t in range(0, n):
-                yx = conv_at(conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cx, mp, t, has_src, D, W, HAS_BIAS)
-                yb = conv_at(conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cb_ch, ms, t, has_src, D, W, HAS_BIAS)
-                yx = (yx / (1.0 + tl.exp(-yx))).to(act_ty).to(tl.float32)  # silu, rounded as served
-                yb = (yb / (1.0 + tl.exp(-yb))).to(act_ty).to(tl.float32)
-                dt = tl.load(dt_ptr + (tok0 + t) * HV + i_h).to(tl.float32) + dtb
-                dt = tl.minimum(tl.maximum(softplus(dt), DT_MIN), DT_MAX)
-                S = S * tl.exp(dt * a) + (dt * yx)[:, None] * yb[None, :]
-                store_at_offset(st_base, s_ss, tile, S, offs_ptr, dst_ptr, i_n, t + 1, mps, C)
+        offs_p = i_p * BP + tl.arange(0, BP)
+        offs_s = tl.arange(0, BN)
+        mp = offs_p < P
+        ms = offs_s < N
+        cx = i_h * P + offs_p                      # x channels of this head
+        cb_ch = HV * P + (i_h // (HV // G)) * N + offs_s  # B channels of its group
+        conv_base = conv_ptr + i_l * s_cl + tl.maximum(src, 0) * s_cs
+        tok0 = i_l * T + start
+        cw_base = cw_ptr + i_l * D * W
+        cbias = cb_ptr + i_l * D
+        mps = mp[:, None] & ms[None, :]
+        S = tl.load(bnd_ptr + ((i_l * Q + q) * HV + i_h) * P * N + offs_p[:, None] * N + offs_s[None, :],
+                    mask=mps, other=0.0)
+        a = tl.load(a_ptr + i_l * HV + i_h).to(tl.float32)
+        dtb = tl.load(dtb_ptr + i_l * HV + i_h).to(tl.float32)
+        act_ty = xbc_ptr.dtype.element_ty
+        for t in range(b, o):
+            yx = conv_at(conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cx, mp, t, has_src, D, W, HAS_BIAS)
+            yb = conv_at(conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cb_ch, ms, t, has_src, D, W, HAS_BIAS)
+            yx = (yx / (1.0 + tl.exp(-yx))).to(act_ty).to(tl.float32)  # silu, rounded as served
+            yb = (yb / (1.0 + tl.exp(-yb))).to(act_ty).to(tl.float32)
+            dt = tl.load(dt_ptr + (tok0 + t) * HV + i_h).to(tl.float32) + dtb
+            dt = tl.minimum(tl.maximum(softplus(dt), DT_MIN), DT_MAX)
+            S = S * tl.exp(dt * a) + (dt * yx)[:, None] * yb[None, :]
+        tile = offs_p[:, None] * s_sp + offs_s[None, :] * s_sn
+        tl.store(state_ptr + i_l * s_sl + d * s_ss + i_h * s_sh + tile, S.to(state_ptr.dtype.element_ty), mask=mps)
 
 
 def write_mamba2_checkpoints_triton(
     xbc: torch.Tensor, dt_raw: torch.Tensor, writes: "CheckpointWrites", conv_state: torch.Tensor,
-    ssm_state: torch.Tensor, weights: Mamba2Weights, BP: int = 32, BD: int = 256,
+    ssm_state: torch.Tensor, weights: Mamba2Weights, lay, BP: int = 32, BD: int = 256,
 ) -> None:
-    """Launch the state kernel and the shared conv-window kernel; contract:
-    :func:`write_mamba2_checkpoints` (inputs validated there). ``BP``, ``BD``: head-channel and
-    conv-channel tile sizes."""
-    from sglang_mamba_ext.speculative.ops.inchunk.fused import _inchunk_conv_window_kernel
+    """The boundary states (:mod:`.mamba2_chunked`, batched torch ops), then the state kernel
+    over each checkpoint's partial chunk and the shared conv-window kernel; contract:
+    :func:`write_mamba2_checkpoints` (inputs validated there), ``lay`` its
+    :func:`~.layout.chunk_layout`. ``BP``, ``BD``: head-channel and conv-channel tile sizes."""
+    from sglang_mamba_ext.speculative.ops.inchunk import mamba2_chunked as mc
+    from sglang_mamba_ext.speculative.ops.inchunk.fused import _inchunk_conv_window_kernel, item_tables
     from sglang_mamba_ext.speculative.ops.triton_utils import launch_scope
 
     L, T, D = xbc.shape
     HV, P, N, G, W = weights.num_heads, weights.head_dim, weights.d_state, weights.n_groups, weights.conv_kernel
     R, C = writes.offsets.shape
-    if R == 0 or C == 0:
+    J = len(lay.item_off)
+    if J == 0:
         return
-    starts, srcs, offs, dsts = (x.to(torch.int64).contiguous() for x in writes)
+    dev = xbc.device
+    src = writes.src_slots.to(torch.int64)[torch.tensor(lay.rows, dtype=torch.int64, device=dev)].contiguous()
+    S0 = mc.start_states(ssm_state, src)
+    if lay.max_chunks:
+        bnd = mc.boundary_states(mc.prepare(xbc, dt_raw, lay, src, conv_state, weights), lay, S0).contiguous()
+    else:
+        bnd = S0[:, lay.bnd_row].contiguous()
+    istart, isrc, ioff, idst, ibeg, ibnd = item_tables(lay, src)
     BPv = min(BP, triton.next_power_of_2(P))
     BDv = min(BD, triton.next_power_of_2(D))
     has_bias = weights.conv_bias is not None
     cb = weights.conv_bias if has_bias else weights.conv_weight  # dummy pointer
     lo_dt, hi_dt = weights.dt_limit
     with launch_scope(_mamba2_inchunk_kernel):
-        _mamba2_inchunk_kernel[(R * L, HV, triton.cdiv(P, BPv))](
-            xbc, dt_raw, T, starts, srcs, offs, dsts,
+        _mamba2_inchunk_kernel[(J * L, HV, triton.cdiv(P, BPv))](
+            xbc, dt_raw, T, istart, isrc, ioff, idst, ibeg, ibnd, bnd, len(lay.bnd_row),
             conv_state, *conv_state.stride(),
             ssm_state, *ssm_state.stride(),
             weights.conv_weight, cb, weights.A, weights.dt_bias, float(lo_dt), float(min(hi_dt, 3.0e38)),
-            L=L, C=C, D=D, HV=HV, G=G, P=P, N=N, W=W, BP=BPv, BN=triton.next_power_of_2(N), HAS_BIAS=has_bias,
+            L=L, D=D, HV=HV, G=G, P=P, N=N, W=W, BP=BPv, BN=triton.next_power_of_2(N), HAS_BIAS=has_bias,
         )
+    starts, srcs, offs, dsts = (x.to(torch.int64).contiguous() for x in writes)
     with launch_scope(_inchunk_conv_window_kernel):
         _inchunk_conv_window_kernel[(R * L * C, triton.cdiv(D, BDv))](
             xbc, T, starts, srcs, offs, dsts,

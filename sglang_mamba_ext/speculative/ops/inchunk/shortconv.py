@@ -51,17 +51,18 @@ def write_conv_window_checkpoints(conv_in: torch.Tensor, writes: "CheckpointWrit
     R, C = writes.offsets.shape
     if R == 0 or C == 0:
         return
-    if impl == "torch":
+    if impl == "torch":  # W-1 columns per destination, whatever its offset (issue 39)
         starts, srcs, offs, dsts = (x.tolist() for x in writes)
         for i in range(R):
             for o, d in zip(offs[i], dsts[i]):
                 if o < 0 or d < 0:
                     continue
+                keep = min(o, W - 1)  # columns from the tokens; the rest from the start window
                 for l in range(L):
                     win = (conv_state[l, srcs[i]].float() if srcs[i] >= 0
                            else torch.zeros(D, W - 1, device=conv_in.device))
-                    cols = torch.cat([win, conv_in[l, starts[i]:starts[i] + o].float().t()], dim=1)
-                    conv_state[l, d] = cols[:, o:o + W - 1].to(conv_state.dtype)
+                    toks = conv_in[l, starts[i] + o - keep:starts[i] + o].float().t()
+                    conv_state[l, d] = torch.cat([win[:, keep:], toks], dim=1).to(conv_state.dtype)
     elif impl == "triton":
         import triton
 
