@@ -12,7 +12,9 @@ chat-shaped synthetic one) request by request, with equal pools for every varian
   wrote besides the running request's live state), and the leak check
   (``free + evictable + protected == size`` for KV and SSM at the end).
 
-Two workloads (``--workload``): the shared trace, and a chat-shaped synthetic one generated
+Three workloads (``--workload``): the shared trace, an agent-shaped synthetic one
+(:mod:`.agent_workload`: tool loops whose context grows every step, RAG prompts over a
+document pool in varying order, regenerations), and a chat-shaped synthetic one generated
 from a seed (:mod:`.chat_workload`: a few system prompts, each reused by many interleaved
 multi-turn conversations), whose extra lines show the *first-sharer effect*: the first
 turn of the second conversation on a system prompt hits nothing of it (the branch-point
@@ -24,7 +26,7 @@ variants (what it serves on CPU) and of all its variants (``--upstream-best-of``
 ``all``: extra_buffer included), the latter with ``oracle_ratio``: ours' best hit rate over
 the *offline bound*, the best of the oracle rows, and ``upper_bound_ratio``: ours' best hit
 rate over the *upper bound* (the ``upper-bound-lp`` row). The very last line is the shared
-trace's (the chat workload's with ``--workload chat``) at the last size of
+trace's (else the chat workload's, else the agent workload's) at the last size of
 ``--mamba-sizes`` (default 16 slots)::
 
     hit_ratio=<ours best / upstream best of all> oracle_ratio=<ours best / offline bound> upper_bound_ratio=<ours best / upper bound>
@@ -293,13 +295,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--workload",
-        choices=("all", "trace", "chat"),
+        choices=("all", "trace", "chat", "agent"),
         default="all",
-        help="the shared trace, the chat-shaped synthetic workload (.chat_workload, no "
-        "file needed), or both (default: %(default)s; the last line is the trace's unless "
-        "only chat runs)",
+        help="the shared trace, the chat-shaped synthetic workload (.chat_workload), the "
+        "agent-shaped one (.agent_workload: tool loops, RAG, regenerations; neither needs a "
+        "file), or all three (default: %(default)s; the last line is the trace's, else the "
+        "chat workload's, else the agent workload's)",
     )
     p.add_argument("--chat-seed", type=int, default=0, help="seed of the chat workload (default: %(default)s)")
+    p.add_argument("--agent-seed", type=int, default=0, help="seed of the agent workload (default: %(default)s)")
     p.add_argument("--verbose", action="store_true", help="print each driver's describe() and leak details")
     args = p.parse_args(argv)
     try:
@@ -366,6 +370,23 @@ def run_workload(
             if not r.leak_ok:
                 print(f"[{r.name}] LEAK: {r.leak_details}")
     return per_size, leak
+
+
+def synthetic_workload(label: str, args: argparse.Namespace) -> tuple[list[TraceRecord], str]:
+    """``(records, description)`` of the generated workload ``label`` (``chat``:
+    :mod:`.chat_workload`, ``agent``: :mod:`.agent_workload`), cut to ``--limit``."""
+    if label == "chat":
+        from sglang_mamba_ext.benchmarks.chat_workload import DEFAULTS, chat_workload
+
+        return chat_workload(args.chat_seed)[: args.limit], (
+            f"seed={args.chat_seed} system_prompts={DEFAULTS['num_system']} "
+            f"conversations={DEFAULTS['num_conversations']}")
+    from sglang_mamba_ext.benchmarks.agent_workload import DEFAULTS, agent_workload, shape_counts
+
+    recs = agent_workload(args.agent_seed)[: args.limit]
+    shapes = " ".join(f"{k}={v}" for k, v in shape_counts(recs).items())
+    return recs, (f"seed={args.agent_seed} tool_sets={DEFAULTS['num_toolsets']} "
+                  f"agent_sessions={DEFAULTS['agent_sessions']} rag_queries={DEFAULTS['rag_queries']} {shapes}")
 
 
 def print_sharers(records: Sequence[TraceRecord], per_size: dict[int, list[HitResult]]) -> None:
@@ -447,24 +468,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"mamba_sizes={args.mamba_sizes} page_size=1"
         )
         per_size, leak = run_workload("trace", names, records, args)
-    chat_lines: list[str] = []
-    if args.workload in ("all", "chat"):
-        from sglang_mamba_ext.benchmarks.chat_workload import DEFAULTS, chat_workload
-
-        chat = chat_workload(args.chat_seed)[: args.limit]
-        print(
-            f"chat workload: seed={args.chat_seed} system_prompts={DEFAULTS['num_system']} "
-            f"conversations={DEFAULTS['num_conversations']} requests={len(chat)} "
-            f"prompt_tokens={sum(len(r.tokens) for r in chat)} kv_size={args.kv_size} "
-            f"mamba_sizes={args.mamba_sizes} page_size=1"
-        )
-        chat_size, chat_leak = run_workload("chat", names, chat, args)
-        leak |= chat_leak
-        print_sharers(chat, chat_size)
-        chat_lines = summary_lines("chat ", chat_size, args.upstream_best_of)
-        if records is None:
-            per_size = chat_size
-    for line in chat_lines:
+    synthetic_lines: list[str] = []
+    for label in ("chat", "agent"):
+        if args.workload not in ("all", label):
+            continue
+        recs, describe = synthetic_workload(label, args)
+        print(f"{label} workload: {describe} requests={len(recs)} prompt_tokens={sum(len(r.tokens) for r in recs)} "
+              f"kv_size={args.kv_size} mamba_sizes={args.mamba_sizes} page_size=1")
+        sizes, w_leak = run_workload(label, names, recs, args)
+        leak |= w_leak
+        if label == "chat":
+            print_sharers(recs, sizes)
+        synthetic_lines += summary_lines(f"{label} ", sizes, args.upstream_best_of)
+        if records is None and not per_size:
+            per_size = sizes
+    for line in synthetic_lines:
         print(line)
     if records is not None:
         for line in summary_lines("", per_size, args.upstream_best_of):
