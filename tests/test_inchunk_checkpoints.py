@@ -99,6 +99,24 @@ class TestInchunkTriton(unittest.TestCase):
         self._both("kda", transposed=True)
         self._both("gdn", transposed=True)
 
+    def test_chunk_boundaries_match_reference(self):
+        """Issue 39: the boundary kernel (``tl.dot``) and the per-checkpoint partial scan, over
+        several 16-token chunks, against the token scan from the extend start."""
+        for gate in ("kda", "gdn"):
+            L, T = 2, 90
+            w = ReplayWeights.from_mixers(_mixers(L, gate))
+            mixed, g_raw, b_raw = _inputs(L, T, gate)
+            writes = plan_writes([(0, 1, [(5, 3), (47, 4), (32, 8)]), (50, -1, [(39, 5), (0, 6)])], DEV)
+            out = {}
+            for impl in ("reference", "triton"):
+                conv, temp = _pools(L, 10, transposed=True)
+                st = {}
+                write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl=impl, chunk=16, stats=st)
+                out[impl] = (conv, temp)
+            self.assertEqual(st["scanned"], [5, 15, 0, 7, 0])
+            torch.testing.assert_close(out["triton"][0], out["reference"][0], rtol=0, atol=0)
+            torch.testing.assert_close(out["triton"][1], out["reference"][1], atol=1e-5, rtol=1e-5)
+
     def test_padding_destinations_write_nothing(self):
         from sglang_mamba_ext.speculative.ops.inchunk import CheckpointWrites
 
@@ -155,6 +173,55 @@ class TestInchunkTriton(unittest.TestCase):
 
     def test_gdn_matches_fla_naive(self):
         self._against_fla("gdn")
+
+
+class TestChunkedWriter(unittest.TestCase):
+    """Issue 39: the torch writer starts each checkpoint from the chunk boundary below it (the
+    boundary states from the chunked WY pass) and steps at most ``chunk - 1`` tokens; its
+    states equal the old token scan's (``impl="reference"``)."""
+
+    def _case(self, gate, chunk, strong=False):
+        L, T = 2, 200
+        ms = _mixers(L, gate)
+        if strong:  # decays strong enough that e^γ of a chunk would be subnormal
+            with torch.no_grad():
+                for m in ms:
+                    m.A_log.add_(2.0)
+        w = ReplayWeights.from_mixers(ms)
+        mixed, g_raw, b_raw = _inputs(L, T, gate)
+        # row 0 from slot 1: offsets inside the first chunk, on a boundary, deep; row 1 fresh
+        writes = plan_writes([(0, 1, [(5, 3), (131, 4), (2 * chunk, 8)]),
+                              (110, -1, [(2, 5), (0, 6), (89, 7)])], DEV)
+        out, stats = {}, {}
+        for impl in ("reference", "torch"):
+            conv, temp = _pools(L, 10)
+            stats[impl] = {}
+            write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl=impl, chunk=chunk, stats=stats[impl])
+            out[impl] = (conv, temp)
+        torch.testing.assert_close(out["torch"][0], out["reference"][0], rtol=0, atol=0)
+        torch.testing.assert_close(out["torch"][1], out["reference"][1], atol=2e-5, rtol=2e-5)
+        return stats["torch"]
+
+    def test_scanned_tokens_at_most_the_chunk(self):
+        st = self._case("kda", 16)
+        # offsets 5, 131, 32 | 2, 0, 89 -> 5, 131-128, 0 | 2, 0, 89-80 tokens after their boundary
+        self.assertEqual(st["scanned"], [5, 3, 0, 2, 0, 9])
+        self.assertEqual(st["chunks"], 8)  # row 0's deepest boundary: 128 = 8 chunks
+        self.assertTrue(all(n <= 15 for n in st["scanned"]))
+        st = self._case("gdn", 64)
+        self.assertEqual(st["scanned"], [5, 3, 0, 2, 0, 25])
+        self.assertEqual(st["chunks"], 2)
+
+    def test_strong_decay_matches_reference(self):
+        self._case("kda", 32, strong=True)
+        self._case("gdn", 32, strong=True)
+
+    def test_triton_chunk_must_suit_tl_dot(self):
+        w = ReplayWeights.from_mixers(_mixers(1, "kda"))
+        mixed, g_raw, b_raw = _inputs(1, 8, "kda")
+        conv, temp = _pools(1, 4)
+        with self.assertRaisesRegex(ValueError, "power of two >= 16, not 24"):
+            write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, [(5, 2)])], DEV), conv, temp, w, chunk=24)
 
 
 class TestInchunkChecks(unittest.TestCase):

@@ -84,6 +84,29 @@ class TestMamba2Reference(unittest.TestCase):
                 torch.testing.assert_close(conv[l, d], seq[:, o:o + W - 1])
             torch.testing.assert_close(ssm[l, 1], src_ssm[l])  # the source is only read
 
+    def test_chunked_scans_at_most_the_chunk(self):
+        """Issue 39: each checkpoint adds at most ``chunk - 1`` tokens to the chunk-boundary
+        state below it; states equal the whole-sequence scan across several chunks."""
+        from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
+
+        L, T = 2, 60
+        w = _weights(L)
+        xbc, dt = _inputs(L, T)
+        conv, ssm = _pools(L, 8)
+        writes = plan_writes([(0, 1, [(3, 2), (16, 3), (59, 4)]), (10, -1, [(47, 5)])], "cpu")
+        src_conv, src_ssm = conv[:, 1].clone(), ssm[:, 1].clone()
+        stats = {}
+        write_mamba2_checkpoints(xbc, dt, writes, conv, ssm, w, impl="torch", chunk=8, stats=stats)
+        self.assertEqual(stats["scanned"], [3, 0, 3, 7])  # 3-0, 16-16, 59-56, 47-40
+        self.assertEqual(stats["chunks"], 7)
+        for l in range(L):
+            st, seq = _scan(xbc, dt, w, l, src_conv[l], src_ssm[l])
+            for o, d in ((3, 2), (16, 3), (59, 4)):
+                torch.testing.assert_close(ssm[l, d], st[o], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(conv[l, d], seq[:, o:o + W - 1])
+            st, _ = _scan(xbc[:, 10:], dt[:, 10:], w, l, torch.zeros(D, W - 1), torch.zeros(HV, P, N))
+            torch.testing.assert_close(ssm[l, 5], st[47], rtol=1e-5, atol=1e-5)
+
     def test_bad_inputs_raise(self):
         from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
 
@@ -117,6 +140,21 @@ class TestMamba2Triton(unittest.TestCase):
         torch.testing.assert_close(b_conv, a_conv)
         untouched = [7]
         torch.testing.assert_close(b_ssm[:, untouched], _pools(L, 8)[1][:, untouched])
+
+    def test_chunk_boundaries_match_reference(self):
+        """Issue 39: boundary states over 16-token chunks, then the kernel's partial scan."""
+        from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
+
+        L, T = 2, 70
+        w = _weights(L)
+        xbc, dt = _inputs(L, T)
+        writes = plan_writes([(0, 1, [(3, 2), (16, 3), (69, 4)]), (10, -1, [(47, 5)])], "cpu")
+        a_conv, a_ssm = _pools(L, 8)
+        b_conv, b_ssm = a_conv.clone(), a_ssm.clone()
+        write_mamba2_checkpoints(xbc, dt, writes, a_conv, a_ssm, w, impl="reference")
+        write_mamba2_checkpoints(xbc, dt, writes, b_conv, b_ssm, w, impl="triton", chunk=16)
+        torch.testing.assert_close(b_ssm, a_ssm, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b_conv, a_conv)
 
     def test_float32_with_bias(self):
         self._both(torch.float32, True)

@@ -70,6 +70,16 @@ class GdrPrep(NamedTuple):
     window: torch.Tensor
 
 
+#: Exponents below this give exactly 0 (e^-80 < 2e-35): fp32 subnormals, which are both
+#: below the rounding of any O(1) state entry and very slow on CPUs.
+_EXP_FLOOR = -80.0
+
+
+def exp0(x: torch.Tensor) -> torch.Tensor:
+    """``e^x`` for ``x <= 0``, flushed to 0 below ``e^-80`` (no subnormal results)."""
+    return torch.exp(x.clamp(min=_EXP_FLOOR - 7.0)).masked_fill_(x < _EXP_FLOOR, 0.0)
+
+
 def _start_windows(conv_state, src, L, D, Wm1):
     """``[L, R, W-1, D]`` float32 start windows of the active rows (zeros where ``src < 0``)."""
     has = (src >= 0)
@@ -86,27 +96,33 @@ def start_states(temporal_state, src) -> torch.Tensor:
 
 def _decay_products(k: torch.Tensor, gam: torch.Tensor) -> torch.Tensor:
     """``A [B, C, C]``: ``A[t, s] = Σ_c k_t[c] k_s[c] e^{γ_t[c] - γ_s[c]}`` for ``s < t``, else 0,
-    from ``k [B, C, K]`` and cumulative log-decays ``gam [B, C, K]`` (non-increasing along C)."""
+    from ``k [B, C, K]`` and cumulative log-decays ``gam [B, C, K]`` (non-increasing along C):
+    directly on the diagonal blocks, through each block's start elsewhere (every exponent <= 0)."""
     B, C, K = k.shape
     bs = min(SUB_BLOCK, C)
-    A = k.new_zeros(B, C, C)
+    if C % bs:
+        bs = C
+    nsb = C // bs
+    kb, gb = k.reshape(B, nsb, bs, K), gam.reshape(B, nsb, bs, K)
     lower = torch.tril(torch.ones(bs, bs, dtype=torch.bool, device=k.device), -1)
-    step = max(1, _MAX_ELEMS // (bs * bs * K))
-    for lo in range(0, C, bs):
-        hi = min(lo + bs, C)
-        n = hi - lo
-        kt, gt = k[:, lo:hi], gam[:, lo:hi]
-        m = lower[:n, :n]
-        for b0 in range(0, B, step):  # the diagonal block: e^{γ_t - γ_s} directly, s < t
-            d = gt[b0:b0 + step, :, None, :] - gt[b0:b0 + step, None, :, :]
-            d = torch.where(m[None, :, :, None], d, torch.full_like(d, -float("inf")))
-            A[b0:b0 + step, lo:hi, lo:hi] = (torch.exp(d) * kt[b0:b0 + step, :, None, :]
-                                             * kt[b0:b0 + step, None, :, :]).sum(-1)
-        if lo:  # earlier blocks, through the block start r = lo - 1: e^{γ_t - γ_r} e^{γ_r - γ_s}
-            ref = gam[:, lo - 1:lo]
-            q = kt * torch.exp(gt - ref)
-            p = k[:, :lo] * torch.exp(ref - gam[:, :lo])
-            A[:, lo:hi, :lo] = q @ p.transpose(-1, -2)
+    diag = k.new_empty(B, nsb, bs, bs)
+    step = max(1, _MAX_ELEMS // (C * bs * K))
+    for b0 in range(0, B, step):  # e^{γ_t - γ_s} directly, s < t in the same block
+        d = gb[b0:b0 + step, :, :, None, :] - gb[b0:b0 + step, :, None, :, :]
+        diag[b0:b0 + step] = (exp0(d.masked_fill_(~lower[:, :, None], -float("inf")))
+                              * kb[b0:b0 + step, :, :, None, :] * kb[b0:b0 + step, :, None, :, :]).sum(-1)
+    if nsb == 1:
+        return diag.reshape(B, C, C)
+    # block i against all earlier tokens, through r = its start - 1: e^{γ_t - γ_r} e^{γ_r - γ_s}
+    ref = torch.cat([gam[:, :1] * 0, gam[:, bs - 1:C - 1:bs]], dim=1)[:, :nsb]  # [B, nsb, K]
+    q = kb * exp0(gb - ref[:, :, None])  # [B, nsb, bs, K]
+    p = k[:, None] * exp0((ref[:, :, None] - gam[:, None]).clamp(max=0.0))  # [B, nsb, C, K]
+    off = q @ p.transpose(-1, -2)  # [B, nsb, bs, C]
+    before = (torch.arange(C, device=k.device)[None, :] < (torch.arange(nsb, device=k.device) * bs)[:, None])
+    A = off.masked_fill_(~before[None, :, None, :], 0.0)
+    A = A.reshape(B, C, C)
+    idx = torch.arange(nsb, device=k.device)
+    A.view(B, nsb, bs, nsb, bs)[:, idx, :, idx, :] = diag.movedim(1, 0)
     return A
 
 
@@ -160,18 +176,18 @@ def prepare(mixed_qkv, g_raw, b_raw, lay: ChunkLayout, src: torch.Tensor, conv_s
         d = gam[:, :, None] - gam[:, None, :]
         lower = torch.tril(torch.ones(C, C, dtype=torch.bool, device=k.device), -1)
         d = torch.where(lower, d, torch.full_like(d, -float("inf")))
-        A = (kc @ kc.transpose(-1, -2)) * torch.exp(d)
+        A = (kc @ kc.transpose(-1, -2)) * exp0(d)
         gam = gam[..., None]  # broadcast over K
     else:
         gam = chunks(g, (K,)).cumsum(1)  # [B, C, K]
         A = _decay_products(kc, gam)
     eye = torch.eye(C, device=k.device, dtype=torch.float32)
     Tm = eye + torch.tril(bc[:, :, None] * A, -1)
-    rhs = torch.cat([bc[..., None] * vc, bc[..., None] * kc * torch.exp(gam)], dim=-1)
+    rhs = torch.cat([bc[..., None] * vc, bc[..., None] * kc * exp0(gam)], dim=-1)
     sol = torch.linalg.solve_triangular(Tm, rhs, upper=False, unitriangular=True)
     last = gam[:, -1:]
-    Kt = kc * torch.exp(last - gam)
-    E = torch.exp(last[:, 0]).expand(-1, K) if weights.per_head_gate else torch.exp(last[:, 0])
+    Kt = kc * exp0(last - gam)
+    E = exp0(last[:, 0]).expand(-1, K) if weights.per_head_gate else exp0(last[:, 0])
     shp = (L, R, nb, HV, C)
     return GdrPrep(k, v, g, beta, sol[..., :V].reshape(*shp, V), sol[..., V:].reshape(*shp, K),
                    Kt.reshape(*shp, K), E.reshape(L, R, nb, HV, K).contiguous(), u)
@@ -228,7 +244,7 @@ def scan_from_boundaries(prep: GdrPrep, lay: ChunkLayout, S: torch.Tensor, stats
         beta = torch.where(act[None, :, :, None], beta, torch.zeros_like(beta))
         g = pick(prep.g)
         g = torch.where(act.reshape(1, J, steps, *([1] * (g.dim() - 3))), g, torch.zeros_like(g))
-        decay = torch.exp(g)
+        decay = exp0(g)
         per_head = decay.dim() == 4
         for s in range(steps):
             ks = k[:, :, s]

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from sglang_mamba_ext.speculative.ops.inchunk.chunked import exp0
 from sglang_mamba_ext.speculative.ops.inchunk.layout import ChunkLayout, gather_rows, valid_mask
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def boundary_states(prep: Mamba2Prep, lay: ChunkLayout, S0: torch.Tensor) -> tor
     if nb == 0:
         return S0[:, rows]
     a = prep.a[:, :, :nb * C].unflatten(2, (nb, C))  # [L, R, nb, C, HV]
-    w = torch.exp(_rev_excl_cumsum(a, 3))  # decay from each token to its chunk's end
+    w = exp0(_rev_excl_cumsum(a, 3))  # decay from each token to its chunk's end
     Rc = torch.einsum("lrcth,lrcthp,lrcthn->lrchpn", w, prep.xdt[:, :, :nb * C].unflatten(2, (nb, C)),
                       prep.B[:, :, :nb * C].unflatten(2, (nb, C)))
     tot = a.sum(3)  # [L, R, nb, HV]
@@ -101,8 +102,8 @@ def boundary_states(prep: Mamba2Prep, lay: ChunkLayout, S0: torch.Tensor) -> tor
     before = (ar[None, :] < tgt[:, None])  # [Q, nb]: chunks below the boundary
     t = torch.where(before[None, :, :, None], tot[:, rows], torch.zeros((), device=dev))  # [L, Q, nb, HV]
     suf = _rev_excl_cumsum(t, 2)  # Σ over chunks after c' and below the boundary
-    wc = torch.where(before[None, :, :, None], torch.exp(suf), torch.zeros((), device=dev))
-    S = torch.exp(t.sum(2))[..., None, None] * S0[:, rows]
+    wc = torch.where(before[None, :, :, None], exp0(suf), torch.zeros((), device=dev))
+    S = exp0(t.sum(2))[..., None, None] * S0[:, rows]
     return S + torch.einsum("lqch,lqchpn->lqhpn", wc, Rc[:, rows])
 
 
@@ -122,6 +123,6 @@ def add_partial(prep: Mamba2Prep, lay: ChunkLayout, S: torch.Tensor, stats: Opti
                         for c, m in zip(lay.item_chunk, lens)], dtype=torch.int64, device=dev)
     act = torch.tensor([[s < m for s in range(steps)] for m in lens], dtype=torch.bool, device=dev)
     a = torch.where(act[None, :, :, None], prep.a[:, rows[:, None], tok], torch.zeros((), device=dev))  # [L, J, s, HV]
-    w = torch.where(act[None, :, :, None], torch.exp(_rev_excl_cumsum(a, 2)), torch.zeros((), device=dev))
+    w = torch.where(act[None, :, :, None], exp0(_rev_excl_cumsum(a, 2)), torch.zeros((), device=dev))
     add = torch.einsum("ljsh,ljshp,ljshn->ljhpn", w, prep.xdt[:, rows[:, None], tok], prep.B[:, rows[:, None], tok])
-    return torch.exp(a.sum(2))[..., None, None] * S + add
+    return exp0(a.sum(2))[..., None, None] * S + add
