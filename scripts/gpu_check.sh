@@ -7,11 +7,12 @@
 # torch + Triton + a CUDA GPU (no SGLang, no network); finishes in under 400 s (BUDGET). Last
 # lines: memory_ratio=<x>, replay_overhead=<y>. Then the Mamba2/SSD in-chunk writer
 # (ops/inchunk/gpu_check_mamba2.py): correctness vs torch and a chunked SSD scan, cost per
-# checkpoint at Nemotron-H-8B shapes; last line mamba2_inchunk_cost_ratio=<w>. Then the state
+# checkpoint at Nemotron-H-8B shapes, per offset (63, 511, 2047); last line mamba2_inchunk_cost_ratio=<w>. Then the state
 # tiers (benchmarks/tiers_gpu.py): a hit's copy from the int8 checkpoint pool and from the host
 # tier vs the device copy-on-write, Qwen3-Next shapes; last line int8_load_ratio=... Last, the
 # GDN / KDA in-chunk checkpoint writer (docs/design.md, "Prefix checkpoints"): correctness vs
-# torch and fla's chunked kernels, cost per checkpoint vs the prefill it saves; last line
+# torch and fla's chunked kernels, cost per checkpoint by offset (63, 511, 2047; since issue 39
+# each starts from the chunk boundary below it) vs the prefill it saves; last line
 # inchunk_cost_ratio=<z> (sglang_mamba_ext/speculative/ops/inchunk/gpu_check.py).
 # Extra arguments go to `python -m sglang_mamba_ext.speculative.ops.gpu_check` (e.g.
 # --state-dtype bf16), run with the repository root on PYTHONPATH (the package need not be
@@ -42,7 +43,8 @@ section() {
 if [ -n "${OUT:-}" ]; then : > "$OUT/gpu_check.txt"; fi
 # On an H200 (2026-12-04): speculative ~25 s, Mamba2 ~20 s, tiers ~10 s; the GDN / KDA in-chunk
 # check 130 s in one run and past 190 s in another (fla's first-run autotuning, then the
-# sequential writer's timing at p=2047): it runs last, with what is left.
+# token-scan writer's timing at p=2047, replaced since by the chunked writer; its kernels use
+# fixed tile sizes, no autotuning): it runs last, with what is left.
 section speculative sglang_mamba_ext.speculative.ops.gpu_check 100 "$@"
 # Mamba2 / SSD in-chunk writer (Nemotron-H, Falcon-H1, GraniteMoeHybrid)
 section "Mamba2 in-chunk" sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 60 "$@"

@@ -9,8 +9,9 @@ bf16 activations), and on CUDA against fla's chunked kernels (``chunk_kda`` /
 kind of kernel SGLang's backends run). (2) Cost at Kimi-Linear-48B-A3B layer shapes (``H = HV =
 32``, ``K = V = 128``, ``W = 4``, ``L = 20`` KDA layers, ``N = 8`` requests): one writer call
 (all layers) for a checkpoint ``p`` tokens after the extend start (``p = 63``: a branch point
-inside the first chunk; ``p = 2047``: the prompt-end checkpoint of a 2048-token prompt, the
-plugin's worst case, since it starts at the extend start), against the linear-attention part of
+inside the first chunk; ``p = 511``; ``p = 2047``: the prompt-end checkpoint of a 2048-token
+prompt; a per-offset table: since issue 39 the writer starts from the chunk boundary below ``p``
+and steps at most 63 tokens, the boundary states from its chunked pass), against the linear-attention part of
 the prefill a grid checkpoint leaves to recompute (up to 63 tokens per request, fla's chunked
 kernel over all layers; the real prefill adds attention, MoE and projections, so this
 denominator is a lower bound). Last line: ``inchunk_cost_ratio=<write(p=2047) / linear
@@ -148,9 +149,9 @@ def main(argv=None) -> int:
     args, dev, sdt = parsed
     act = torch.bfloat16
     if args.tiny:
-        shape, L, N, P_in, P_end, iters = LinearAttnShape(2, 2, 8, 8, 4), 1, 2, 3, 8, 1
+        shape, L, N, P_in, P_mid, P_end, iters = LinearAttnShape(2, 2, 8, 8, 4), 1, 2, 3, 70, 100, 1
     else:
-        shape, L, N, P_in, P_end, iters = LinearAttnShape(32, 32, 128, 128, 4), 20, 8, 63, 2047, args.iters
+        shape, L, N, P_in, P_mid, P_end, iters = LinearAttnShape(32, 32, 128, 128, 4), 20, 8, 63, 511, 2047, args.iters
     s = shape
     print(f"[inchunk] device: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; shape {s}; L={L} N={N}; "
           f"activations bf16, SSM state {args.state_dtype}")
@@ -178,8 +179,8 @@ def main(argv=None) -> int:
 
     with torch.no_grad():
         warm = 0 if args.tiny else 2
-        t_in = timed(writer(P_in), dev, iters, warm)
-        t_end = timed(writer(P_end), dev, iters, warm)
+        times = {p: timed(writer(p), dev, iters, warm) for p in (P_in, P_mid, P_end)}
+        t_in, t_end = times[P_in], times[P_end]
 
     # ---- what a grid checkpoint leaves to recompute: up to 63 tokens per request (linear layers)
     saved = P_in
@@ -214,6 +215,9 @@ def main(argv=None) -> int:
           f"write(p={P_end})={t_end:.3f} ms  linear prefill of {saved} tokens/request ({how})={t_pre:.3f} ms")
     print(f"[inchunk] per checkpoint: write(p={P_end})={t_end / N:.4f} ms, write(p={P_in})={t_in / N:.4f} ms; "
           f"correctness {'OK' if ok else 'FAILED'}")
+    print("[inchunk] per checkpoint by offset (all layers): "
+          + "  ".join(f"p={p}: {t / N:.4f} ms" for p, t in times.items())
+          + f"  (linear prefill of {saved} tokens per request: {t_pre / N:.4f} ms)")
     print(f"inchunk_cost_ratio={t_end / t_pre:.4f}")
     return 0 if ok else 1
 

@@ -7,7 +7,8 @@ scan written here in torch (the same decomposition SGLang's ``ssd_combined`` ker
 intra-chunk ``(C B^T * decay) (dt x)`` plus the carried state), at offsets inside and across
 chunks. (2) Cost at Nemotron-H-8B Mamba2 layer shapes (``HV = 128`` heads, ``P = 64``, ``N = 128``,
 ``G = 8``, ``W = 4``, ``L = 24`` Mamba2 layers, 8 requests): one writer call (all layers) for a
-checkpoint ``p`` tokens after the extend start (``p = 63``, ``p = 2047``), against the SSD part of
+checkpoint ``p`` tokens after the extend start (``p = 63, 511, 2047``: a per-offset table; the
+writer starts from the chunk boundary below ``p``, issue 39), against the SSD part of
 the prefill a 64-token-grid checkpoint leaves to recompute (63 tokens per request, the chunked
 scan below over all layers: a lower bound of the real prefill). Last line:
 ``mamba2_inchunk_cost_ratio=<write(p=2047) / SSD prefill of 63 tokens>``. ``--tiny``: toy shapes
@@ -111,9 +112,9 @@ def main(argv=None) -> int:
         return 2
     args, dev, sdt = parsed
     if args.tiny:
-        shape, L, R, P_in, P_end, iters = (4, 8, 16, 2, 4), 1, 1, 3, 12, 1
+        shape, L, R, P_in, P_mid, P_end, iters = (4, 8, 16, 2, 4), 1, 1, 3, 70, 100, 1
     else:
-        shape, L, R, P_in, P_end, iters = (128, 64, 128, 8, 4), 24, 8, 63, 2047, args.iters
+        shape, L, R, P_in, P_mid, P_end, iters = (128, 64, 128, 8, 4), 24, 8, 63, 511, 2047, args.iters
     HV, P, N, G, W = shape
     err = check_correctness(dev, (4, 8, 16, 2, 4) if args.tiny else (16, 64, 128, 4, 4), T=40 if args.tiny else 150)
     print(f"[mamba2-inchunk] device: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; "
@@ -134,8 +135,8 @@ def main(argv=None) -> int:
         plan = plan_writes([(r * (P_end + 1), r, [(p, R + r)]) for r in range(R)], dev)
         return lambda: write_mamba2_checkpoints(xbc, dt, plan, conv, ssm, w, check_offsets=False)
 
-    t_in = timed(writer(P_in), dev, iters)
-    t_end = timed(writer(P_end), dev, iters)
+    times = {p: timed(writer(p), dev, iters) for p in (P_in, P_mid, P_end)}
+    t_in, t_end = times[P_in], times[P_end]
     Q = min(63, P_end)
     pre = [_post_conv(w, l, xbc[l, :Q], dt[l, :Q], conv[l, 0]) for l in range(L)]
     h0 = torch.zeros(HV, P, N, device=dev)
@@ -149,6 +150,9 @@ def main(argv=None) -> int:
     t_pre = timed(prefill, dev, iters)
     print(f"[mamba2-inchunk] time (all {L} layers, {R} requests, one checkpoint each): write(p={P_in})={t_in:.3f} ms  "
           f"write(p={P_end})={t_end:.3f} ms  SSD prefill of {Q} tokens={t_pre:.3f} ms")
+    print("[mamba2-inchunk] per checkpoint by offset (all layers): "
+          + "  ".join(f"p={p}: {t / R:.4f} ms" for p, t in times.items())
+          + f"  (SSD prefill of {Q} tokens per request: {t_pre / R:.4f} ms)")
     print(f"mamba2_inchunk_cost_ratio={t_end / t_pre:.4f}")
     return 0 if ok else 1
 
