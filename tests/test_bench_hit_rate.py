@@ -399,19 +399,22 @@ class OursVariantsTest(TraceDriverCase):
         plugin's policy and strategy as parsed, prefix checkpoints; with pools that evict
         nothing they hit exactly what the branch-point model says, overlap timing included."""
         branch, _, _ = reference_model(self.records, "branch")
-        for name, finish in (("ours-default", "working"), ("ours-default-overlap", "overlap")):
+        for name, finish in (("ours-default", "working"), ("ours-default-overlap", "overlap"),
+                             ("ours-default-overlap-stop", "overlap")):
             with self.subTest(variant=name):
                 driver = bench_hit_rate.VARIANTS[name].factory(400_000, 5 * self.N + 8)
                 self.assertEqual((driver.eviction_policy, driver.strategy), ("adaptive", "extra_buffer"))
                 self.assertEqual(driver.cache.core.finish_state, finish)
-                self.assertEqual(driver.req_to_token_pool.mamba_initial_tracking_slots, 2)
+                # planned prefix checkpoints replace the ping-pong slots (docs/design.md, "Ping-pong release")
+                self.assertTrue(driver.req_to_token_pool.tracking_replaced())
+                self.assertEqual(driver.req_to_token_pool.mamba_initial_tracking_slots, 0)
                 res = run_hit_trace(driver, self.records, side="ours")
                 self.assertEqual(res.prefix_lens, branch)
                 self.assertTrue(res.leak_ok, res.leak_details)
 
     def test_small_pools_evict_without_leak(self):
         for name in ("ours-lru", "ours-branch-lru", "ours-branch-recompute", "ours-branch-adaptive",
-                     "ours-default", "ours-default-overlap"):
+                     "ours-default", "ours-default-overlap", "ours-default-overlap-stop"):
             with self.subTest(variant=name):
                 driver = bench_hit_rate.VARIANTS[name].factory(8192, 6)
                 res = run_hit_trace(driver, self.records, side="ours")
@@ -516,6 +519,33 @@ class OursOverlapTimingTest(unittest.TestCase):
         self.assertEqual(self._run("ours-branch-lru").prefix_lens, [0, 39, 46, 45])
         res = self._run("ours-branch-lru-overlap")
         self.assertEqual(res.prefix_lens, [0, 0, 46, 45])
+
+    def test_finish_by_length_is_donated_before_the_next_match(self):
+        """The flag's defaults insert a's prompt - 1 checkpoint after its prefill (SGLang's
+        post-prefill insert, published before the next batch), so b hits it under either
+        finish timing; ``ours-default-overlap`` (requests ending by length) processes a's
+        finish before b's match (its final state donated early,
+        ``plugin/overlap_publish.py``), ``ours-default-overlap-stop`` (a stop token) after
+        b's prefill was scheduled: at b's admission a still holds its working slot."""
+        for name in ("ours-default", "ours-default-overlap", "ours-default-overlap-stop"):
+            self.assertEqual(self._run(name).prefix_lens, [0, 39, 46, 45], name)
+        for name, pending_at_b in (("ours-default-overlap", False), ("ours-default-overlap-stop", True)):
+            driver = bench_hit_rate.VARIANTS[name].factory(8192, 64)
+            a, b = self.records()[:2]
+            with driver.activate():
+                h = driver.begin(a)
+                driver.match(h)
+                driver.lock(h)
+                driver.alloc_mamba(h)
+                driver.alloc_kv(h, len(a.tokens))
+                driver.after_prefill(h)
+                driver.alloc_kv(h, len(a.output))
+                driver.after_decode(h)
+                driver.finish(h)
+                driver.unlock(h)
+                driver.end(h)
+                driver.begin(b)  # b's match comes next
+                self.assertEqual(driver._pending is h, pending_at_b, name)
 
     def test_small_pools_evict_without_leak(self):
         for name in ("ours-branch-lru-overlap", "ours-branch-adaptive-overlap"):

@@ -95,5 +95,60 @@ class TestReleaseTrackSlots(unittest.TestCase):
         cache.check_slot_accounting()
 
 
+class TestNoTrackSlotsAtAlloc(unittest.TestCase):
+    """``CacheReq.mamba_track_slots_wanted = False`` (what the plugin's pool sets where
+    planned prefix checkpoints replace the ping-pong slots, ``tracking_replaced``, for a
+    prompt of one chunk): the request is admitted with one SSM slot, its entries ``-1`` and
+    the padding slot in the row mapping from the start; no checkpoint of it inserts a
+    tracked state (a chunk end neither) and the finish donates the working state. A
+    request beside it that wants its slots gets them."""
+
+    def test_one_slot_per_running_request(self):
+        cache = make_cache(kv_size=256, mamba_size=SLOTS, mamba_track_interval=8, finish_state="overlap")
+        self.assertTrue(cache.releases_track_slots())
+        pool = cache.req_to_token_pool
+        sim = SimModel(cache)
+        r = CacheReq(rid="r", token_ids=seq(10), mamba_track_slots_wanted=False)
+        other = CacheReq(rid="other", token_ids=seq(6, start=500))
+        self.assertEqual(pool.mamba_slots_needed([r, other]), 1 + 3)
+        self.assertTrue(sim.admit(r))
+        self.assertEqual(cache.mamba_pool.available_size(), SLOTS - 1)
+        self.assertTrue(sim.admit(other))
+        self.assertTrue(all(s > 0 for s in other.mamba_ping_pong_track_buffer))
+        self.assertEqual(cache.mamba_pool.available_size(), SLOTS - 4)
+        sim.release(other, checkpoint=False)
+        self.assertEqual(cache.mamba_pool.available_size(), SLOTS - 1)
+        self.assertEqual(r.mamba_ping_pong_track_buffer, [-1, -1])
+        padding = cache.mamba_pool.padding_slot
+        self.assertEqual(pool.req_index_to_mamba_ping_pong_track_buffer_mapping[r.req_pool_idx].tolist(),
+                         [padding, padding])
+        self.assertTrue(sim.extend_kv(r, 10))
+        sim.forward(r, 6)
+        cache.checkpoint(r, up_to=6)  # a chunk end: no state (a copy could race the forward)
+        sim.forward(r, 4)
+        cache.checkpoint(r, up_to=10, prefill_done=True)
+        self.assertEqual([n.seq_len for n in cache.nodes() if n.mamba_value is not None], [])
+        self.assertEqual(r.cache_protected_len, 0)  # no state, no node: the KV stays the request's until its finish
+        self.assertEqual(cache.mamba_pool.available_size(), SLOTS - 1)
+        self.assertTrue(sim.decode(r, [7, 8, 9]))
+        self.assertEqual(cache.checkpoint(r, finished=True), 12)  # the working state after 12 tokens
+        sim.release(r, checkpoint=False)
+        sim.check_tree()
+        cache.sanity_check()
+        cache.check_slot_accounting()
+        self.assertEqual([n.seq_len for n in cache.nodes() if n.mamba_value is not None], [12])
+        nxt = CacheReq(rid="next", token_ids=r.token_ids + [15, 16])
+        self.assertTrue(sim.admit(nxt))
+        self.assertEqual(nxt.cache_protected_len, 12)
+        sim.release(nxt)
+        cache.check_slot_accounting()
+
+    def test_not_replaced_where_the_finish_may_read_them(self):
+        for finish_state, page_size in (("checkpoint", 1), ("working", 4)):
+            with self.subTest(finish_state=finish_state, page_size=page_size):
+                cache = make_cache(kv_size=256, mamba_size=SLOTS, page_size=page_size, finish_state=finish_state)
+                self.assertFalse(cache.releases_track_slots())
+
+
 if __name__ == "__main__":
     unittest.main()

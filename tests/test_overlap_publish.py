@@ -15,7 +15,7 @@ A = SYS + [60, 61, 62, 63, 64, 65]  # 46 tokens: its planned prompt - 1 checkpoi
 B = A[:-1] + [70, 71, 72]  # branches off A after 45 tokens
 
 
-class TestOverlapPublish(_ContextTest):
+class _OverlapCase(_ContextTest):
     def setUp(self):
         super().setUp()
         self.pool = F.build_req_pool(max_num_reqs=4)
@@ -47,6 +47,8 @@ class TestOverlapPublish(_ContextTest):
         return SimpleNamespace(forward_mode=getattr(ForwardMode, mode), spec_algorithm=SpeculativeAlgorithm.NONE,
                                reqs=reqs)
 
+
+class TestOverlapPublish(_OverlapCase):
     def test_next_batch_matches_the_launched_prompt(self):
         h = self.h
         a = self._launched("a", A)
@@ -99,6 +101,98 @@ class TestOverlapPublish(_ContextTest):
         self.h.decode(a, [1, 2])
         self.h.finish(a)
         self.h.check_idle()
+
+
+class TestFinishDonatedEarly(_OverlapCase):
+    """``donate_finishing_decodes``: the final state of a request the in-flight decode batch
+    finishes by length goes into the tree when the next batch is scheduled (its result not
+    processed), so the next admission can evict it or hit it; the result's release then
+    inserts nothing more and leaves nothing behind."""
+
+    def _decode_launched(self, req):
+        """One decode step launched and not processed: the newest output token's KV and
+        state are computed (``kv_committed_len`` counts it), the token it samples is not
+        appended yet."""
+        import torch
+
+        pos = req.kv.kv_committed_len
+        kv = self.h.alloc_token_slots(self.cache, 1)
+        self.pool.req_to_token[req.kv.req_pool_idx, pos] = kv.to(torch.int32)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = pos + 1
+        req.refresh_fill_ids()
+        self.h.write_state(int(req.kv.mamba_pool_idx), list(req.full_untruncated_fill_ids)[: pos + 1])
+
+    def _donate(self, batch, **scheduler):
+        from sglang_mamba_ext.plugin.overlap_publish import donate_finishing_decodes
+
+        sched = SimpleNamespace(tree_cache=self.cache, result_queue=[(batch, None)], chunked_req=None,
+                                enable_skip_finishing_decode=True, disaggregation_mode="DisaggregationMode.NULL")
+        for k, v in scheduler.items():
+            setattr(sched, k, v)
+        return donate_finishing_decodes(sched, self.cache)
+
+    def test_final_state_donated_before_the_result(self):
+        h = self.h
+        a = F.make_req("a", A)
+        a.sampling_params.max_new_tokens = 4
+        h.admit(a)
+        h.prefill(a, chunk=len(A))
+        h.decode(a, [1, 2, 3])  # outputs 1, 2, 3; 3 not yet fed
+        self._decode_launched(a)  # feeds 3; its result (the 4th, last token) is in flight
+        n = len(A) + 3
+        self.assertEqual(a.kv.kv_committed_len, n)
+        self.assertEqual(self._donate(self._batch([a], "DECODE")), 1)
+        self.assertEqual(self.cache.finish_states_donated_early, 1)
+        states = sorted(node.seq_len for node in self.cache.core.nodes() if node.mamba_value is not None)
+        self.assertEqual(states, [len(A) - 1, n])
+        self.assertIsNone(a.lock)
+        self.assertIsNone(a.kv.mamba_pool_idx)
+        self.assertEqual(self.cache.core.mamba_evictable_size(), 2)  # the final state is a candidate now
+        h.check_tree_states()
+        self.assertEqual(self._donate(self._batch([a], "DECODE")), 0)  # once
+        # the next turn, admitted before a's result is processed, resumes from it
+        b = F.make_req("b", A + [1, 2, 3, 4, 80, 81])
+        h.admit(b)
+        self.assertEqual(b.prefix_len, n)
+        # a's result: its last token, then SGLang's release finds nothing more to insert
+        a.output_ids.append(4)
+        total = self.cache.core.total_size()
+        h.finish(a)
+        self.assertEqual(self.cache.core.total_size(), total)
+        h.prefill(b)
+        h.decode(b, [5, 6])
+        h.finish(b)
+        h.check_tree_states()
+        h.check_idle()
+
+    def test_not_donated_outside_its_case(self):
+        """Not a decode batch, not finishing by length, speculative, PD, SGLang not skipping
+        finishing requests (the non-overlap loop), more than one result pending."""
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        h = self.h
+        a = F.make_req("a", A)
+        a.sampling_params.max_new_tokens = 4
+        h.admit(a)
+        h.prefill(a, chunk=len(A))
+        h.decode(a, [1, 2])
+        self._decode_launched(a)  # 3 output tokens after it: not its last
+        self.assertEqual(self._donate(self._batch([a], "DECODE")), 0)
+        a.output_ids.append(3)  # its result processed
+        self._decode_launched(a)  # now the 4th and last is in flight
+        batch = self._batch([a], "DECODE")
+        self.assertEqual(self._donate(self._batch([a], "MIXED")), 0)
+        self.assertEqual(self._donate(batch, enable_skip_finishing_decode=False), 0)
+        self.assertEqual(self._donate(batch, disaggregation_mode="DisaggregationMode.PREFILL"), 0)
+        self.assertEqual(self._donate(batch, result_queue=[(batch, None), (batch, None)]), 0)
+        spec = self._batch([a], "DECODE")
+        spec.spec_algorithm = SpeculativeAlgorithm.EAGLE
+        self.assertEqual(self._donate(spec), 0)
+        self.assertEqual(self.cache.finish_states_donated_early, 0)
+        a.output_ids.append(4)
+        h.finish(a)
+        h.check_tree_states()
+        h.check_idle()
 
 
 if __name__ == "__main__":

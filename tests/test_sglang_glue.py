@@ -902,7 +902,10 @@ class TestPrefixCheckpoints(_ContextTest):
         holding planned checkpoints gives them back when a new request needs the slots."""
         h = self.h
         size = self.pool.mamba_pool.size
-        per_req = self.pool.core.mamba_slots_per_req()
+        # b's prompt fits one chunk: its working slot only (planned checkpoints replace its
+        # ping-pong slots, MambaRadixReqToTokenPool.tracking_replaced)
+        per_req = 1 + self.pool.mamba_initial_tracking_slots
+        self.assertEqual(per_req, 1)
         a = F.make_req("a", list(range(400, 460)))
         h.admit(a)
         h.forward_extend(a, 32)
@@ -954,7 +957,10 @@ class TestPrefixCheckpoints(_ContextTest):
         self.assertEqual(self.pool.prefix_checkpoints[a_row], planned)
         # b's own slots and its prompt-end checkpoint (at 19) came from the cold states.
         self.assertEqual([c for c, _ in self.pool.prefix_checkpoints[b.kv.req_pool_idx]], [19])
-        self.assertEqual(self.cache.mamba_evictable_size(), cold_states - per_req - 1)
+        # b's prompt fits one chunk: planned checkpoints replace its ping-pong slots
+        # (MambaRadixReqToTokenPool.tracking_replaced), so it holds its working slot only
+        self.assertEqual(b.kv.mamba_ping_pong_track_buffer.tolist(), [-1, -1])
+        self.assertEqual(self.cache.mamba_evictable_size(), cold_states - 1 - 1)
         self.pool.core_mamba_pool.free(filler)
         h.prefill(a)
         h.prefill(b)

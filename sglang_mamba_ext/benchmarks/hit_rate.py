@@ -97,12 +97,14 @@ Variants (``--only`` names; see VARIANTS below):
   conversation). The gap to the rows without overlap is what overlap costs the cache: the
   next request cannot hit the state the previous one donates, and both requests' slots are
   held at that admission.
-* ``ours-default``, ``ours-default-overlap``: exactly what ``--enable-mamba-radix`` alone
-  selects, parsed by the plugin from that flag (no strategy, no policy named: today
-  ``extra_buffer`` with two ping-pong slots per request and ``adaptive``), prefix checkpoints
-  planned, and SGLang's post-prefill ``checkpoint_kv_cache`` run as its result processor
-  does (a request's ping-pong slots go back there); without and with overlap scheduling's
-  timing. These rows follow the default as it changes.
+* ``ours-default``, ``ours-default-overlap``, ``ours-default-overlap-stop``: exactly what
+  ``--enable-mamba-radix`` alone selects, parsed by the plugin from that flag (no strategy,
+  no policy named: today ``extra_buffer``, whose ping-pong slots planned prefix checkpoints
+  replace, and ``adaptive``), prefix checkpoints planned, and SGLang's post-prefill
+  ``checkpoint_kv_cache`` run as its result processor does; without overlap scheduling,
+  with its timing for requests ending by length (their final states donated before the
+  next batch, ``plugin/overlap_publish.py``), and for requests ending on a stop token
+  (finish one batch late). These rows follow the default as it changes.
 * ``oracle-belady``, ``oracle-belady-cost``, ``oracle-belady-naive``: ``ours-branch-*``
   with offline victims (:class:`.oracle.OracleDriver`): Belady with deeper states
   shadowing shallower ones; the same weighted by the tokens a miss recomputes per request

@@ -203,8 +203,14 @@ VARIANTS: dict[str, Variant] = {
     ),
     "ours-default-overlap": Variant(
         "ours",
-        _ours("ours-default-overlap", overlap=True, defaults=True),
-        "ours-default with overlap scheduling on (its default) and its timing (finish one batch late)",
+        _ours("ours-default-overlap", overlap=True, defaults=True, finish_by_length=True),
+        "ours-default with overlap scheduling on (its default) and its timing, requests ending by length "
+        "(final states donated before the next batch)",
+    ),
+    "ours-default-overlap-stop": Variant(
+        "ours",
+        _ours("ours-default-overlap-stop", overlap=True, defaults=True),
+        "ours-default-overlap with requests ending on a stop token (finish one batch late)",
     ),
     "oracle-belady": Variant(
         "oracle",

@@ -267,12 +267,19 @@ class OursOverlapDriver(OursDriver):
     prefill was scheduled (that request cannot hit the finished one's state, and the
     finished one still holds its slots at that admission), unless the next request is the
     next turn of its conversation (``TraceRecord.parent``: its client had the reply first).
-    The finish donates the live state (``finish_state="overlap"``)."""
+    The finish donates the live state (``finish_state="overlap"``).
+
+    ``finish_by_length``: every request ends by length (a replay's fixed output lengths), so
+    the plugin donates its final state before the next batch is scheduled
+    (``plugin/overlap_publish.py``, ``donate_finishing_decodes``): the finish is processed
+    before the next request's match, as without overlap. Without it (a stop token, which
+    SGLang sees only in the result) the finish comes one batch late."""
 
     overlap_timing = True
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, finish_by_length: bool = False, **kw):
         super().__init__(*args, **kw)
+        self.finish_by_length = finish_by_length
         self._pending: Optional[Handle] = None
 
     def build(self, kv_size: int, mamba_size: int, max_context_len: int) -> tuple:
@@ -281,7 +288,7 @@ class OursOverlapDriver(OursDriver):
         return cache, allocator, pool
 
     def describe(self) -> str:
-        return super().describe() + " overlap_timing=True"
+        return super().describe() + f" overlap_timing=True finish_by_length={self.finish_by_length}"
 
     def _process_pending_finish(self) -> None:
         h, self._pending = self._pending, None
@@ -292,7 +299,7 @@ class OursOverlapDriver(OursDriver):
 
     def begin(self, rec):
         h = self._pending
-        if h is not None and rec.parent is not None and str(rec.parent) == h.req.rid:
+        if h is not None and (self.finish_by_length or (rec.parent is not None and str(rec.parent) == h.req.rid)):
             self._process_pending_finish()
         return super().begin(rec)
 

@@ -128,6 +128,17 @@ class PrefixCheckpoints:
         return cap - on_path - planned - 1
 
     # ------------------------------------------------------------------ helpers
+    def releases_track_slots(self) -> bool:
+        """Whether a running request gives its ping-pong slots back after its prefill
+        (:meth:`_checkpoint_running`): ``release_track_slots`` set, single-token pages and a
+        finish that donates the working state. Where the backend also writes planned
+        prefix checkpoints, the adapter admits a request without ping-pong slots
+        (``CacheReq.mamba_track_slots_wanted``): the prefill's states come from the plan,
+        the finish state from the working slot (``docs/design.md``, "Ping-pong
+        release")."""
+        return bool(self.release_track_slots and self.page_size == 1
+                    and self.finish_state in ("working", "overlap"))
+
     def _checkpoint_running(self, req: CacheReq, up_to: Optional[int], prefill_done: bool = False) -> None:
         """:meth:`checkpoint` of a running request: planned prefix checkpoints, then the
         newest ping-pong checkpoint (or, untracked, a copy of the working state).
@@ -137,17 +148,18 @@ class PrefixCheckpoints:
         pages are single tokens (with larger pages an unaligned finish falls back to a decode
         checkpoint), the ping-pong slots are freed (entries ``-1``): decode never inserts
         their checkpoints, so a decoding request holds one SSM slot instead of three."""
-        release_tracking = (
-            prefill_done and self.release_track_slots and self.page_size == 1
-            and self.finish_state in ("working", "overlap")
-        )
+        release_tracking = prefill_done and self.releases_track_slots()
         self._insert_running(req, up_to, release_tracking)
         if release_tracking:
             self.req_to_token_pool.release_track_slots(req)
 
     def _insert_running(self, req: CacheReq, up_to: Optional[int], release_tracking: bool) -> None:
         """The inserts of :meth:`_checkpoint_running`; a donated ping-pong entry gets no
-        fresh slot when ``release_tracking``."""
+        fresh slot when ``release_tracking``. A request holding no ping-pong slot (admitted
+        without, ``CacheReq.mamba_track_slots_wanted``, or released) inserts no state here:
+        its prefill's states are the planned checkpoints, and a scheduler-side copy of the
+        working state could race the forward under overlap scheduling (which is why the
+        adapter keeps the slots for a prompt it expects to be chunked)."""
         if req.req_pool_idx is None:
             raise ValueError(f"checkpoint: request {req.rid!r} has no req_pool_idx")
         limit = req.kv_committed_len if up_to is None else min(up_to, req.kv_committed_len)

@@ -51,6 +51,10 @@ class CacheReq:
             ``kv_committed_len`` (``None``: it is). The deferred speculative verify replays a
             finishing request to exactly ``prompt + output[:-1]`` although the KV of drafts
             accepted past the stop is committed (``docs/design.md``, "Deferred update").
+        mamba_track_slots_wanted: whether ``HybridReqToTokenPool.alloc`` gives the request its
+            ping-pong slots; ``False`` where planned prefix checkpoints replace them (the
+            adapter decides, ``MambaRadixReqToTokenPool.tracking_replaced``): the entries
+            start ``-1``, as after ``release_track_slots``.
         user: free slot for the adapter (e.g. SGLang's ``Req``).
     """
 
@@ -72,6 +76,7 @@ class CacheReq:
     mamba_prev_track_seqlen: Optional[int] = None
     mamba_prefix_checkpoints: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
     mamba_working_len: Optional[int] = None
+    mamba_track_slots_wanted: bool = True
     user: Any = None
 
     def last_track_slot(self) -> Optional[int]:

@@ -135,7 +135,9 @@ class HybridReqToTokenPool:
     def mamba_slots_needed(self, reqs: Sequence[CacheReq]) -> int:
         """SSM slots :meth:`alloc` takes for ``reqs``: their ping-pong slots, plus a working
         slot for each request ``match_prefix`` did not already give one."""
-        return sum(self.track_slots_per_req + (1 if r.mamba_pool_idx is None else 0) for r in reqs)
+        track = self.track_slots_per_req
+        return sum((track if r.mamba_track_slots_wanted else 0) + (1 if r.mamba_pool_idx is None else 0)
+                   for r in reqs)
 
     # -- alloc / free -----------------------------------------------------------------
     def alloc(self, reqs: Sequence[CacheReq]) -> Optional[List[int]]:
@@ -171,22 +173,27 @@ class HybridReqToTokenPool:
             if r.mamba_cow_src_index is not None:
                 self.cow_copies_total += 1
             r.req_pool_idx = row
-            r.mamba_ping_pong_track_buffer = [next(it) for _ in range(track)]
+            # without its ping-pong slots (``mamba_track_slots_wanted``): entries -1 and the
+            # padding slot in the row mapping, as after :meth:`release_track_slots`
+            r.mamba_ping_pong_track_buffer = [next(it) if r.mamba_track_slots_wanted else -1 for _ in range(track)]
             r.mamba_next_track_idx = 0
             r.mamba_last_track_seqlen = None
         mapping = self.req_index_to_mamba_index_mapping
         pp = self.req_index_to_mamba_ping_pong_track_buffer_mapping
+        pad = self.mamba_pool.padding_slot
         if n == 1:  # the scheduler's common case: scalar writes, no index tensors
             r, row = reqs[0], rows[0]
             mapping[row] = r.mamba_pool_idx
             if track:
-                pp[row, :track] = torch.tensor(r.mamba_ping_pong_track_buffer, dtype=pp.dtype, device=self.device)
+                pp[row, :track] = torch.tensor([s if s >= 0 else pad for s in r.mamba_ping_pong_track_buffer],
+                                               dtype=pp.dtype, device=self.device)
             return rows
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         mapping[idx] = torch.tensor([r.mamba_pool_idx for r in reqs], dtype=mapping.dtype, device=self.device)
         if track:
             pp[idx, :track] = torch.tensor(
-                [r.mamba_ping_pong_track_buffer for r in reqs], dtype=pp.dtype, device=self.device
+                [[s if s >= 0 else pad for s in r.mamba_ping_pong_track_buffer] for r in reqs],
+                dtype=pp.dtype, device=self.device,
             )
         return rows
 

@@ -38,7 +38,7 @@ from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.host_tier import attach_host_tier
-from sglang_mamba_ext.plugin import replayssm
+from sglang_mamba_ext.plugin import overlap_publish, replayssm
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.sessions import RadixSessions, end_streaming_turn
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX
@@ -161,6 +161,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         #: ReplaySSM decode-ring records folded into working states before the tree took
         #: them (``--enable-linear-replayssm``; ``plugin/replayssm.py``)
         self.replayssm_records_folded = 0
+        #: final states given to the tree before their result (plugin/overlap_publish.py)
+        self.finish_states_donated_early = 0
 
     # -- SGLang's hierarchical-cache protocol (--enable-hierarchical-cache) -------------
     #: The host tier is the core's (``docs/design.md``, "Host tier"): its copies are made
@@ -285,6 +287,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
 
     # -- checkpoint / release ----------------------------------------------------------
     def checkpoint(self, req, *, up_to: int, **kwargs) -> None:
+        if getattr(req, overlap_publish.DONATED, None) is not None:
+            return  # its final state is in the tree already (plugin/overlap_publish.py)
         fill = req.full_untruncated_fill_ids
         up_to = min(int(up_to), len(fill))
         pool = self.req_to_token_pool
@@ -401,6 +405,8 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "ssm_protected_states": core.mamba_protected_size(),
             # --enable-linear-replayssm: decode-ring records folded before the tree took a state
             "replayssm_records_folded": self.replayssm_records_folded,
+            # overlap scheduling: finishes by length donated before their result (plugin/overlap_publish.py)
+            "finish_states_donated_early": self.finish_states_donated_early,
             # int8 checkpoints (--enable-int8-mamba-checkpoint): the tree's states are here,
             # not in the SSM slots above; 0 without the flag
             "int8_ckpt_slots_total": ckpt.size if ckpt is not None else 0,

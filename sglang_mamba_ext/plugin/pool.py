@@ -217,7 +217,7 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         )
         tracking = bool(self.enable_mamba_extra_buffer)
         self.mamba_ping_pong_track_buffer_size = TRACK_SLOTS
-        self.mamba_initial_tracking_slots = TRACK_SLOTS if tracking else 0
+        self.mamba_initial_tracking_slots = TRACK_SLOTS if tracking else 0  # the setter below
         ping_pong_map = None
         if tracking:
             # SGLang sizes this map with 1 column without overlap scheduling; the core
@@ -252,6 +252,44 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         self.tree_cache = None
         #: ``(req_generation, numpy view of it)`` for :meth:`_rows_taken`.
         self._req_generation_view = None
+
+    # -- ping-pong slots -----------------------------------------------------------------
+    @property
+    def mamba_initial_tracking_slots(self) -> int:
+        """Ping-pong slots :meth:`alloc` gives a fresh request (SGLang's
+        ``ensure_mamba_capacity`` evicts for them): the strategy's two, or none when
+        :meth:`tracking_replaced`."""
+        slots = self.__dict__.get("_initial_tracking_slots", 0)
+        return 0 if slots and self.tracking_replaced() else slots
+
+    @mamba_initial_tracking_slots.setter
+    def mamba_initial_tracking_slots(self, value: int) -> None:
+        self.__dict__["_initial_tracking_slots"] = value
+
+    def tracking_replaced(self) -> bool:
+        """Whether a running request needs no ping-pong slot: the backend writes planned
+        prefix checkpoints (:attr:`prefix_checkpoint_writer`), the tree cache plans them,
+        and the finish donates the working state with single-token pages
+        (``MambaRadixCache.releases_track_slots``). Its slots would hold only the prefill's
+        grid-tracked state, which the planned prompt-end checkpoint shadows, and would be
+        freed after the prefill anyway (``docs/design.md``, "Ping-pong release")."""
+        cache = self.__dict__.get("tree_cache")
+        return bool(self.__dict__.get("prefix_checkpoint_writer") and cache is not None
+                    and cache.core.branch_checkpoints and cache.core.releases_track_slots())
+
+    def _drop_unneeded_track_slots(self, reqs, creqs) -> None:
+        """Admit without ping-pong slots (:meth:`tracking_replaced`) every request whose
+        prompt fits one prefill chunk (``--chunked-prefill-size``). A prompt expected to be
+        chunked keeps them: its forward writes each chunk end's state into a ping-pong slot,
+        which SGLang's stash of the chunk inserts (a scheduler-side copy of the working state
+        there could race the chunk's forward under overlap scheduling)."""
+        from sglang.srt.runtime_context import get_server_args
+
+        chunk = getattr(get_server_args(), "chunked_prefill_size", None)
+        for r, c in zip(reqs, creqs):
+            fill = getattr(r, "full_untruncated_fill_ids", None)
+            new = (len(fill) if fill is not None else len(r.origin_input_ids)) - int(getattr(r, "prefix_len", 0) or 0)
+            c.mamba_track_slots_wanted = chunk is not None and 0 < chunk < new
 
     # -- rows: the core's free list ---------------------------------------------------
     @property
@@ -357,6 +395,8 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         fresh = [r for r in reqs if not r.kv.holds_kv]
         if fresh:
             creqs = [req_bridge.pull(r) for r in fresh]
+            if self.tracking_replaced():
+                self._drop_unneeded_track_slots(fresh, creqs)
             rows = self.core.alloc(creqs)
             short = self.core.mamba_slots_needed(creqs) - self.core_mamba_pool.available_size()
             if rows is None and short > 0:

@@ -17,6 +17,7 @@ import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from server_util import CHECKED_ENV, abort_mid_generation, idle_and_checked, start_tiny_server
 
@@ -44,6 +45,30 @@ class TestOverlapOnCPU(unittest.TestCase):
         r = self.server.generate(input_ids=ids, max_new_tokens=n, **extra)
         self.assertEqual(r["output_ids"], self.ref.generate_greedy(ids, n), f"prompt of {len(ids)}")
         return r["output_ids"], r["meta_info"]["cached_tokens"]
+
+    def info(self):
+        r = requests.get(self.server.base_url + "/server_info", timeout=60)
+        r.raise_for_status()
+        return r.json()["internal_states"][0]["mamba_radix"]
+
+    def test_finish_by_length_donated_before_its_result(self):
+        """A request finishing by length gives the tree its final state when the next batch
+        is scheduled, before its result is processed (``plugin/overlap_publish.py``): one
+        early donation per such request, none for a finish by the prefill itself (one
+        output token: no decode batch), and its next turn hits ``len + out - 1``."""
+        before = self.info()["finish_states_donated_early"]
+        p = self.tokens(45)
+        out, _ = self.gen(p, 7)
+        self.assertEqual(self.info()["finish_states_donated_early"] - before, 1)
+        nxt = p + out + [3, 4]
+        out2, hit = self.gen(nxt, 4)
+        self.assertEqual(hit, len(p) + 7 - 1)
+        self.assertEqual(self.info()["finish_states_donated_early"] - before, 2)
+        # a branch off nxt's end, finished by its prefill: nxt's prompt-end checkpoint
+        self.assertEqual(self.gen(nxt + [out2[0] % 500 + 7], 1)[1], len(nxt) - 1)
+        self.assertEqual(self.info()["finish_states_donated_early"] - before, 2)
+        load = idle_and_checked(self.server)
+        self.assertEqual(load["num_used_tokens"], 0, load)
 
     def test_a_overlap_is_on(self):
         log = self.server.log_text()
@@ -80,9 +105,12 @@ class TestOverlapOnCPU(unittest.TestCase):
             p, ref = next((p, r) for p in (self.tokens(n) for _ in range(20))
                           for r in [self.ref.generate_greedy(p, 16)] if EOS not in r)
             k = next(i for i in range(4, 16) if ref[i] not in ref[:i])
+            donated = self.info()["finish_states_donated_early"]
             r = self.server.generate(input_ids=p, sampling_params={  # ignore_eos would ignore the stop id too
                 "temperature": 0, "max_new_tokens": 16, "stop_token_ids": [ref[k]]})
             out = r["output_ids"]
+            # not foreseeable: no early donation (its result finishes it one batch late)
+            self.assertEqual(self.info()["finish_states_donated_early"], donated)
             self.assertEqual(out, ref[: k + 1])
             self.assertEqual(r["meta_info"]["finish_reason"]["type"], "stop")
             self.assertEqual(self.gen(p + out + self.tokens(3), 4)[1], n + len(out), n)
