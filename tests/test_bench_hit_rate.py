@@ -439,6 +439,20 @@ class Int8SplitTest(unittest.TestCase):
         self.assertLessEqual(active * full + slots * int8, 16 * full)
         self.assertGreater(active * full + (slots + 1) * int8, 16 * full)
 
+    @requires_sglang
+    def test_int8_host_row_at_equal_host_bytes(self):
+        """``ours-branch-adaptive-int8-host`` (issue 42): the int8 split of the device bytes
+        and a host tier of int8 states at the host bytes of the ratio-2 rows (the plugin
+        sizes it by ``--hicache-ratio`` x the active slots), replayed without a leak."""
+        from sglang_mamba_ext.benchmarks.chat_workload import chat_workload
+
+        driver = bench_hit_rate.VARIANTS["ours-branch-adaptive-int8-host"].factory(200_000, 16)
+        active, slots = bench_hit_rate.int8_split(16)
+        self.assertEqual((driver.int8_slots, driver.host_ratio), (slots, bench_hit_rate.HOST_RATIO * 16 / active))
+        self.assertIsNotNone(driver.cache.core.mamba_host_pool)
+        res = run_hit_trace(driver, chat_workload(0)[:60], side="ours-bytes")
+        self.assertTrue(res.leak_ok, res.leak_details)
+
     def test_bytes_hit_ratio_takes_every_row_of_each_side(self):
         rs = [
             _result("u", "upstream", 20, 80),

@@ -123,14 +123,19 @@ def _upstream_host(base: str, name: str, **kw) -> Callable[[int, int], CacheDriv
     return factory
 
 
-def _ours_int8(name: str, **kw) -> Callable[[int, int], CacheDriver]:
+def _ours_int8(name: str, host: bool = False, **kw) -> Callable[[int, int], CacheDriver]:
     """One of this project's variants with int8 checkpoints at the device bytes of
-    ``mamba_size`` full-precision slots (:func:`int8_split`)."""
+    ``mamba_size`` full-precision slots (:func:`int8_split`); with ``host``, a host tier of
+    int8 states at the host bytes of the full-precision host rows (:data:`HOST_RATIO` x
+    ``mamba_size`` full-precision states: the plugin sizes its tier by ``--hicache-ratio`` x
+    ``--max-mamba-cache-size``, the active slots here, in full-precision bytes)."""
 
     def factory(kv_size: int, mamba_size: int) -> CacheDriver:
         from sglang_mamba_ext.benchmarks.ours import OursDriver
 
         active, slots = int8_split(mamba_size)
+        if host:
+            kw["host_ratio"] = HOST_RATIO * mamba_size / active
         return OursDriver(kv_size, active, name=name, int8_slots=slots, **kw)
 
     return factory
@@ -266,6 +271,12 @@ VARIANTS: dict[str, Variant] = {
         "ours-bytes",
         _ours("ours-branch-adaptive-host", prefix_checkpoints=True, eviction_policy="adaptive", host_ratio=HOST_RATIO),
         "ours-branch-adaptive with a host tier of SSM states (--enable-hierarchical-cache, ratio 2), same device bytes",
+    ),
+    "ours-branch-adaptive-int8-host": Variant(
+        "ours-bytes",
+        _ours_int8("ours-branch-adaptive-int8-host", host=True, prefix_checkpoints=True, eviction_policy="adaptive"),
+        "ours-branch-adaptive-int8 with a host tier of int8 states (--enable-hierarchical-cache), same device "
+        "bytes and the host bytes of the ratio-2 host rows",
     ),
     "upper-bound-lp": Variant(
         "bound",
