@@ -4,11 +4,17 @@
 Usage: python scripts/make_tiny_model.py --out DIR [--seed N] [--draft-out DRAFT_DIR]
 [--linear-gate {kda,gdn}] [--linear-kernels {tiny,sglang}]
        python scripts/make_tiny_model.py --arch ARCH --out DIR [--seed N]
+       python scripts/make_tiny_model.py --list-archs
 
 ``--arch`` writes a tiny checkpoint of one of SGLang's own hybrid families instead
 (``qwen3_next``, ``kimi_linear``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``,
-``lfm2``), served by SGLang's own model class for it; built by transformers' own class
-(``sglang_mamba_ext/models/hf_tiny.py``), float16, the same tokenizer.
+``lfm2``; ``qwen3_5_text`` builds, its serving is not verified yet), served by SGLang's own
+model class for it; built by transformers' own class (``sglang_mamba_ext/models/hf_tiny.py``),
+float16, the same tokenizer.
+
+``--list-archs`` prints every hybrid causal-LM class of SGLang 0.5.23, one line each: SGLang's
+module name (the ``--arch`` name), architecture, linear-layer kind, status (``supported``,
+``build only`` or ``not yet``).
 
 ``--linear-gate gdn`` gives the linear layers Gated DeltaNet's per-head decay gate (Qwen3-Next)
 instead of KDA's per-channel one (Kimi-Linear, the default).
@@ -25,13 +31,13 @@ installed (its SGLang plugin registers the model).
 import argparse
 import sys
 
-from sglang_mamba_ext.models.hf_tiny import ARCHS
+from sglang_mamba_ext.models.hf_tiny import ARCHS, list_archs
 from sglang_mamba_ext.models.tiny_builder import build_tiny_draft, build_tiny_model
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output model directory (created)")
+    parser.add_argument("--out", help="output model directory (created); required unless --list-archs")
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     parser.add_argument("--draft-out", default=None,
                         help="also write the matching frozen-KV draft model here (created)")
@@ -45,7 +51,15 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", choices=ARCHS, default=None,
                         help="write a tiny checkpoint of this SGLang hybrid family instead of the tiny "
                              "hybrid model (no --draft-out, --linear-gate or --linear-kernels with it)")
+    parser.add_argument("--list-archs", action="store_true",
+                        help="print SGLang's hybrid classes (module, architecture, linear-layer kind, status) "
+                             "and exit")
     args = parser.parse_args(argv)
+    if args.list_archs:
+        print("\n".join(list_archs()))
+        return 0
+    if not args.out:
+        parser.error("--out is required (unless --list-archs)")
     if args.arch:
         given = [f for f, v in (("--draft-out", args.draft_out), ("--linear-gate", args.linear_gate != "kda"),
                                 ("--linear-kernels", args.linear_kernels != "tiny")) if v]

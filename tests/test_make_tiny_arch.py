@@ -26,6 +26,7 @@ EXPECTED = {
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "model.layers.0.block_sparse_moe.input_linear.weight",
                          (4, 64, 64)),
     "lfm2": ("Lfm2ForCausalLM", "model.layers.0.conv.in_proj.weight", (192, 64)),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", "model.layers.0.linear_attn.in_proj_qkv.weight", (128, 64)),
 }
 
 # The layer kinds each family must mix (keys of its config.json in the released format).
@@ -38,7 +39,31 @@ LINEAR_AND_FULL = {
     "falcon_h1": lambda c: c["mamba_n_heads"] == 4 and c["num_attention_heads"] == 4,  # both in every layer
     "granitemoehybrid": lambda c: set(c["layer_types"]) == {"mamba", "attention"},
     "lfm2": lambda c: set(c["layer_types"]) == {"conv", "full_attention"},
+    # SGLang places the full-attention layers by full_attention_interval, transformers by layer_types.
+    "qwen3_5_text": lambda c: c["layer_types"] == ["linear_attention", "full_attention"] * 2
+    and c["full_attention_interval"] == 2,
 }
+
+# SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
+# config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
+# (configs/hybrid_arch.py), as the server would see them at start-up.
+_SGLANG_CONFIG_PROBE = r"""
+import json, sys
+from sglang.srt.configs import hybrid_arch
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.utils.hf_transformers import get_config
+out = {}
+for arch, path in json.loads(sys.argv[1]).items():
+    cfg = get_config(path, trust_remote_code=False)
+    mc = ModelConfig(path)
+    gdn = hybrid_arch.hybrid_gdn_config(mc)
+    out[arch] = dict(config_class=type(cfg).__name__, architectures=cfg.architectures,
+                     mambaish=hybrid_arch.mambaish_config(mc) is not None, gdn=gdn is not None,
+                     linear=list(gdn.linear_layer_ids) if gdn is not None else None,
+                     full=list(gdn.full_attention_layer_ids) if gdn is not None else None,
+                     rotary=getattr(cfg, "partial_rotary_factor", None), theta=getattr(cfg, "rope_theta", None))
+print(json.dumps(out))
+"""
 
 
 class TestMakeTinyArch(unittest.TestCase):
@@ -95,12 +120,31 @@ class TestMakeTinyArch(unittest.TestCase):
         a = list(range(10, 90))
         b = list(a)
         b[60] = 700
-        for arch in ("nemotron_h", "qwen3_next"):
+        for arch in ("nemotron_h", "qwen3_next", "qwen3_5_text"):
             with self.subTest(arch=arch):
                 ra, rb = reference_greedy(self.dirs[arch], [a, b], 2)
                 self.assertEqual(len(ra["tokens"]), 2)
                 self.assertGreater(ra["logprobs"][0], -3.0, ra)
                 self.assertGreater(abs(ra["logprobs"][0] - rb["logprobs"][0]), 1e-2, (ra, rb))
+
+    def test_sglang_config_loader_accepts(self):
+        """SGLang's own loader (``get_config``, ``ModelConfig``) reads every checkpoint with its
+        config class for the family and counts it as hybrid; for ``qwen3_5_text`` (serving not
+        verified yet) also that SGLang sees the same layer kinds and rotary settings as the
+        transformers config that built the weights."""
+        proc = subprocess.run([sys.executable, "-c", _SGLANG_CONFIG_PROBE, json.dumps(self.dirs)],
+                              capture_output=True, text=True, timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        seen = json.loads(proc.stdout.strip().splitlines()[-1])
+        for arch in ARCHS:
+            with self.subTest(arch=arch):
+                self.assertEqual(seen[arch]["architectures"], [EXPECTED[arch][0]])
+                self.assertTrue(seen[arch]["mambaish"], seen[arch])
+        q = seen["qwen3_5_text"]
+        self.assertEqual(q["config_class"], "Qwen3_5TextConfig")
+        self.assertTrue(q["gdn"])
+        self.assertEqual((q["linear"], q["full"]), ([0, 2], [1, 3]))
+        self.assertEqual((q["rotary"], q["theta"]), (0.25, 10000.0))
 
     def test_arch_refuses_tiny_only_flags(self):
         proc = subprocess.run([sys.executable, SCRIPT, "--arch", "lfm2", "--out", os.path.join(self.tmp.name, "x"),
