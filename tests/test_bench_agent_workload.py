@@ -68,6 +68,24 @@ class AgentWorkloadTest(unittest.TestCase):
             agent_workload(0, regen_prob=1.5)
 
 
+class ArgsTest(unittest.TestCase):
+    def test_mamba_sizes_below_what_every_variant_runs_at(self):
+        """``--mamba-sizes`` below :data:`MIN_MAMBA_SIZE` (6) is refused like argparse
+        (exit 2, the flag named): 4 and 5 passed the old check and then failed inside
+        SGLang's extra_buffer and int8 rows and the overlap rows' start-up check."""
+        from sglang_mamba_ext.benchmarks.hit_rate import MIN_MAMBA_SIZE, parse_args
+
+        self.assertEqual(MIN_MAMBA_SIZE, 6)
+        for bad in ("5", "16,4", "0"):
+            err = io.StringIO()
+            with self.subTest(sizes=bad), contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as cm:
+                parse_args(["--workload", "agent", "--mamba-sizes", bad])
+            self.assertEqual(cm.exception.code, 2)
+            self.assertIn("--mamba-sizes", err.getvalue())
+            self.assertIn("at least 6", err.getvalue())
+        self.assertEqual(parse_args(["--workload", "agent", "--mamba-sizes", "6"]).mamba_sizes, [6])
+
+
 @requires_sglang
 class AgentHitsTest(unittest.TestCase):
     """Pools that evict nothing: exact hits per shape with this cache's prefix checkpoints."""

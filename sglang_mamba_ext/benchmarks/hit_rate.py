@@ -312,13 +312,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.mamba_sizes = [int(x) for x in args.mamba_sizes.split(",") if x.strip()]
     except ValueError:
         p.error(f"--mamba-sizes {args.mamba_sizes!r}: give comma-separated integers, e.g. 64,16")
-    if not args.mamba_sizes or any(m < 4 for m in args.mamba_sizes):
+    if not args.mamba_sizes or any(m < MIN_MAMBA_SIZE for m in args.mamba_sizes):
         p.error(
-            f"--mamba-sizes {args.mamba_sizes}: each must be at least 4 (extra_buffer holds "
-            "3 SSM slots per running request)"
+            f"--mamba-sizes {args.mamba_sizes}: each must be at least {MIN_MAMBA_SIZE} (SGLang's "
+            "extra_buffer rows hold 3 SSM slots per running request, the overlap rows' "
+            "servers need 5, and the int8 rows keep 4 active slots besides their checkpoints)"
         )
     check_common_args(p, args)
     return args
+
+
+#: The smallest ``--mamba-sizes`` entry every variant runs at (4 and 5 fail in SGLang's
+#: extra_buffer and int8 rows and at the plugin's start-up check under overlap).
+MIN_MAMBA_SIZE = 6
 
 
 def run_config(
