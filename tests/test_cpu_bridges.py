@@ -155,6 +155,37 @@ class TestRotary(unittest.TestCase):
         torch.testing.assert_close(q2[0], q[0])  # position 0 is the identity
 
 
+@unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA, "needs SGLang on a host without CUDA")
+class TestGatedNormRows(unittest.TestCase):
+    """Qwen3.5's gated RMSNorm (``kernels/ops/attention/fla/layernorm_gated.py``) sizes its
+    row blocks by ``torch.cuda.get_device_properties(...).multi_processor_count``."""
+
+    def _sm_count(self):
+        import sglang.kernels.ops.attention.fla.layernorm_gated as ln
+
+        fn = getattr(ln._get_sm_count, "__wrapped__", ln._get_sm_count)
+        return getattr(fn, "__wrapped__", fn)  # the hook's wrapper, then lru_cache's
+
+    def test_gap_present_upstream(self):
+        with self.assertRaises((RuntimeError, AssertionError)):
+            self._sm_count()(torch.device("cpu"))
+
+    def test_bridge_answers_the_core_count_for_cpu_only(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        calls = []
+
+        def original(device):
+            calls.append(device)
+            return 132
+
+        with _bridges_on():
+            self.assertEqual(cpu_bridges.sm_count_around(original, torch.device("cpu")), os.cpu_count())
+            self.assertEqual(cpu_bridges.sm_count_around(original, torch.device("xpu", 0)), 132)
+        self.assertEqual(cpu_bridges.sm_count_around(original, torch.device("cpu")), 132)  # bridges off
+        self.assertEqual(len(calls), 2)
+
+
 @unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA and _IN_INTERP,
                      "needs SGLang, no CUDA and TRITON_INTERPRET=1 (run by TestUnderTritonInterpreter)")
 class TestMamba2KernelInterpreted(unittest.TestCase):

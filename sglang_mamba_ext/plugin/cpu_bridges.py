@@ -19,7 +19,8 @@ with line numbers is in ``docs/sglang-hooks.md``):
   CUDA / NPU / XPU, so a Mamba2 layer raises ``NameError`` on CPU; the missing names are bound
   to SGLang's Triton versions (``kernels/ops/mamba/causal_conv1d_triton.py``), as its XPU
   branch does.
-- **device module** (AROUND ``MambaMixer2.forward`` and ``Qwen3GatedDeltaNet.__init__``):
+- **device module** (AROUND ``MambaMixer2.forward``, ``Qwen3GatedDeltaNet.__init__`` and
+  ``layernorm_gated._layer_norm_fwd``):
   ``torch.get_device_module(...)`` on a CUDA build of torch without a driver: with no device it
   returns ``torch.cuda`` (``current_device()`` then raises), with a CPU device ``torch.cpu``,
   which has no ``device(index)`` context (the Mamba2 SSD kernels' launch wrappers,
@@ -31,6 +32,12 @@ with line numbers is in ``docs/sglang-hooks.md``):
   (``SGLANG_USE_CPU_ENGINE=1``, which needs ``sgl_kernel`` CPU ops PyPI's build lacks); the
   module's CPU flag is set for the duration of the constructor, so no fallback kernel is
   bound and the layer runs ``forward_native``.
+- **gated RMSNorm rows** (AROUND ``kernels/ops/attention/fla/layernorm_gated._get_sm_count``,
+  issue 40): Qwen3.5's Gated DeltaNet norm (``srt/models/qwen3_5.py``, the ``RMSNorm`` of
+  ``layernorm_gated``) sizes its row blocks by the GPU's SM count,
+  ``torch.cuda.get_device_properties``, which fails without a driver; for a CPU tensor the
+  CPU's core count stands in (a block-size heuristic only); its launch
+  (``_layer_norm_fwd``) enters ``device_context``, which gets the device module bridge below.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ MODEL_RUNNER_INIT = "sglang.srt.model_executor.model_runner.ModelRunner.__init__
 MAMBA_MIXER_FORWARD = "sglang.srt.layers.attention.mamba.mamba.MambaMixer2.forward"
 QWEN3_NEXT_GDN_INIT = "sglang.srt.models.qwen3_next.Qwen3GatedDeltaNet.__init__"
 ROPE_INIT = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__"
+GATED_NORM_SM_COUNT = "sglang.kernels.ops.attention.fla.layernorm_gated._get_sm_count"
+GATED_NORM_FWD = "sglang.kernels.ops.attention.fla.layernorm_gated._layer_norm_fwd"
 
 MAMBA_MODULE = "sglang.srt.layers.attention.mamba.mamba"
 ROPE_MODULE = "sglang.srt.layers.rotary_embedding.base"
@@ -166,7 +175,9 @@ def cpu_device_module():
 
 
 def device_module_around(original, *args, **kwargs):
-    """AROUND hook (``MambaMixer2.forward``, ``Qwen3GatedDeltaNet.__init__``)."""
+    """AROUND hook (``MambaMixer2.forward``, ``Qwen3GatedDeltaNet.__init__``, and
+    ``layernorm_gated._layer_norm_fwd``: Qwen3.5's gated norm enters SGLang's
+    ``device_context``, ``srt/utils/common.py``)."""
     if not active():
         return original(*args, **kwargs)
     with cpu_device_module():
@@ -188,6 +199,14 @@ def rope_init_around(original, *args, **kwargs):
             return original(*args, **kwargs)
         finally:
             mod._is_cpu = saved
+
+
+def sm_count_around(original, device, *args, **kwargs):
+    """AROUND ``layernorm_gated._get_sm_count(device)``: for a CPU device, the CPU's core
+    count (the kernel's rows-per-block heuristic); anything else unchanged."""
+    if active() and getattr(device, "type", None) == "cpu":
+        return os.cpu_count() or 1
+    return original(device, *args, **kwargs)
 
 
 # ---------------------------------------------------------------- MLA under torch_native (gap 5)
@@ -251,4 +270,6 @@ def register_cpu_bridges() -> None:
     HookRegistry.register(MAMBA_MIXER_FORWARD, device_module_around, HookType.AROUND)
     HookRegistry.register(QWEN3_NEXT_GDN_INIT, device_module_around, HookType.AROUND)
     HookRegistry.register(ROPE_INIT, rope_init_around, HookType.AROUND)
+    HookRegistry.register(GATED_NORM_SM_COUNT, sm_count_around, HookType.AROUND)
+    HookRegistry.register(GATED_NORM_FWD, device_module_around, HookType.AROUND)
     _installed = True

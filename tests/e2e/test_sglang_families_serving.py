@@ -201,5 +201,15 @@ class TestLfm2Serving(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "lfm2", "ShortConvAttnBackend", "Lfm2ForCausalLM"
 
 
+class TestQwen35Serving(FamilyServing, unittest.TestCase):
+    """Qwen3.5 dense text (``Qwen3_5ForCausalLM``; issue 40): Gated DeltaNet on SGLang's
+    ``GDNAttnBackend``, the in-chunk writer Qwen3-Next's class runs; launched, resent, next
+    turn, abort (the branch point is Qwen3-Next's: the suite's time budget)."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "qwen3_5_text", "GDNAttnBackend", "Qwen3_5ForCausalLM"
+
+
 if __name__ == "__main__":
     unittest.main()
