@@ -405,8 +405,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "ssm_protected_states": core.mamba_protected_size(),
             # --enable-linear-replayssm: decode-ring records folded before the tree took a state
             "replayssm_records_folded": self.replayssm_records_folded,
-            # overlap scheduling: finishes by length donated before their result (plugin/overlap_publish.py)
-            "finish_states_donated_early": self.finish_states_donated_early,
+            "finish_states_donated_early": self.finish_states_donated_early,  # plugin/overlap_publish.py
             # int8 checkpoints (--enable-int8-mamba-checkpoint): the tree's states are here,
             # not in the SSM slots above; 0 without the flag
             "int8_ckpt_slots_total": ckpt.size if ckpt is not None else 0,
