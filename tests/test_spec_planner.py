@@ -96,6 +96,40 @@ class TestPlanner(unittest.TestCase):
         self.assertGreater(d.r.max_mamba_cache_size, o.r.max_mamba_cache_size)  # both hit SGLang's bound of 48 requests
         self.assertGreater(d.r.max_running_requests, snap.r.max_running_requests)
 
+    def test_qwen35_and_nemotron_h_rows_from_sglang_pools(self):
+        """Issue 41 item 5: Qwen3.5-27B (GDN, 48 value heads) and Nemotron-Nano-9B-v2 (Mamba2) as
+        SGLang builds their pools at TP 1: the snapshot buffers are L x rows x draft tokens x
+        (one token's SSM state + conv window), counted here from the published fields; Qwen3.5's
+        deferred row serves more requests, Nemotron-H's deferred row is the plugin's refusal."""
+        import importlib.util
+        from types import SimpleNamespace
+
+        if importlib.util.find_spec("sglang") is None:
+            self.skipTest("SGLang is not installed")
+        from sglang_mamba_ext.benchmarks import spec_memory as plan_spec_memory
+
+        args = SimpleNamespace(topk=4, steps=3, draft_token_num=63, max_running_requests=0, total_gib=140.0,
+                               mem_fraction_static=0.88, ssm_dtype="bf16")
+        with contextlib.redirect_stdout(io.StringIO()):
+            q = plan_spec_memory.report("Qwen3.5-27B", args, 1)
+            n = plan_spec_memory.report("Nemotron-Nano-9B-v2", args, 1)
+        # Qwen3.5-27B: 48 GDN layers, 48 value heads x 128 x 128, conv over q,k (16 heads x 128
+        # each) and v (48 x 128), 3 window columns, bf16
+        per_token = 48 * 128 * 128 * 2 + (2 * 16 * 128 + 48 * 128) * 3 * 2
+        snap = q["snapshot"]
+        self.assertEqual(snap.allocated, 48 * snap.rows * 63 * per_token)
+        self.assertIsNone(q["refused"])
+        self.assertEqual(q["deferred"].variant, "on_chip")
+        self.assertGreater(q["deferred"].r.max_running_requests, snap.r.max_running_requests)
+        self.assertLess(q["deferred"].per_row(q["deferred"].peak) * 20, snap.per_row(snap.peak))
+        # Nemotron-Nano-9B-v2: 27 Mamba2 layers, 128 heads x 80 x state 128, conv over x (128 x 80)
+        # and B, C (8 groups x 128 each), 3 window columns, bf16
+        per_token = 128 * 80 * 128 * 2 + (128 * 80 + 2 * 8 * 128) * 3 * 2
+        snap = n["snapshot"]
+        self.assertEqual(snap.allocated, 27 * snap.rows * 63 * per_token)
+        self.assertIsNone(n["deferred"])
+        self.assertIn("Mamba2", n["refused"])
+
     def test_snapshot_matches_sglang_pool_sizing(self):
         """Our snapshot formula uses the per-slot shapes SGLang's KimiLinearStateShape gives
         (``configs/mamba_utils.py``) for the intermediate buffers of ``memory_pool.py``."""

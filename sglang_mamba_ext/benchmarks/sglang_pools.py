@@ -20,6 +20,8 @@ Mamba pool and the KV pool. Tensor parallelism is simulated by the runtime conte
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -82,6 +84,41 @@ PUBLISHED: Dict[str, PublishedModel] = {m.name: m for m in (
             "rope_theta": 10000000, "max_position_embeddings": 262144, "torch_dtype": "bfloat16",
         },
         80.0,
+    ),
+    PublishedModel(
+        "Qwen3.5-27B",
+        "https://huggingface.co/Qwen/Qwen3.5-27B/blob/main/config.json, its text_config (27B dense; "
+        "published as Qwen3_5ForConditionalGeneration, sized here as the text model "
+        "Qwen3_5ForCausalLM, whose pools are the same): 64 layers, full_attention_interval 4 "
+        "(16 gated-attention layers: 24 q heads, 4 KV heads x 256), 48 Gated DeltaNet layers "
+        "(16 key heads, 48 value heads, 128 x 128, conv 4), one MTP layer",
+        {
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+            "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+            "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256, "full_attention_interval": 4,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "attn_output_gate": True,
+            "partial_rotary_factor": 0.25, "rope_theta": 10000000, "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6, "mtp_num_hidden_layers": 1, "torch_dtype": "bfloat16",
+        },
+        27.0,
+    ),
+    PublishedModel(
+        "Nemotron-Nano-9B-v2",
+        "https://huggingface.co/nvidia/NVIDIA-Nemotron-Nano-9B-v2/blob/main/config.json "
+        "(NemotronHForCausalLM, 9B): 56 layers by hybrid_override_pattern, 27 Mamba2 layers "
+        "(128 heads x 80, 8 groups, state 128, conv 4), 4 attention layers (40 q heads, 8 KV heads "
+        "x 128), 25 MLP layers",
+        {
+            "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+            "vocab_size": 131072, "hidden_size": 4480, "intermediate_size": 15680, "num_hidden_layers": 56,
+            "hybrid_override_pattern": "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-",
+            "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+            "mamba_num_heads": 128, "mamba_head_dim": 80, "n_groups": 8, "ssm_state_size": 128,
+            "conv_kernel": 4, "expand": 2, "use_conv_bias": True, "chunk_size": 128,
+            "mlp_hidden_act": "relu2", "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+        },
+        9.0,
     ),
 )}
 
@@ -208,7 +245,17 @@ def size_pools(name: str, mode: Optional[str], *, total_gib: float, free_gib: fl
     env = {"SGLANG_MAMBA_SSM_DTYPE": ssm_dtype, "SGLANG_MAMBA_CONV_DTYPE": conv_dtype, VERIFY_ENV: verify}
     with mock.patch.dict(os.environ, env), \
             mock.patch.object(hooks, "_target_layout", None):
-        sa = pickle.loads(pickle.dumps(prepare_server_args(argv)))  # as a scheduler process receives it
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                parsed = prepare_server_args(argv)
+        except (FlagError, SystemExit) as e:
+            # the plugin's start-up checks (e.g. deferred mode on a Mamba2 target) end in
+            # argparse's usage + "error:" lines; keep the error line as the refusal
+            lines = [ln for ln in err.getvalue().splitlines() if "error:" in ln]
+            res.refused = lines[-1].split("error:", 1)[1].strip() if lines else f"{type(e).__name__}: {e}"
+            return res
+        sa = pickle.loads(pickle.dumps(parsed))  # as a scheduler process receives it
         ctx = create_context(sa, role="scheduler")
         with use_context(ctx), get_parallel().override(
                 world_group=SimpleNamespace(cpu_group=None), tp_size=tp, attn_tp_size=tp, moe_tp_size=tp):

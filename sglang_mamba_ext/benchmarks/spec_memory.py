@@ -3,7 +3,8 @@ what it does to SGLang's pool sizes (issue 15, item 3).
 
 For Kimi-Linear-48B-A3B and Qwen3-Next-80B-A3B (published ``config.json`` fields, cited in
 ``sglang_mamba_ext/benchmarks/sglang_pools.py``; same shapes as
-``speculative/reference/sizing.py``) at a stated per-GPU memory budget and TP size, runs SGLang's
+``speculative/reference/sizing.py``), and Qwen3.5-27B (its ``text_config``) and
+Nemotron-Nano-9B-v2 (Mamba2: deferred mode is refused, the snapshot row alone is printed) at a stated per-GPU memory budget and TP size, runs SGLang's
 own pool sizing and ``MambaPool`` construction in-process on CPU (device memory query simulated,
 tensors on the ``meta`` device; :func:`sglang_mamba_ext.benchmarks.sglang_pools.size_pools`)
 once with ``--mamba-spec-state-update snapshot`` (SGLang's path) and once with ``deferred``,
@@ -49,7 +50,7 @@ from sglang_mamba_ext.benchmarks.sglang_pools import PUBLISHED, PoolResult, size
 
 HEADLINE = "Kimi-Linear-48B-A3B"
 #: default tensor-parallel size per model: the smallest that holds the bf16 weights on a 140 GiB GPU
-DEFAULT_TP = {"Kimi-Linear-48B-A3B": 1, "Qwen3-Next-80B-A3B": 2}
+DEFAULT_TP = {"Kimi-Linear-48B-A3B": 1, "Qwen3-Next-80B-A3B": 2, "Qwen3.5-27B": 1, "Nemotron-Nano-9B-v2": 1}
 SSM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
