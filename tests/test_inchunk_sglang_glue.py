@@ -227,6 +227,107 @@ class TestInchunkHookGdnTorch(TestInchunkHookKda):
     LAYOUT, IMPL = "gdn", "torch"
 
 
+class _StandinKernel:
+    """Stand-in for SGLang's Triton extend kernel (its class name is what the glue checks)."""
+
+
+@requires_sglang
+class TestInchunkFromChunkStates(TestInchunkHookKda):
+    """Issue 39: where SGLang's extend kernel returns its chunk states ``h``, checkpoints past a
+    row's first chunk are written from ``h`` after the kernel (dispatcher BEFORE / AFTER hooks),
+    the others before the forward; every planned slot equals the token scan from the start
+    states (``impl="reference"``), and the caller gets the kernel's result as it asked."""
+
+    IMPL = "torch"
+
+    def setUp(self):
+        super().setUp()
+        # rows 1, 2, 3: 150 new tokens (no prefix), 70 (prefix 10), 5; offsets 7, 140 | 66, 20
+        self.lens, self.prefix = [150, 70, 5], [0, 10, 0]
+        self.rtp.prefix_checkpoints = {1: [(7, 4), (140, 5)], 2: [(76, 6), (30, 7)]}
+        self.fb.extend_seq_lens_cpu, self.fb.extend_prefix_lens_cpu = self.lens, self.prefix
+        self.fb.extend_prefix_lens = torch.tensor(self.prefix, device=DEV)
+        self.backend.mis_metadata = None
+
+    def _dispatcher(self, kernel_name):
+        kernel = type(kernel_name, (_StandinKernel,), {})()
+        if self.LAYOUT == "kda":
+            return SimpleNamespace(effective_extend_kernel=lambda lb, T, N: kernel, extend_kernel=kernel)
+        return SimpleNamespace(extend_kernel=kernel)
+
+    def _reference(self, l, w, mq, a, b, items, start_views):
+        """Slots written by the token scan from the start states: ``{slot: (conv, state)}``, and
+        ``h [1, NT, HV, V, K]`` (state at every 64-token chunk start of every row)."""
+        from sglang_mamba_ext.speculative.ops.inchunk import plan_writes, write_checkpoints
+
+        conv = torch.cat([start_views[0], start_views[0].new_zeros(40, *start_views[0].shape[1:])])
+        temp = torch.cat([start_views[1], start_views[1].new_zeros(40, *start_views[1].shape[1:])])
+        starts, srcs, rows, hs = [0, 150, 220], [-1, 3, -1], [], []
+        for r, n in enumerate(self.lens):
+            chunks = [(c * 64, 20 + len(hs) + c) for c in range((n + 63) // 64)]
+            hs.extend(s for _, s in chunks)
+            rows.append((starts[r], srcs[r], chunks + items.get(r, [])))
+        T = mq.shape[0]
+        write_checkpoints(mq.unsqueeze(0), a.reshape(T, -1).unsqueeze(0), b.reshape(T, -1).unsqueeze(0),
+                          plan_writes(rows, DEV), conv.unsqueeze(0), temp.unsqueeze(0), w, impl="reference")
+        return conv, temp, temp[hs].transpose(-1, -2).unsqueeze(0)
+
+    def test_tails_written_from_the_kernels_chunk_states(self):
+        ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
+        name = "TritonKDAKernel" if self.LAYOUT == "kda" else "TritonGDNKernel"
+        self.backend.kernel_dispatcher = disp = self._dispatcher(name)
+        ins = self._inputs()
+        items = {0: [(7, 4), (140, 5)], 1: [(66, 6), (20, 7)]}
+        for l, (layer, (mq, a, b)) in enumerate(zip(self.layers, ins)):
+            before = tuple(v.clone() for v in self._views(l))
+            from sglang_mamba_ext.speculative.replay import ReplayWeights
+
+            w = ReplayWeights.from_mixers([self.mixers[l]])
+            ref_conv, ref_temp, h = self._reference(l, w, mq, a, b, items, before)
+            ic.forward_extend_before(self.backend, layer, self.fb, mq, a, b)
+            self.assertIn(layer.layer_id, ic._pending_map())  # 140 and 66 wait for h
+            conv, temp = self._views(l)
+            for slot in (4, 7):  # inside the first chunk: written before the forward
+                torch.testing.assert_close(temp[slot], ref_temp[slot], atol=1e-4, rtol=1e-4)
+            kw = dict(layer_id=layer.layer_id, return_intermediate_states=False)
+            got = ic.dispatch_extend_before(disp, "q", layer_id=layer.layer_id, return_intermediate_states=False)
+            run_kw = got[1] if got is not None else kw
+            self.assertEqual(run_kw["return_intermediate_states"], self.LAYOUT == "kda")
+            conv[[2, 3, 1]] = 9.0  # the kernel advances the working slots
+            temp[[2, 3, 1]] = 9.0
+            result = ("o", h) if self.LAYOUT == "kda" else ("o", None, h)
+            out = ic.dispatch_extend_after(result, disp, "q", **kw)
+            self.assertEqual(out if out is not None else result, "o" if self.LAYOUT == "kda" else result)
+            self.assertNotIn(layer.layer_id, ic._pending_map())
+            for slot in (4, 5, 6, 7):
+                torch.testing.assert_close(conv[slot], ref_conv[slot].to(conv.dtype), atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(temp[slot], ref_temp[slot].to(temp.dtype), atol=1e-4, rtol=1e-4)
+            for s in (0, 8):
+                torch.testing.assert_close(temp[s], before[1][s], rtol=0, atol=0)
+
+    def test_other_kernels_and_the_switch_keep_the_chunked_pass(self):
+        ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
+        self.backend.kernel_dispatcher = self._dispatcher("FlashInferKernel")
+        self.assertFalse(ic._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
+        self.backend.kernel_dispatcher = self._dispatcher("TritonKDAKernel" if self.LAYOUT == "kda"
+                                                          else "TritonGDNKernel")
+        self.assertTrue(ic._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
+        with mock.patch.dict(os.environ, {ic.FROM_CHUNKS_ENV: "0"}):
+            self.assertFalse(ic._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
+        with self.assertRaisesRegex(RuntimeError, "no chunk states"):
+            ic._pending_map()[99] = dict(backend=self.backend)
+            ic.dispatch_extend_after("o", None, layer_id=99)
+
+    test_planned_checkpoints_written_before_sglang_forward = None
+    test_inert_without_the_mamba_radix_pool = None
+    test_refusals_keep_the_grid = None
+    test_safe_gate_layer_raises = None
+
+
+class TestInchunkFromChunkStatesGdn(TestInchunkFromChunkStates):
+    LAYOUT = "gdn"
+
+
 @requires_sglang
 class TestWriterImpl(unittest.TestCase):
     def test_auto_is_triton_on_cuda_torch_elsewhere_and_bad_values_fail(self):

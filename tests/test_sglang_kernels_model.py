@@ -140,7 +140,9 @@ class TestStartupChecks(unittest.TestCase):
 class TestSGLangGDNKernelInterpreted(unittest.TestCase):
     """SGLang's ``chunk_gated_delta_rule`` (the GDN backend's extend kernel) on a two-sequence
     varlen batch with initial states read from, and final states written to, pool slots: equal
-    to fla's naive recurrence within float16 error."""
+    to fla's naive recurrence within float16 error; and its per-chunk states ``h`` (what the
+    in-chunk writers start tail checkpoints from, ``ops/inchunk/from_chunks.py``) are the states at
+    each sequence's 64-token chunk starts, chunks numbered over the sequences in order."""
 
     def test_chunked_gdn_matches_naive(self):
         from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
@@ -152,19 +154,27 @@ class TestSGLangGDNKernelInterpreted(unittest.TestCase):
 
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         g = torch.Generator().manual_seed(0)
-        T, H, K, V = 70, 2, 16, 16
+        T, H, K, V = 150, 2, 16, 16
         q, k, v = (torch.randn(1, T, H, d, generator=g) for d in (K, K, V))
         gate = -torch.rand(1, T, H, generator=g) * 0.2
         beta = torch.rand(1, T, H, generator=g)
         pool = torch.randn(4, H, V, K, generator=g) * 0.3  # SGLang's GDN layout [slots, HV, V, K]
         start = pool.clone()
         pool = pool.to(dev)
-        cu, slots = [0, 30, 70], [1, 2]
+        cu, slots = [0, 30, 150], [1, 2]
         out = chunk_gated_delta_rule(
             q=q.half().to(dev), k=k.half().to(dev), v=v.half().to(dev), g=gate.to(dev), beta=beta.to(dev),
             initial_state=pool, initial_state_indices=torch.tensor(slots, dtype=torch.int32, device=dev),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev), use_qk_l2norm_in_kernel=True)
         o, pool = out[0].float().cpu(), pool.cpu()  # final states: written into the pool slots
+        h = out[2].float().cpu()  # [1, NT, H, V, K]: chunk 0 = sequence 0's start, 1 and 2 sequence 1's
+        self.assertEqual(tuple(h.shape), (1, 3, H, V, K))
+        torch.testing.assert_close(h[0, 0], start[1], rtol=0, atol=1e-3)
+        torch.testing.assert_close(h[0, 1], start[2], rtol=0, atol=1e-3)
+        qq, kk = (torch.nn.functional.normalize(x[:, 30:94].half().float(), dim=-1) for x in (q, k))
+        _, mid = naive_recurrent_gated_delta_rule(qq, kk, v[:, 30:94].half().float(), beta[:, 30:94], gate[:, 30:94],
+                                                  initial_state=start[2].transpose(-1, -2)[None], output_final_state=True)
+        torch.testing.assert_close(h[0, 2].transpose(-1, -2), mid[0], rtol=0, atol=3e-3)
         for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
             qq, kk = (torch.nn.functional.normalize(x[:, s:e].half().float(), dim=-1) for x in (q, k))
             ref_o, ref_state = naive_recurrent_gated_delta_rule(

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -44,6 +45,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 KDA_BACKEND = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend"
+KDA_DISPATCH = "sglang.srt.layers.attention.linear.kda_backend.KDAKernelDispatcher"
+GDN_DISPATCH = "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher"
 MAMBA2_BACKEND = "sglang.srt.layers.attention.hybrid_linear_attn_backend.Mamba2AttnBackend"
 SHORT_CONV_BACKEND = "sglang.srt.layers.attention.linear.short_conv_backend.ShortConvAttnBackend"
 GDN_BACKEND = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
@@ -53,6 +56,10 @@ HOOK_TARGETS = [
     (GDN_BACKEND + ".__init__", "AFTER", "backend_init_after"),
     (KDA_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
     (GDN_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
+    (KDA_DISPATCH + ".extend", "BEFORE", "dispatch_extend_before"),
+    (GDN_DISPATCH + ".extend", "BEFORE", "dispatch_extend_before"),
+    (KDA_DISPATCH + ".extend", "AFTER", "dispatch_extend_after"),
+    (GDN_DISPATCH + ".extend", "AFTER", "dispatch_extend_after"),
     (MAMBA2_BACKEND + ".__init__", "AFTER", "backend_init_after"),
     (SHORT_CONV_BACKEND + ".__init__", "AFTER", "backend_init_after"),
 ]
@@ -65,6 +72,12 @@ IMPL_ATTR = "_mamba_radix_inchunk_impl"
 #: Triton on CUDA, torch elsewhere), ``triton`` or ``torch``.
 IMPL_ENV = "SGLANG_MAMBA_EXT_INCHUNK_IMPL"
 IMPLS = ("auto", "triton", "torch")
+#: Environment variable: ``0`` makes every GDN / KDA checkpoint compute its boundary state
+#: itself (the chunked pass) even where SGLang's extend kernel returns its chunk states ``h``
+#: (for A/B runs; default ``1``).
+FROM_CHUNKS_ENV = "SGLANG_MAMBA_EXT_INCHUNK_FROM_CHUNKS"
+#: The chunk of SGLang's GDN / KDA extend kernels (``fla/chunk.py`` ``CHUNK_SIZE``, ``fla/kda.py``).
+KERNEL_CHUNK = 64
 
 
 def writer_impl(device) -> str:
@@ -308,9 +321,155 @@ def forward_extend_before(backend, layer, forward_batch, mixed_qkv, a, b, **kwar
     """BEFORE SGLang's KDA / GDN ``forward_extend``: the planned prefix checkpoints inside this
     extend (:func:`write_layer_checkpoints`); SGLang's forward then runs unchanged with the
     same arguments (a BEFORE hook, so it chains with the deferred verify's AROUND hook on
-    ``GDNAttnBackend.forward_extend`` without SGLang's multiple-AROUND warning)."""
+    ``GDNAttnBackend.forward_extend`` without SGLang's multiple-AROUND warning).
+
+    Where SGLang's extend kernel returns its chunk states (:func:`_kernel_gives_chunk_states`),
+    only the checkpoints inside each row's first chunk are written here; the others' raw
+    inputs are copied aside (:func:`~sglang_mamba_ext.speculative.ops.inchunk.from_chunks.
+    gather_tail_blocks`) and written from ``h`` once the kernel ran (:func:`dispatch_extend_after`)."""
     if getattr(backend, WRITER_ATTR, None) is not None:
         plan = _plan_for(backend, forward_batch)
         if plan:
-            write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, plan, backend_impl(backend))
+            split = _split_for(backend, layer, forward_batch, plan)
+            if split is None:
+                write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, plan, backend_impl(backend))
+            else:
+                now_plan, tail = split
+                if now_plan:
+                    write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, now_plan,
+                                            backend_impl(backend))
+                if tail.offsets:
+                    _stash_tail(backend, layer, mixed_qkv, a, b, tail)
+    return None
+
+
+#: ``{layer_id: pending tail write}`` between :func:`forward_extend_before` and the kernel
+#: dispatcher's ``extend`` (one forward at a time per scheduler thread).
+_pending = threading.local()
+
+
+def _pending_map() -> Dict[int, dict]:
+    m = getattr(_pending, "by_layer", None)
+    if m is None:
+        m = _pending.by_layer = {}
+    return m
+
+
+def _kernel_gives_chunk_states(backend, layer, forward_batch) -> bool:
+    """Whether this extend's kernel returns SGLang's per-chunk states ``h`` (``[1, NT, HV, V,
+    K]``): the Triton GDN kernel (``kernels/gdn_triton.py``, always) and the Triton KDA kernel
+    (``kernels/kda_triton.py``, when asked with ``return_intermediate_states``), off AMD, off
+    SGLang's CPU engine, outside multi-item scoring; and not turned off by
+    :data:`FROM_CHUNKS_ENV`."""
+    if os.environ.get(FROM_CHUNKS_ENV, "1").strip() == "0":
+        return False
+    disp = getattr(backend, "kernel_dispatcher", None)
+    if disp is None or getattr(backend, "mis_metadata", None) is not None:
+        return False
+    try:
+        from sglang.srt.utils import is_cpu, is_hip
+
+        if is_cpu() or is_hip():
+            return False
+        if getattr(backend, WRITER_ATTR, None) == "kda":
+            T = int(sum(forward_batch.extend_seq_lens_cpu))
+            kernel = disp.effective_extend_kernel(getattr(layer, "lower_bound", None), T,
+                                                  len(forward_batch.extend_seq_lens_cpu))
+            return type(kernel).__name__ == "TritonKDAKernel"
+        return type(disp.extend_kernel).__name__ == "TritonGDNKernel"
+    except Exception:  # an SGLang without these names: the writer's own chunked pass
+        return False
+
+
+def _split_for(backend, layer, forward_batch, plan):
+    """``(plan inside the rows' first chunks, TailWrites)`` when the kernel gives chunk states,
+    else None; computed once per forward batch."""
+    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import TailWrites
+
+    cached = backend.__dict__.get("_mamba_radix_inchunk_split")
+    if cached is not None and cached[0] is forward_batch:
+        return cached[1]
+    split = None
+    if _kernel_gives_chunk_states(backend, layer, forward_batch):
+        lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+        starts, firsts = [0], [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+            firsts.append(firsts[-1] + (n + KERNEL_CHUNK - 1) // KERNEL_CHUNK)
+        now: Dict[int, List[Tuple[int, int]]] = {}
+        tail = TailWrites([], [], [], [])
+        for r in sorted(plan):
+            for o, slot in plan[r]:
+                if o < KERNEL_CHUNK:
+                    now.setdefault(r, []).append((o, slot))
+                else:
+                    tail.starts.append(starts[r])
+                    tail.offsets.append(o)
+                    tail.dst_slots.append(slot)
+                    tail.chunk_ids.append(firsts[r] + o // KERNEL_CHUNK)
+        split = (now, tail)
+    backend.__dict__["_mamba_radix_inchunk_split"] = (forward_batch, split)
+    return split
+
+
+def _stash_tail(backend, layer, mixed_qkv, a, b, tail) -> None:
+    """Copy the tail checkpoints' raw inputs aside for :func:`dispatch_extend_after`."""
+    from sglang_mamba_ext.speculative.deferred import LAYOUTS
+    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks
+
+    layout = LAYOUTS[getattr(backend, WRITER_ATTR)]
+    if isinstance(mixed_qkv, (tuple, list)):
+        mixed_qkv = torch.cat(list(mixed_qkv), dim=-1)
+    T = mixed_qkv.shape[0]
+    w = _layer_weights(backend, layer, layout.per_head_gate)
+    blocks = gather_tail_blocks(mixed_qkv.unsqueeze(0), a.reshape(T, -1).unsqueeze(0), b.reshape(T, -1).unsqueeze(0),
+                                tail, w.shape.conv_kernel, KERNEL_CHUNK)
+    pending = _pending_map()
+    if layer.layer_id in pending:
+        raise RuntimeError(f"mamba-radix in-chunk checkpoints: layer {layer.layer_id}'s previous tail write never "
+                           f"met SGLang's extend kernel")
+    pending[layer.layer_id] = dict(backend=backend, layer=layer, blocks=blocks, weights=w, layout=layout)
+
+
+def dispatch_extend_before(dispatcher, *args, **kwargs):
+    """BEFORE SGLang's GDN / KDA kernel dispatcher ``extend``: with a pending tail write for
+    this layer (``layer_id``), ask the KDA kernel for its chunk states
+    (``return_intermediate_states=True``; GDN's kernel returns them anyway)."""
+    entry = _pending_map().get(kwargs.get("layer_id"))
+    if entry is None:
+        return None
+    entry["caller_wants_h"] = bool(kwargs.get("return_intermediate_states", False))
+    if getattr(entry["backend"], WRITER_ATTR, None) == "kda":
+        kwargs = dict(kwargs, return_intermediate_states=True)
+        return (dispatcher, *args), kwargs
+    return None
+
+
+def dispatch_extend_after(result, dispatcher, *args, **kwargs):
+    """AFTER SGLang's GDN / KDA kernel dispatcher ``extend``: write the layer's pending tail
+    checkpoints from the kernel's chunk states ``h`` (:func:`~sglang_mamba_ext.speculative.ops.
+    inchunk.from_chunks.write_tail_blocks`), and hand the caller the result it asked for (KDA:
+    ``h`` dropped when it did not ask).
+
+    Raises:
+        RuntimeError: the kernel returned no chunk states (a planned slot would hold garbage).
+    """
+    entry = _pending_map().pop(kwargs.get("layer_id"), None)
+    if entry is None:
+        return None
+    kda = getattr(entry["backend"], WRITER_ATTR, None) == "kda"
+    h = None
+    if isinstance(result, tuple):
+        h = result[1] if kda else (result[2] if len(result) > 2 else None)
+    if not isinstance(h, torch.Tensor):
+        raise RuntimeError("mamba-radix in-chunk checkpoints: SGLang's extend kernel returned no chunk states")
+    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import write_tail_blocks
+
+    backend, layer = entry["backend"], entry["layer"]
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    conv, temporal = entry["layout"].replay_views(cache.conv[0], cache.temporal)
+    write_tail_blocks(entry["blocks"], h.transpose(-1, -2), conv.unsqueeze(0), temporal.unsqueeze(0),
+                      entry["weights"], backend_impl(backend))
+    if kda and not entry.get("caller_wants_h", False):
+        return result[0]
     return None

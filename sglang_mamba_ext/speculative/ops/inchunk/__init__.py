@@ -60,6 +60,7 @@ def write_checkpoints(
     mixed_qkv: torch.Tensor, g_raw: torch.Tensor, b_raw: torch.Tensor, writes: CheckpointWrites,
     conv_state: torch.Tensor, temporal_state: torch.Tensor, weights, impl: str = "triton",
     check_offsets: bool = True, chunk: int = DEFAULT_CHUNK, host=None, stats: Optional[dict] = None,
+    chunk_states: Optional[torch.Tensor] = None, first_chunks: Optional[Sequence[int]] = None,
 ) -> None:
     """For every request ``i`` and linear layer ``l``, run the layer's conv + gated delta rule
     from slot ``writes.src_slots[i]``'s states over tokens ``starts[i] ..`` of the inputs and
@@ -90,6 +91,11 @@ def write_checkpoints(
             else read with ``.tolist()``.
         stats: if a dict, receives ``"scanned"`` (tokens stepped after its boundary state, per
             checkpoint; torch) and ``"chunks"`` (whole chunks of the longest chunked pass).
+        chunk_states: ``[L, NT, HV, K, V]`` view: the prefill's state at the start of every
+            chunk (SGLang's ``h`` transposed; :mod:`.from_chunks`). When given, a checkpoint
+            past its row's first chunk starts from it instead of a chunked pass, and the
+            writer's cost no longer depends on the offset; needs ``first_chunks``.
+        first_chunks: ``[N]`` each row's first chunk in ``chunk_states`` (host ints).
 
     Raises:
         ValueError: shapes or gate width disagree with ``weights``, non-contiguous inputs, an
@@ -128,6 +134,26 @@ def write_checkpoints(
         raise ValueError(f"write_checkpoints: unknown impl {impl!r} (triton, torch, reference)")
     if impl == "triton" and (chunk < 16 or chunk & (chunk - 1)):
         raise ValueError(f"write_checkpoints: the Triton writer needs a chunk that is a power of two >= 16, not {chunk}")
+    if chunk_states is not None:
+        from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import (
+            gather_tail_blocks, split_plan, write_tail_blocks)
+
+        if first_chunks is None or len(first_chunks) != writes.starts.shape[0]:
+            raise ValueError("write_checkpoints: chunk_states needs first_chunks, one per row")
+        now, tail = split_plan(*(host or (writes.starts.tolist(), writes.offsets.tolist(),
+                                          writes.dst_slots.tolist())), first_chunks, chunk)
+        blocks = gather_tail_blocks(mixed_qkv, g_raw, b_raw, tail, W, chunk)
+        now_writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0])
+                                  for lo, orow, drow in zip(*now)], mixed_qkv.device)
+        if now_writes.offsets.shape[1]:
+            write_checkpoints(mixed_qkv, g_raw, b_raw, now_writes._replace(src_slots=writes.src_slots), conv_state,
+                              temporal_state, weights, impl, False, chunk, now, stats)
+        tail_stats: dict = {}
+        write_tail_blocks(blocks, chunk_states, conv_state, temporal_state, weights, impl, tail_stats)
+        if stats is not None:
+            stats["scanned"] = list(stats.get("scanned", [])) + tail_stats["scanned"]
+            stats.setdefault("chunks", 0)
+        return
     lay = chunk_layout(writes, chunk, host)
     if impl == "triton":
         from sglang_mamba_ext.speculative.ops.inchunk.fused import write_checkpoints_triton

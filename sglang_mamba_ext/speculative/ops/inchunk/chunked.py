@@ -27,7 +27,7 @@ SGLang import.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, NamedTuple, Optional
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -221,20 +221,24 @@ def boundary_states_torch(prep: GdrPrep, lay: ChunkLayout, S0: torch.Tensor) -> 
     return out
 
 
-def scan_from_boundaries(prep: GdrPrep, lay: ChunkLayout, S: torch.Tensor, stats: Optional[dict] = None
-                         ) -> torch.Tensor:
+def scan_from_boundaries(prep: GdrPrep, lay: ChunkLayout, S: torch.Tensor, stats: Optional[dict] = None,
+                         begin: Optional[List[int]] = None) -> torch.Tensor:
     """Step every checkpoint's boundary state ``S [L, J, HV, K, V]`` over its ``o - b`` tokens
     (at most ``chunk - 1``; all checkpoints batched, the shorter ones masked to the identity).
-    ``stats``, if given, gets ``"scanned"``: ``[J]`` steps applied to each checkpoint."""
+    ``begin``: ``[J]`` the token ``b`` each starts at in its row of ``prep`` (default: its chunk
+    boundary, ``item_chunk * chunk``). ``stats``, if given, gets ``"scanned"``: ``[J]`` steps
+    applied to each checkpoint."""
     J = len(lay.item_off)
-    lens = lay.scanned()
+    if begin is None:
+        begin = [c * lay.chunk for c in lay.item_chunk]
+    lens = [o - b for o, b in zip(lay.item_off, begin)]
     steps = max(lens, default=0)
     counts = [0] * J
     if steps:
         dev = S.device
         rows = torch.tensor(lay.item_row, dtype=torch.int64, device=dev)
-        tok = torch.tensor([[c * lay.chunk + min(s, max(m - 1, 0)) for s in range(steps)]
-                            for c, m in zip(lay.item_chunk, lens)], dtype=torch.int64, device=dev)
+        tok = torch.tensor([[b + min(s, max(m - 1, 0)) for s in range(steps)]
+                            for b, m in zip(begin, lens)], dtype=torch.int64, device=dev)
         act = torch.tensor([[s < m for s in range(steps)] for m in lens], dtype=torch.bool, device=dev)
 
         def pick(t):  # [L, R, n, ...] -> [L, J, steps, ...]

@@ -238,3 +238,41 @@ def write_checkpoints_triton(
             conv_state, *conv_state.stride(),
             L=L, C=C, D=D, W=W, BD=BDv,
         )
+
+
+def write_blocks_triton(mixed_qkv: torch.Tensor, g_raw: torch.Tensor, b_raw: torch.Tensor, lay, S: torch.Tensor,
+                        begin: int, conv_state: torch.Tensor, temporal_state: torch.Tensor, weights: "ReplayWeights",
+                        BV: int = 32, BD: int = 256) -> None:
+    """Blocks of :func:`.from_chunks.gather_tail_blocks` (``lay`` their layout, one checkpoint
+    per block): each steps its state ``S [L, J, HV, K, V]`` (float32, contiguous) from block
+    token ``begin`` (``W - 1``, so the conv reads only the block) to its offset, then its conv
+    window is copied; the two kernels of :func:`write_checkpoints_triton`, no chunked pass."""
+    L, T, D = mixed_qkv.shape
+    sh = weights.shape
+    H, HV, K, V, W = sh.num_k_heads, sh.num_v_heads, sh.head_k_dim, sh.head_v_dim, sh.conv_kernel
+    J = len(lay.item_off)
+    dev = mixed_qkv.device
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+    istart, ioff, idst = t(lay.starts), t(lay.item_off), t(lay.item_dst)
+    isrc = torch.full((J,), -1, dtype=torch.int64, device=dev)
+    ibeg, ibnd = torch.full((J,), begin, dtype=torch.int64, device=dev), t(list(range(J)))
+    BK = max(16, triton.next_power_of_2(K))
+    BVv = max(16, min(BV, triton.next_power_of_2(V)))
+    has_bias = weights.conv_bias is not None
+    cb = weights.conv_bias if has_bias else weights.conv_weight  # dummy pointer
+    with launch_scope(_inchunk_recurrent_kernel):
+        _inchunk_recurrent_kernel[(J * L, HV, triton.cdiv(V, BVv))](
+            mixed_qkv, g_raw, b_raw, T, istart, isrc, ioff, idst, ibeg, ibnd, S, J,
+            conv_state, *conv_state.stride(),
+            temporal_state, *temporal_state.stride(),
+            weights.conv_weight, cb, weights.A_log, weights.dt_bias,
+            L=L, D=D, GD=g_raw.shape[-1], BD_=b_raw.shape[-1], H=H, HV=HV, K=K, V=V, W=W,
+            BK=BK, BV=BVv, EPS=1e-6, HAS_BIAS=has_bias, PER_HEAD_GATE=bool(weights.per_head_gate),
+        )
+    BDv = min(BD, triton.next_power_of_2(D))
+    with launch_scope(_inchunk_conv_window_kernel):
+        _inchunk_conv_window_kernel[(J * L, triton.cdiv(D, BDv))](
+            mixed_qkv, T, istart, isrc, ioff, idst,
+            conv_state, *conv_state.stride(),
+            L=L, C=1, D=D, W=W, BD=BDv,
+        )

@@ -1,0 +1,90 @@
+"""In-chunk checkpoints from the prefill's chunk states (issue 39, item 1;
+``speculative/ops/inchunk/from_chunks.py``): a checkpoint past its row's first chunk starts from
+the state at the chunk boundary below it, as SGLang's chunked prefill computes it (``h``), and
+steps at most ``chunk - 1`` tokens; the states equal the token scan from the extend start
+(``impl="reference"``), for KDA and GDN, the torch writer and the Triton one (CPU: interpreted)."""
+
+import unittest
+
+import torch
+
+from sglang_mamba_ext.speculative.ops.inchunk import plan_writes, write_checkpoints
+from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
+from sglang_mamba_ext.speculative.replay import ReplayWeights
+from test_inchunk_checkpoints import _CAN_RUN, DEV, _inputs, _mixers, _pools
+
+#: (start, length, source slot, [(offset, destination)]) of the two rows of the packed extend
+ROWS = [(0, 140, 1, [(5, 3), (131, 4), (32, 8), (64, 2)]), (140, 90, -1, [(2, 5), (0, 6), (89, 7)])]
+T = 230
+
+
+def _chunk_states(mixed, g_raw, b_raw, w, chunk, dtype=torch.float32):
+    """``[L, NT, HV, K, V]``: the state at the start of every chunk of every row (rows in order,
+    ``ceil(len / chunk)`` chunks each), from the reference scan, as SGLang's ``h`` holds them."""
+    L = mixed.shape[0]
+    firsts, items = [], []
+    for lo, n, src, _ in ROWS:
+        firsts.append(sum(len(i) for i in items))
+        items.append([(c * chunk, 100 + len(firsts) * 50 + c) for c in range((n + chunk - 1) // chunk)])
+    conv, temp = (torch.cat([t, t.new_zeros(L, 290, *t.shape[2:])], 1) for t in _pools(L, 10))  # the test's slot 1
+    writes = plan_writes([(lo, src, it) for (lo, _, src, _), it in zip(ROWS, items)], DEV)
+    write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl="reference")
+    slots = [s for it in items for _, s in it]
+    return temp[:, slots].to(dtype), firsts
+
+
+class TestFromChunkStates(unittest.TestCase):
+    def _case(self, gate, impl, chunk, dtype=torch.float32, tol=2e-5):
+        L = 2
+        w = ReplayWeights.from_mixers(_mixers(L, gate))
+        mixed, g_raw, b_raw = _inputs(L, T, gate)
+        h, firsts = _chunk_states(mixed, g_raw, b_raw, w, chunk, dtype)
+        writes = plan_writes([(lo, src, it) for lo, _, src, it in ROWS], DEV)
+        out = {}
+        stats = {}
+        for mode in ("reference", "chunks"):
+            conv, temp = _pools(L, 10)
+            if mode == "reference":
+                write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl="reference")
+            else:
+                write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl=impl, chunk=chunk, stats=stats,
+                                  chunk_states=h, first_chunks=firsts)
+            out[mode] = (conv, temp)
+        torch.testing.assert_close(out["chunks"][0], out["reference"][0], rtol=0, atol=0)
+        torch.testing.assert_close(out["chunks"][1], out["reference"][1], atol=tol, rtol=tol)
+        return stats
+
+    def test_torch_kda_and_gdn(self):
+        st = self._case("kda", "torch", 16)
+        # first-chunk checkpoints (5 | 2, 0) from the start states, then 131, 32, 64 | 89 from h
+        self.assertEqual(st["scanned"], [5, 2, 0, 3, 0, 0, 9])
+        self.assertEqual(st["chunks"], 0)  # no chunked pass
+        st = self._case("gdn", "torch", 64)
+        self.assertEqual(st["scanned"], [5, 32, 2, 0, 3, 0, 25])
+
+    def test_half_precision_chunk_states(self):
+        """SGLang's ``h`` is in the activations' dtype: a state rounded to fp16 stays within
+        fp16 rounding of the exact one after the steps."""
+        self._case("gdn", "torch", 16, torch.float16, tol=5e-3)
+
+    @unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter")
+    def test_triton_kda_and_gdn(self):
+        self._case("kda", "triton", 16)
+        self._case("gdn", "triton", 64)
+
+    def test_split_and_bad_inputs(self):
+        now, tail = split_plan([0, 140], [[5, 131, -1], [70, 2, -1]], [[3, 4, -1], [5, 6, -1]], [0, 9], 64)
+        self.assertEqual(now, ([0, 140], [[5], [2]], [[3], [6]]))
+        self.assertEqual(tail, ([0, 140], [131, 70], [4, 5], [2, 10]))
+        mixed, g_raw, b_raw = _inputs(1, 150, "gdn")
+        with self.assertRaisesRegex(ValueError, "inside the first chunk"):
+            gather_tail_blocks(mixed, g_raw, b_raw, tail._replace(offsets=[13, 70]), 4, 64)
+        w = ReplayWeights.from_mixers(_mixers(1, "gdn"))
+        conv, temp = _pools(1, 10)
+        with self.assertRaisesRegex(ValueError, "needs first_chunks"):
+            write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, [(70, 2)])], DEV), conv, temp, w,
+                              impl="torch", chunk_states=temp[:, :3])
+
+
+if __name__ == "__main__":
+    unittest.main()
