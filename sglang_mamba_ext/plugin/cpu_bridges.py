@@ -38,6 +38,15 @@ with line numbers is in ``docs/sglang-hooks.md``):
   ``torch.cuda.get_device_properties``, which fails without a driver; for a CPU tensor the
   CPU's core count stands in (a block-size heuristic only); its launch
   (``_layer_norm_fwd``) enters ``device_context``, which gets the device module bridge below.
+- **torch kernels** (AROUND SGLang's chunked linear-layer kernels, issue 40 item 5): for CPU
+  tensors, ``fla/chunk.py::chunk_gated_delta_rule`` (GDN), ``fla/kda.py::chunk_kda`` (KDA),
+  ``mamba/triton_ops/ssd_combined.py::mamba_chunk_scan_combined`` (Mamba2) and
+  ``mamba/causal_conv1d_triton.py::causal_conv1d_fn`` / ``causal_conv1d_update`` (plain decode
+  only) run as the plain-torch versions of :mod:`.cpu_kernels` / :mod:`.cpu_kernels_ssd` instead
+  of under Triton's interpreter (about 8 tokens/s for a tiny Qwen3-Next). A CUDA tensor, an
+  inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls SGLang's kernel unchanged.
+  Registered before the plugin's own BEFORE hooks on the same functions
+  (``plugin/inchunk_conv_ssd.py``), so those still see every call.
 """
 
 from __future__ import annotations
@@ -75,6 +84,19 @@ MAMBA_KERNEL_MODULES = (
     "sglang.kernels.ops.mamba.triton_ops.mamba_ssm",
 )
 
+#: ``torch`` (default) or ``triton``: which linear-layer kernels SGLang's classes run on CPU.
+KERNELS_ENV = "SGLANG_MAMBA_EXT_CPU_KERNELS"
+
+#: SGLang kernel -> (module of the torch version, its name); AROUND hooks (:func:`kernel_around`).
+KERNEL_BRIDGES = {
+    "sglang.kernels.ops.attention.fla.chunk.chunk_gated_delta_rule": ("cpu_kernels", "chunk_gated_delta_rule"),
+    "sglang.kernels.ops.attention.fla.kda.chunk_kda": ("cpu_kernels", "chunk_kda"),
+    "sglang.kernels.ops.mamba.triton_ops.ssd_combined.mamba_chunk_scan_combined":
+        ("cpu_kernels_ssd", "mamba_chunk_scan_combined"),
+    CAUSAL_CONV_TRITON + ".causal_conv1d_fn": ("cpu_kernels_ssd", "causal_conv1d_fn"),
+    CAUSAL_CONV_TRITON + ".causal_conv1d_update": ("cpu_kernels_ssd", "causal_conv1d_update"),
+}
+
 _installed = False
 
 
@@ -85,6 +107,49 @@ def active() -> bool:
     import torch
 
     return not torch.cuda.is_available()
+
+
+def torch_kernels() -> bool:
+    """Whether the torch kernels stand in for SGLang's Triton ones here: :func:`active` and
+    :data:`KERNELS_ENV` is not ``triton``."""
+    return active() and os.environ.get(KERNELS_ENV, "torch").strip().lower() != "triton"
+
+
+def _first_tensor(args, kwargs):
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _torch_version(target: str):
+    module, name = KERNEL_BRIDGES[target]
+    return getattr(importlib.import_module(f"sglang_mamba_ext.plugin.{module}"), name)
+
+
+def make_kernel_around(target: str):
+    """The AROUND hook for ``target`` (a key of :data:`KERNEL_BRIDGES`): its torch version for
+    a CPU tensor when :func:`torch_kernels`, SGLang's kernel otherwise."""
+    conv_update = target.endswith("causal_conv1d_update")
+    conv_fn = target.endswith("causal_conv1d_fn")
+
+    def kernel_around(original, *args, **kwargs):
+        first = _first_tensor(args, kwargs)
+        if first is None or first.device.type != "cpu" or not torch_kernels():
+            return original(*args, **kwargs)
+        if conv_update:
+            from sglang_mamba_ext.plugin.cpu_kernels_ssd import update_supported
+
+            if not update_supported(*args, **kwargs):
+                return original(*args, **kwargs)
+        if conv_fn and kwargs.get("block_table") is not None:
+            return original(*args, **kwargs)
+        return _torch_version(target)(*args, **kwargs)
+
+    kernel_around.__name__ = f"kernel_around[{target.rsplit('.', 1)[1]}]"
+    return kernel_around
 
 
 # ---------------------------------------------------------------- causal conv names (gap 6)
@@ -272,4 +337,6 @@ def register_cpu_bridges() -> None:
     HookRegistry.register(ROPE_INIT, rope_init_around, HookType.AROUND)
     HookRegistry.register(GATED_NORM_SM_COUNT, sm_count_around, HookType.AROUND)
     HookRegistry.register(GATED_NORM_FWD, device_module_around, HookType.AROUND)
+    for target in KERNEL_BRIDGES:  # before install_mamba_radix's BEFORE hooks: theirs wrap these
+        HookRegistry.register(target, make_kernel_around(target), HookType.AROUND)
     _installed = True
