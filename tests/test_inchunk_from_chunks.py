@@ -75,10 +75,14 @@ class TestFromChunkStates(unittest.TestCase):
     def test_split_and_bad_inputs(self):
         now, tail = split_plan([0, 140], [[5, 131, -1], [70, 2, -1]], [[3, 4, -1], [5, 6, -1]], [0, 9], 64)
         self.assertEqual(now, ([0, 140], [[5], [2]], [[3], [6]]))
-        self.assertEqual(tail, ([0, 140], [131, 70], [4, 5], [2, 10]))
+        self.assertEqual(tail, ([0, 140], [131, 70], [4, 5], [2, 10], [128, 64]))
+        # one grid over the packed tokens (Mamba2): row 1's 70 from the state at token 192 (b = 52)
+        now, tail = split_plan([0, 140], [[5, 131, -1], [70, 2, 51]], [[3, 4, -1], [5, 6, 7]], None, 64)
+        self.assertEqual(now, ([0, 140], [[5, -1], [2, 51]], [[3, -1], [6, 7]]))
+        self.assertEqual(tail, ([0, 140], [131, 70], [4, 5], [2, 3], [128, 52]))
         mixed, g_raw, b_raw = _inputs(1, 150, "gdn")
-        with self.assertRaisesRegex(ValueError, "inside the first chunk"):
-            gather_tail_blocks(mixed, g_raw, b_raw, tail._replace(offsets=[13, 70]), 4, 64)
+        with self.assertRaisesRegex(ValueError, "must lie in"):
+            gather_tail_blocks((mixed, g_raw, b_raw), tail._replace(offsets=[131, 40]), 4, 64)
         w = ReplayWeights.from_mixers(_mixers(1, "gdn"))
         conv, temp = _pools(1, 10)
         with self.assertRaisesRegex(ValueError, "needs first_chunks"):
@@ -88,3 +92,50 @@ class TestFromChunkStates(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestMamba2FromChunkStates(unittest.TestCase):
+    """The same for Mamba2, whose SSD scan keeps one chunk grid over the packed tokens: a
+    checkpoint starts from the grid state below it when that lies inside its row."""
+
+    def _case(self, impl):
+        from test_mamba2_inchunk import _CAN_RUN as CAN, _inputs as m2_inputs, _pools as m2_pools, _weights
+
+        from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
+
+        if impl == "triton" and not CAN:
+            self.skipTest("kernels already imported without the Triton interpreter")
+        L, chunk = 2, 32
+        w = _weights(L)
+        xbc, dt = m2_inputs(L, T)
+        base = m2_pools(L, 10)
+        # grid states: chunk c starts at packed token 32c; for c >= 1 the state of the row holding
+        # token 32c - 1 after its tokens up to 32c (row 0: 0..140, row 1: 140..230)
+        nc = (T + chunk - 1) // chunk
+        owner = [(0, 1, c * chunk) if c * chunk <= 140 else (1, -1, c * chunk - 140) for c in range(nc)]
+        conv, ssm = (torch.cat([t, t.new_zeros(L, nc, *t.shape[2:])], 1) for t in base)
+        rows = {0: (0, 1, []), 1: (140, -1, [])}
+        for c, (r, _, o) in enumerate(owner):
+            rows[r][2].append((o, 10 + c))
+        write_mamba2_checkpoints(xbc, dt, plan_writes([rows[0], rows[1]], DEV), conv, ssm, w, impl="reference")
+        states = ssm[:, 10:].clone()
+        writes = plan_writes([(lo, src, it) for lo, _, src, it in ROWS], DEV)
+        out, stats = {}, {}
+        for mode in ("reference", "chunks"):
+            conv, ssm = (t.clone() for t in base)
+            kw = dict(impl="reference") if mode == "reference" else dict(impl=impl, chunk=chunk, stats=stats,
+                                                                           chunk_states=states)
+            write_mamba2_checkpoints(xbc, dt, writes, conv, ssm, w, **kw)
+            out[mode] = (conv, ssm)
+        torch.testing.assert_close(out["chunks"][0], out["reference"][0], rtol=0, atol=0)
+        torch.testing.assert_close(out["chunks"][1], out["reference"][1], atol=2e-5, rtol=2e-5)
+        return stats
+
+    def test_torch(self):
+        st = self._case("torch")
+        # row 0 (start 0): 5 | 131 -> 128, 32 -> 32, 64 -> 64; row 1 (start 140): 2, 0 (row start),
+        # 89 -> token 229, grid 224 (b = 84): 5 tokens
+        self.assertEqual(st["scanned"], [5, 2, 0, 3, 0, 0, 5])
+
+    def test_triton(self):
+        self._case("triton")

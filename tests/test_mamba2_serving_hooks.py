@@ -42,10 +42,17 @@ def _kernels():
     return causal_conv1d_fn, mamba_chunk_scan_combined
 
 
-def _hooked(fn, before):
+def _hooked(fn, before, after=None):
+    """``fn`` wrapped as SGLang's HookRegistry wraps a BEFORE (and an AFTER) hook."""
     def wrapper(*args, **kwargs):
-        before(*args, **kwargs)
-        return fn(*args, **kwargs)
+        changed = before(*args, **kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        result = fn(*args, **kwargs)
+        if after is not None:
+            new = after(result, *args, **kwargs)
+            result = result if new is None else new
+        return result
 
     return wrapper
 
@@ -140,7 +147,8 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
 
         conv_fn, scan_fn = _kernels()
         if hooked:
-            conv_fn, scan_fn = _hooked(conv_fn, ics.conv_fn_before), _hooked(scan_fn, ics.ssd_scan_before)
+            conv_fn = _hooked(conv_fn, ics.conv_fn_before)
+            scan_fn = _hooked(scan_fn, ics.ssd_scan_before, ics.ssd_scan_after)
         for li, lid in enumerate(LAYER_IDS):
             if hooked:
                 ics.mamba2_forward_before(self.backend, self.mixers[li], None, None, lid, self.fb)
@@ -178,13 +186,24 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
                           dt_softplus=True, out=torch.empty(1, n, HV, P, device=DEV))
         return win[0], res[0]  # varlen states [1, HV, P, N]
 
-    def test_planned_slots_hold_sglang_prefix_states_and_sglang_results_unchanged(self):
+    def test_planned_slots_hold_sglang_prefix_states_and_sglang_results_unchanged(self, from_chunks="1"):
+        """Row 1's 36 and row 2's 19 (packed token 56) lie past a 16-token grid boundary inside
+        their rows: written from the scan's own chunk states (issue 39) unless
+        ``SGLANG_MAMBA_EXT_INCHUNK_FROM_CHUNKS=0``; the 7 from the row's start state."""
+        from unittest import mock
+
+        from sglang_mamba_ext.speculative.ops.inchunk import mamba2 as m2
+
         conv0, ssm0 = self.start
         self._forward(hooked=False)
         stock = (self.pool.mamba_cache.conv[0].clone(), self.pool.mamba_cache.temporal.clone())
         self.pool.mamba_cache.conv[0].copy_(conv0)
         self.pool.mamba_cache.temporal.copy_(ssm0)
-        self._forward(hooked=True)
+        with mock.patch.dict(os.environ, {"SGLANG_MAMBA_EXT_INCHUNK_FROM_CHUNKS": from_chunks}), \
+                mock.patch.object(m2, "write_mamba2_tail_blocks", wraps=m2.write_mamba2_tail_blocks) as spy:
+            self._forward(hooked=True)
+        self.assertEqual([c.args[0].lay.item_off for c in spy.call_args_list],
+                         [[W - 1 + 4, W - 1 + 8]] * len(LAYER_IDS) if from_chunks == "1" else [])
         conv, ssm = self.pool.mamba_cache.conv[0], self.pool.mamba_cache.temporal
         # SGLang's own results: the advanced working slots 2, 3, 1 and every other slot
         untouched = [s for s in range(conv.shape[1]) if s not in (4, 5, 6)]
@@ -196,6 +215,9 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
                 win, h = self._expected(li, self.start, row_start, n, src)
                 torch.testing.assert_close(conv[li, slot], win, rtol=0, atol=0)
                 torch.testing.assert_close(ssm[li, slot], h, rtol=1e-4, atol=1e-4)
+
+    def test_without_the_scans_chunk_states(self):
+        self.test_planned_slots_hold_sglang_prefix_states_and_sglang_results_unchanged(from_chunks="0")
 
     def test_short_conv_windows(self):
         """LFM2's path: ``conv_state_metadata`` opens the context, the conv hook writes the

@@ -7,14 +7,23 @@ Times the writers' CPU path (``impl="torch"``, what serving on CPU runs) writing
 of one row at offset 63 (a branch point inside the first chunk) and at ``tokens - 1`` (the
 prompt-end checkpoint of a ``tokens``-token extend) of a ``tokens``-token extend, for a GDN / KDA
 stack (KDA gate) and a Mamba2 stack at layer shapes scaled to the 2-core machine (the real ones'
-head count cut, head sizes kept in proportion). Offsets alternate within each repeat; the
-median of the repeats is kept. The old writer (the token scan from the extend start,
-``impl="reference"``) is timed beside it for reference (fewer repeats: it is slow at the deep
-offset). Milliseconds per checkpoint, torch threads as set (``torch.get_num_threads()``).
+head count cut, head sizes kept in proportion), three ways:
 
-Output: one line per writer and offset, then ``old_inchunk_offset_ratio=.. old_mamba2_offset_ratio=..``
-and last ``inchunk_offset_ratio=X mamba2_offset_ratio=Y`` (cost at the deep offset over the cost
-at 63; issue 39's target <= 1.5 each). Exit status 0, or 2 on bad arguments.
+- from the prefill's chunk states (what serving runs where SGLang's extend kernel returns them:
+  its Triton GDN / KDA kernels' ``h``, Mamba2's SSD ``states``; ``ops/inchunk/from_chunks.py``):
+  the states are computed once beforehand, as the prefill computes them anyway;
+- from the writer's own chunked pass (kernels that return no chunk states);
+- the old token scan from the extend start (``impl="reference"``; fewer repeats: slow at the
+  deep offset).
+
+Offsets alternate within each repeat; the median of the repeats is kept. Milliseconds per
+checkpoint, torch threads as set (``torch.get_num_threads()``).
+
+Output: one line per path, kind of layer and offset, then ``old_inchunk_offset_ratio=..
+old_mamba2_offset_ratio=..``, ``selfpass_inchunk_offset_ratio=.. selfpass_mamba2_offset_ratio=..``
+and last ``inchunk_offset_ratio=X mamba2_offset_ratio=Y`` (from the chunk states: cost at the
+deep offset over the cost at 63; issue 39's target <= 1.5 each). Exit status 0, or 2 on bad
+arguments.
 """
 
 from __future__ import annotations
@@ -56,9 +65,20 @@ def _kda_case(T: int):
     conv = torch.randn(LAYERS, 3, s.conv_dim, s.conv_kernel - 1, generator=g)
     temp = torch.randn(LAYERS, 3, *s.temporal_state_shape, generator=g) * 0.1
 
+    # the prefill's chunk states (SGLang's h): the state at every 64-token chunk start of the row
+    nt = (T + 63) // 64
+    cconv = torch.cat([conv, conv.new_zeros(LAYERS, nt, *conv.shape[2:])], 1)
+    ctemp = torch.cat([temp, temp.new_zeros(LAYERS, nt, *temp.shape[2:])], 1)
+    write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, [(c * 64, 3 + c) for c in range(nt)])], "cpu"),
+                      cconv, ctemp, w, impl="torch")
+    h = ctemp[:, 3:].clone()
+
     def run(offset: int, impl: str) -> None:
+        kw = {}
+        if impl == "chunks":  # the serving path where SGLang's extend kernel returns h
+            impl, kw = "torch", dict(chunk_states=h, first_chunks=[0])
         write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, [(offset, 2)])], "cpu"), conv, temp, w,
-                          impl=impl)
+                          impl=impl, **kw)
     return run
 
 
@@ -74,8 +94,19 @@ def _mamba2_case(T: int):
     conv = torch.randn(LAYERS, 3, D, d["W"] - 1, generator=g)
     ssm = torch.randn(LAYERS, 3, d["HV"], d["P"], d["N"], generator=g) * 0.1
 
+    # the scan's chunk states (SGLang's SSD ``states``): the state at every 64-token grid start
+    nt = (T + 63) // 64
+    cconv = torch.cat([conv, conv.new_zeros(LAYERS, nt, *conv.shape[2:])], 1)
+    cssm = torch.cat([ssm, ssm.new_zeros(LAYERS, nt, *ssm.shape[2:])], 1)
+    write_mamba2_checkpoints(xbc, dt, plan_writes([(0, 1, [(c * 64, 3 + c) for c in range(nt)])], "cpu"), cconv, cssm,
+                             w, impl="torch")
+    states = cssm[:, 3:].clone()
+
     def run(offset: int, impl: str) -> None:
-        write_mamba2_checkpoints(xbc, dt, plan_writes([(0, 1, [(offset, 2)])], "cpu"), conv, ssm, w, impl=impl)
+        kw = {}
+        if impl == "chunks":  # the serving path: SGLang's scan returns its chunk states
+            impl, kw = "torch", dict(chunk_states=states)
+        write_mamba2_checkpoints(xbc, dt, plan_writes([(0, 1, [(offset, 2)])], "cpu"), conv, ssm, w, impl=impl, **kw)
     return run
 
 
@@ -123,16 +154,20 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"Mamba2 {MAMBA2_DIMS}; torch threads {torch.get_num_threads()}; median of {a.repeats} "
           f"(old writer: {a.old_repeats}) alternating repeats")
     ratios = {}
+    label = {"chunks": "from the prefill's chunk states", "torch": "own chunked pass", "reference": "old token scan"}
     for name, case in (("inchunk", _kda_case(a.tokens)), ("mamba2", _mamba2_case(a.tokens))):
-        for impl, reps, tag in (("torch", a.repeats, ""), ("reference", a.old_repeats, "old_")):
+        runs = [("chunks", a.repeats, ""), ("torch", a.repeats, "selfpass_"), ("reference", a.old_repeats, "old_")]
+        for impl, reps, tag in runs:
             if reps == 0:
                 continue
             t = time_offsets(case, impl, offsets, reps)
             ratios[tag + name] = t[deep] / t[SHALLOW]
-            print(f"  {name:8s} {'chunked' if impl == 'torch' else 'old scan':8s} ms per checkpoint: "
+            print(f"  {name:8s} {label[impl]:32s} ms per checkpoint: "
                   f"offset {SHALLOW}: {t[SHALLOW]:.3f}  offset {deep}: {t[deep]:.3f}  ratio {ratios[tag + name]:.3f}")
     if "old_inchunk" in ratios:
         print(f"old_inchunk_offset_ratio={ratios['old_inchunk']:.3f} old_mamba2_offset_ratio={ratios['old_mamba2']:.3f}")
+    print(f"selfpass_inchunk_offset_ratio={ratios['selfpass_inchunk']:.3f} "
+          f"selfpass_mamba2_offset_ratio={ratios['selfpass_mamba2']:.3f}")
     print(f"inchunk_offset_ratio={ratios['inchunk']:.3f} mamba2_offset_ratio={ratios['mamba2']:.3f}")
     return 0
 

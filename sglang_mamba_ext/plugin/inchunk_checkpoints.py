@@ -397,7 +397,7 @@ def _split_for(backend, layer, forward_batch, plan):
             starts.append(starts[-1] + n)
             firsts.append(firsts[-1] + (n + KERNEL_CHUNK - 1) // KERNEL_CHUNK)
         now: Dict[int, List[Tuple[int, int]]] = {}
-        tail = TailWrites([], [], [], [])
+        tail = TailWrites([], [], [], [], [])
         for r in sorted(plan):
             for o, slot in plan[r]:
                 if o < KERNEL_CHUNK:
@@ -407,6 +407,7 @@ def _split_for(backend, layer, forward_batch, plan):
                     tail.offsets.append(o)
                     tail.dst_slots.append(slot)
                     tail.chunk_ids.append(firsts[r] + o // KERNEL_CHUNK)
+                    tail.begins.append((o // KERNEL_CHUNK) * KERNEL_CHUNK)
         split = (now, tail)
     backend.__dict__["_mamba_radix_inchunk_split"] = (forward_batch, split)
     return split
@@ -422,7 +423,7 @@ def _stash_tail(backend, layer, mixed_qkv, a, b, tail) -> None:
         mixed_qkv = torch.cat(list(mixed_qkv), dim=-1)
     T = mixed_qkv.shape[0]
     w = _layer_weights(backend, layer, layout.per_head_gate)
-    blocks = gather_tail_blocks(mixed_qkv.unsqueeze(0), a.reshape(T, -1).unsqueeze(0), b.reshape(T, -1).unsqueeze(0),
+    blocks = gather_tail_blocks((mixed_qkv.unsqueeze(0), a.reshape(T, -1).unsqueeze(0), b.reshape(T, -1).unsqueeze(0)),
                                 tail, w.shape.conv_kernel, KERNEL_CHUNK)
     pending = _pending_map()
     if layer.layer_id in pending:

@@ -71,6 +71,7 @@ HOOK_TARGETS = [
     (CONV_TRITON_FN, "BEFORE", "conv_fn_before"),
     (CONV_DISPATCH_FN, "BEFORE", "conv_fn_before"),
     (SSD_SCAN_FN, "BEFORE", "ssd_scan_before"),
+    (SSD_SCAN_FN, "AFTER", "ssd_scan_after"),
 ]
 
 _local = threading.local()
@@ -92,6 +93,7 @@ class LayerContext:
         self.xbc: Optional[torch.Tensor] = None  # [1, T, D] raw conv input (Mamba2)
         self.start_windows: Optional[torch.Tensor] = None  # [R', D, W-1] rows with a prefix
         self.prefixed: Optional[torch.Tensor] = None  # their slots
+        self.tail = None  # (TailBlocks, caller's return_intermediate_states) until the scan returned
 
 
 def _current() -> Optional[LayerContext]:
@@ -119,7 +121,7 @@ def mamba2_forward_after(result, backend, *args, **kwargs) -> None:
     """AFTER ``Mamba2AttnBackend.forward``: close the context; raise when the kernel hooks did
     not both run for a layer with planned checkpoints."""
     ctx, _local.ctx = _current(), None
-    if ctx is not None and not (ctx.conv_done and ctx.scan_done):
+    if ctx is not None and not (ctx.conv_done and ctx.scan_done and ctx.tail is None):
         raise RuntimeError(
             f"mamba-radix Mamba2 checkpoints: layer {ctx.layer_id} did not call SGLang's causal_conv1d_fn and "
             f"mamba_chunk_scan_combined as expected (conv {ctx.conv_done}, scan {ctx.scan_done}); planned "
@@ -233,14 +235,69 @@ def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
     conv_pool, ssm_pool = ctx.cache.conv[0], ctx.cache.temporal
     T = ctx.xbc.shape[1]
     dt_raw = dt.reshape(-1, dt.shape[-1])[:T].unsqueeze(0).contiguous()
-    advanced = conv_pool[ctx.prefixed].clone()
-    conv_pool[ctx.prefixed] = ctx.start_windows
-    try:
-        write_mamba2_checkpoints(ctx.xbc, dt_raw, writes, conv_pool.unsqueeze(0), ssm_pool.unsqueeze(0),
-                                 _mamba2_weights(ctx.backend, ctx.layer_id, mixer), impl=backend_impl(ctx.backend),
-                                 check_offsets=False, host=host)
-    finally:
-        conv_pool[ctx.prefixed] = advanced
+    weights = _mamba2_weights(ctx.backend, ctx.layer_id, mixer)
+    chunk = kwargs.get("chunk_size", args[2] if len(args) > 2 else None)
+    changed = None
+    if _scan_gives_chunk_states(kwargs, chunk, x.shape[1], T):
+        from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
+        from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
+
+        host, tail = split_plan(*host, None, int(chunk))
+        writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0]) for lo, orow, drow in zip(*host)],
+                             writes.src_slots.device)._replace(src_slots=writes.src_slots)
+        if tail.offsets:
+            ctx.tail = (gather_tail_blocks((ctx.xbc, dt_raw), tail, weights.conv_kernel, int(chunk)),
+                        bool(kwargs.get("return_intermediate_states", False)))
+            changed = ((x, dt, A, *args), dict(kwargs, return_intermediate_states=True))
+    if writes.offsets.shape[1]:
+        advanced = conv_pool[ctx.prefixed].clone()
+        conv_pool[ctx.prefixed] = ctx.start_windows
+        try:
+            write_mamba2_checkpoints(ctx.xbc, dt_raw, writes, conv_pool.unsqueeze(0), ssm_pool.unsqueeze(0), weights,
+                                     impl=backend_impl(ctx.backend), check_offsets=False, host=host)
+        finally:
+            conv_pool[ctx.prefixed] = advanced
     ctx.scan_done = True
     ctx.xbc = ctx.start_windows = None
-    return None
+    return changed
+
+
+def _scan_gives_chunk_states(kwargs, chunk, scan_tokens: int, extend_tokens: int) -> bool:
+    """Whether the planned checkpoints past a grid boundary can start from the scan's own chunk
+    states: a varlen scan (``return_varlen_states`` with ``cu_seqlens``) over exactly the
+    extend's tokens with a known chunk size, and not turned off by ``SGLANG_MAMBA_EXT_INCHUNK_
+    FROM_CHUNKS=0`` (:data:`..inchunk_checkpoints.FROM_CHUNKS_ENV`)."""
+    import os
+
+    from sglang_mamba_ext.plugin.inchunk_checkpoints import FROM_CHUNKS_ENV
+
+    return (os.environ.get(FROM_CHUNKS_ENV, "1").strip() != "0" and isinstance(chunk, int) and chunk > 0
+            and bool(kwargs.get("return_varlen_states")) and kwargs.get("cu_seqlens") is not None
+            and scan_tokens == extend_tokens)
+
+
+def ssd_scan_after(result, x, *args, **kwargs):
+    """AFTER SGLang's ``mamba_chunk_scan_combined``: the layer's checkpoints past a grid
+    boundary (:func:`ssd_scan_before` asked the scan for its chunk states ``states [1, NC, HV,
+    P, N]``), each from the state below it (:func:`~sglang_mamba_ext.speculative.ops.inchunk.
+    mamba2.write_mamba2_tail_blocks`); the caller gets the result without ``states`` unless it
+    asked for them.
+
+    Raises:
+        RuntimeError: the scan returned no chunk states.
+    """
+    ctx = _current()
+    if ctx is None or ctx.kind != "mamba2" or ctx.tail is None:
+        return None
+    (blocks, wanted), ctx.tail = ctx.tail, None
+    states = result[0] if isinstance(result, tuple) else None
+    if not isinstance(states, torch.Tensor) or states.dim() != 5:
+        raise RuntimeError(f"mamba-radix Mamba2 checkpoints: layer {ctx.layer_id}'s scan returned no chunk states")
+    from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_tail_blocks
+
+    write_mamba2_tail_blocks(blocks, states, ctx.cache.conv[0].unsqueeze(0), ctx.cache.temporal.unsqueeze(0),
+                             _mamba2_weights(ctx.backend, ctx.layer_id, ctx.mixer), backend_impl(ctx.backend))
+    if wanted or kwargs.get("return_track_states"):
+        return None
+    rest = result[1:]
+    return rest[0] if len(rest) == 1 else tuple(rest)

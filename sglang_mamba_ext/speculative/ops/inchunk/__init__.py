@@ -142,7 +142,7 @@ def write_checkpoints(
             raise ValueError("write_checkpoints: chunk_states needs first_chunks, one per row")
         now, tail = split_plan(*(host or (writes.starts.tolist(), writes.offsets.tolist(),
                                           writes.dst_slots.tolist())), first_chunks, chunk)
-        blocks = gather_tail_blocks(mixed_qkv, g_raw, b_raw, tail, W, chunk)
+        blocks = gather_tail_blocks((mixed_qkv, g_raw, b_raw), tail, W, chunk)
         now_writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0])
                                   for lo, orow, drow in zip(*now)], mixed_qkv.device)
         if now_writes.offsets.shape[1]:

@@ -30,24 +30,26 @@ from sglang_mamba_ext.speculative.ops.inchunk.layout import DEFAULT_CHUNK, Chunk
 if TYPE_CHECKING:
     from sglang_mamba_ext.speculative.replay import ReplayWeights
 
-__all__ = ["TailWrites", "TailBlocks", "split_plan", "gather_tail_blocks", "write_tail_blocks"]
+__all__ = ["TailWrites", "TailBlocks", "split_plan", "gather_tail_blocks", "block_states", "write_tail_blocks"]
 
 
 class TailWrites(NamedTuple):
-    """Checkpoints past a row's first chunk (host lists, ``J`` entries).
+    """Checkpoints that start from a chunk state of the prefill (host lists, ``J`` entries).
 
     Attributes:
         starts: the row's first token in the packed inputs.
-        offsets: tokens after the row's start (``>= chunk``).
+        offsets: tokens after the row's start.
         dst_slots: destination slots.
-        chunk_ids: the chunk of ``h`` holding the boundary state below each: the row's first
-            chunk in the packed extend plus ``offset // chunk``.
+        chunk_ids: the chunk state each starts from (its index in the prefill's chunk states).
+        begins: the boundary ``b`` of that state, in tokens after the row's start (``0 < b <=
+            offset``, ``offset - b <= chunk - 1``).
     """
 
     starts: List[int]
     offsets: List[int]
     dst_slots: List[int]
     chunk_ids: List[int]
+    begins: List[int]
 
 
 class TailBlocks(NamedTuple):
@@ -55,43 +57,52 @@ class TailBlocks(NamedTuple):
     checkpoint (tokens ``b - (W-1) .. b + P - (W-1) - 1`` of its row; past ``o`` unused).
 
     Attributes:
-        mixed_qkv: ``[L, J*P, conv_dim]``; g_raw: ``[L, J*P, *]``; b_raw: ``[L, J*P, HV]``
-            (copies, the inputs' dtypes).
+        inputs: the per-token inputs, each ``[L, J*P, *]`` (copies, their dtypes): GDN / KDA
+            ``(mixed_qkv, g_raw, b_raw)``, Mamba2 ``(xbc, dt_raw)``.
         lay: the blocks as a :class:`ChunkLayout` (one row and one checkpoint per block, at
             block offset ``W - 1 + o - b``; no whole chunk).
         chunk_ids: ``[J]`` host list, as :attr:`TailWrites.chunk_ids`.
         conv_kernel: ``W``.
     """
 
-    mixed_qkv: torch.Tensor
-    g_raw: torch.Tensor
-    b_raw: torch.Tensor
+    inputs: Tuple[torch.Tensor, ...]
     lay: ChunkLayout
     chunk_ids: List[int]
     conv_kernel: int
 
 
 def split_plan(starts: Sequence[int], offsets: Sequence[Sequence[int]], dst_slots: Sequence[Sequence[int]],
-               first_chunks: Sequence[int], chunk: int = DEFAULT_CHUNK
+               first_chunks: Optional[Sequence[int]] = None, chunk: int = DEFAULT_CHUNK
                ) -> Tuple[Tuple[List[int], List[List[int]], List[List[int]]], TailWrites]:
     """Split a host plan (the ``host`` triple of :func:`~.write_checkpoints`) into the
-    checkpoints inside each row's first chunk (``offset < chunk``: same triple, others ``-1``)
-    and the rest (:class:`TailWrites`). ``first_chunks [N]``: each row's first chunk in ``h``."""
+    checkpoints with no chunk state of the prefill below them (same triple, others ``-1``) and
+    the rest (:class:`TailWrites`).
+
+    Args:
+        first_chunks: ``[N]`` each row's first chunk in the chunk states, when chunks start at
+            every row (GDN / KDA's ``h``); None: one chunk grid over the packed tokens, chunk
+            ``c`` starting at token ``c * chunk`` (Mamba2's SSD ``states``), a state usable by a
+            row only past the row's first token.
+    """
     now_offs, now_dst = [], []
-    tail = TailWrites([], [], [], [])
-    for lo, orow, drow, c0 in zip(starts, offsets, dst_slots, first_chunks):
+    tail = TailWrites([], [], [], [], [])
+    for r, (lo, orow, drow) in enumerate(zip(starts, offsets, dst_slots)):
         no, nd = [], []
         for o, d in zip(orow, drow):
+            o, d = int(o), int(d)
             if o < 0 or d < 0:
                 continue
-            if o < chunk:
-                no.append(int(o))
-                nd.append(int(d))
+            if first_chunks is not None:
+                cid, b = int(first_chunks[r]) + o // chunk, (o // chunk) * chunk
             else:
-                tail.starts.append(int(lo))
-                tail.offsets.append(int(o))
-                tail.dst_slots.append(int(d))
-                tail.chunk_ids.append(int(c0) + int(o) // chunk)
+                cid = (lo + o) // chunk
+                b = cid * chunk - lo
+            if b <= 0:
+                no.append(o)
+                nd.append(d)
+            else:
+                for lst, v in zip(tail, (int(lo), o, d, cid, b)):
+                    lst.append(v)
         now_offs.append(no)
         now_dst.append(nd)
     width = max((len(x) for x in now_offs), default=0)
@@ -100,39 +111,51 @@ def split_plan(starts: Sequence[int], offsets: Sequence[Sequence[int]], dst_slot
     return (list(starts), now_offs, now_dst), tail
 
 
-def gather_tail_blocks(mixed_qkv: torch.Tensor, g_raw: torch.Tensor, b_raw: torch.Tensor, tail: TailWrites,
-                       conv_kernel: int, chunk: int = DEFAULT_CHUNK) -> TailBlocks:
+def gather_tail_blocks(inputs: Sequence[torch.Tensor], tail: TailWrites, conv_kernel: int,
+                       chunk: int = DEFAULT_CHUNK) -> TailBlocks:
     """Copy each tail checkpoint's raw inputs into its block (one ``index_select`` per input).
 
     Args:
-        mixed_qkv: ``[L, T, conv_dim]``; g_raw: ``[L, T, *]``; b_raw: ``[L, T, HV]`` (as
-            :func:`~.write_checkpoints` takes them).
-        tail: from :func:`split_plan`; every ``starts + offsets <= T`` and ``offsets >= chunk``.
+        inputs: ``[L, T, *]`` each (GDN / KDA ``(mixed_qkv, g_raw, b_raw)``, Mamba2
+            ``(xbc, dt_raw)``), as the writers take them.
+        tail: from :func:`split_plan`.
         conv_kernel: ``W``.
 
     Raises:
-        ValueError: an offset inside the first chunk, or past the inputs.
+        ValueError: a boundary not inside ``(0, offset]``, more than ``chunk - 1`` tokens after
+            it, or an offset past the inputs.
     """
     Wm1 = conv_kernel - 1
     P = Wm1 + chunk - 1
-    T = mixed_qkv.shape[1]
-    idx, item_off, lengths = [], [], []
-    for lo, o in zip(tail.starts, tail.offsets):
-        if o < chunk or lo + o > T:
-            raise ValueError(f"gather_tail_blocks: offset {o} of a row at {lo} is inside the first chunk "
-                             f"({chunk}) or past the {T} input tokens")
-        b = (o // chunk) * chunk
+    T = inputs[0].shape[1]
+    idx, item_off = [], []
+    for lo, o, b in zip(tail.starts, tail.offsets, tail.begins):
+        if not 0 < b <= o or o - b >= chunk or lo + o > T:
+            raise ValueError(f"gather_tail_blocks: offset {o} from boundary {b} of a row at {lo}: the boundary must "
+                             f"lie in (0, offset] within {chunk - 1} tokens, the offset within the {T} input tokens")
         first = lo + b - Wm1
-        idx.extend(min(first + t, T - 1) for t in range(P))
+        idx.extend(min(max(first + t, 0), T - 1) for t in range(P))
         item_off.append(Wm1 + o - b)
-        lengths.append(Wm1 + o - b)
     J = len(item_off)
-    i = torch.tensor(idx, dtype=torch.int64, device=mixed_qkv.device)
+    i = torch.tensor(idx, dtype=torch.int64, device=inputs[0].device)
     rows = list(range(J))
-    lay = ChunkLayout(P + 1, rows, [j * P for j in rows], lengths, [0] * J, rows, item_off, list(tail.dst_slots),
-                      [0] * J, rows, rows, [0] * J)
-    return TailBlocks(mixed_qkv.index_select(1, i), g_raw.index_select(1, i), b_raw.index_select(1, i), lay,
-                      list(tail.chunk_ids), conv_kernel)
+    lay = ChunkLayout(P + 1, rows, [j * P for j in rows], list(item_off), [0] * J, rows, item_off,
+                      list(tail.dst_slots), [0] * J, rows, rows, [0] * J)
+    return TailBlocks(tuple(x.index_select(1, i) for x in inputs), lay, list(tail.chunk_ids), conv_kernel)
+
+
+def block_states(blocks: TailBlocks, chunk_states: torch.Tensor) -> torch.Tensor:
+    """``[L, J, ...]`` float32 contiguous: each block's boundary state from ``chunk_states
+    [L, NT, ...]``.
+
+    Raises:
+        ValueError: a chunk id past ``chunk_states``.
+    """
+    if max(blocks.chunk_ids) >= chunk_states.shape[1]:
+        raise ValueError(f"write_tail_blocks: chunk {max(blocks.chunk_ids)} past the {chunk_states.shape[1]} "
+                         f"chunk states")
+    ids = torch.tensor(blocks.chunk_ids, dtype=torch.int64, device=chunk_states.device)
+    return chunk_states.index_select(1, ids).float().contiguous()
 
 
 def write_tail_blocks(blocks: TailBlocks, chunk_states: torch.Tensor, conv_state: torch.Tensor,
@@ -161,24 +184,20 @@ def write_tail_blocks(blocks: TailBlocks, chunk_states: torch.Tensor, conv_state
         stats["scanned"] = [o - (blocks.conv_kernel - 1) for o in lay.item_off]
     if J == 0:
         return
-    if max(blocks.chunk_ids) >= chunk_states.shape[1]:
-        raise ValueError(f"write_tail_blocks: chunk {max(blocks.chunk_ids)} past the {chunk_states.shape[1]} "
-                         f"chunk states")
-    dev = blocks.mixed_qkv.device
-    ids = torch.tensor(blocks.chunk_ids, dtype=torch.int64, device=dev)
-    S = chunk_states.index_select(1, ids).float().contiguous()  # [L, J, HV, K, V]
+    S = block_states(blocks, chunk_states)  # [L, J, HV, K, V]
+    mixed_qkv, g_raw, b_raw = blocks.inputs
     Wm1 = blocks.conv_kernel - 1
     if impl == "torch":
         from sglang_mamba_ext.speculative.ops.inchunk.chunked import prepare, scan_from_boundaries, write_states
 
-        src = torch.full((J,), -1, dtype=torch.int64, device=dev)
-        prep = prepare(blocks.mixed_qkv, blocks.g_raw, blocks.b_raw, lay, src, conv_state, weights)
+        src = torch.full((J,), -1, dtype=torch.int64, device=mixed_qkv.device)
+        prep = prepare(mixed_qkv, g_raw, b_raw, lay, src, conv_state, weights)
         S = scan_from_boundaries(prep, lay, S, begin=[Wm1] * J)
         write_states(prep.window, lay, S, conv_state, temporal_state)
     elif impl == "triton":
         from sglang_mamba_ext.speculative.ops.inchunk.fused import write_blocks_triton
 
-        write_blocks_triton(blocks.mixed_qkv.contiguous(), blocks.g_raw.contiguous(), blocks.b_raw.contiguous(),
-                            lay, S, Wm1, conv_state, temporal_state, weights)
+        write_blocks_triton(mixed_qkv.contiguous(), g_raw.contiguous(), b_raw.contiguous(), lay, S, Wm1, conv_state,
+                            temporal_state, weights)
     else:
         raise ValueError(f"write_tail_blocks: unknown impl {impl!r} (triton, torch)")

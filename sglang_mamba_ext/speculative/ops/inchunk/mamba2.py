@@ -83,7 +83,7 @@ class Mamba2Weights(NamedTuple):
 def write_mamba2_checkpoints(
     xbc: torch.Tensor, dt_raw: torch.Tensor, writes: "CheckpointWrites", conv_state: torch.Tensor,
     ssm_state: torch.Tensor, weights: Mamba2Weights, impl: str = "triton", check_offsets: bool = True,
-    chunk: int = 64, host=None, stats: Optional[dict] = None,
+    chunk: int = 64, host=None, stats: Optional[dict] = None, chunk_states: Optional[torch.Tensor] = None,
 ) -> None:
     """For every request ``i`` and layer ``l``, run the layer's conv + SSD recurrence from slot
     ``writes.src_slots[i]``'s states over tokens ``starts[i] ..`` and store the conv window and
@@ -104,6 +104,11 @@ def write_mamba2_checkpoints(
         host: ``(starts, offsets, dst_slots)`` host lists (no device read), else ``.tolist()``.
         stats: if a dict, receives ``"scanned"`` (tokens per checkpoint after its boundary) and
             ``"chunks"``.
+        chunk_states: ``[L, NC, HV, P, N]``: the prefill's state at the start of every chunk of
+            one grid over the packed tokens (SGLang's SSD scan ``states``; chunk ``c`` starts at
+            token ``c * chunk``). When given, a checkpoint with a grid boundary inside its row
+            below it starts from that state (:mod:`.from_chunks`), so its cost does not depend
+            on its offset.
 
     Raises:
         ValueError: shapes disagree with ``weights``, non-contiguous inputs, an offset past
@@ -135,6 +140,24 @@ def write_mamba2_checkpoints(
         return
     if impl not in ("triton", "torch"):
         raise ValueError(f"write_mamba2_checkpoints: unknown impl {impl!r} (triton, torch, reference)")
+    if chunk_states is not None:
+        from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
+        from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
+
+        now, tail = split_plan(*(host or (writes.starts.tolist(), writes.offsets.tolist(),
+                                          writes.dst_slots.tolist())), None, chunk)
+        blocks = gather_tail_blocks((xbc, dt_raw), tail, W, chunk)
+        now_writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0])
+                                  for lo, orow, drow in zip(*now)], xbc.device)
+        if now_writes.offsets.shape[1]:
+            write_mamba2_checkpoints(xbc, dt_raw, now_writes._replace(src_slots=writes.src_slots), conv_state,
+                                     ssm_state, weights, impl, False, chunk, now, stats)
+        tail_stats: dict = {}
+        write_mamba2_tail_blocks(blocks, chunk_states, conv_state, ssm_state, weights, impl, tail_stats)
+        if stats is not None:
+            stats["scanned"] = list(stats.get("scanned", [])) + tail_stats["scanned"]
+            stats.setdefault("chunks", 0)
+        return
     from sglang_mamba_ext.speculative.ops.inchunk.layout import chunk_layout
 
     lay = chunk_layout(writes, chunk, host)
@@ -162,6 +185,41 @@ def write_mamba2_checkpoints_chunked(xbc, dt_raw, writes, conv_state, ssm_state,
     bnd = mc.boundary_states(prep, lay, mc.start_states(ssm_state, src))
     S = mc.add_partial(prep, lay, bnd[:, lay.item_bnd], stats)
     write_states(prep.window, lay, S, conv_state, ssm_state)
+
+
+def write_mamba2_tail_blocks(blocks, chunk_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                             weights: Mamba2Weights, impl: str = "triton", stats: Optional[dict] = None) -> None:
+    """Mamba2 checkpoints from the prefill's chunk states (issue 39): each block of
+    :func:`.from_chunks.gather_tail_blocks` (inputs ``(xbc, dt_raw)``) adds its ``o - b <=
+    chunk - 1`` tokens to its boundary state ``chunk_states[:, chunk_ids[j]]`` (``[L, NC, HV, P,
+    N]``, any float dtype), then its conv window and state go to its slot; ``impl`` ``"triton"`` or
+    ``"torch"``. ``stats``, if a dict, gets ``"scanned"``.
+
+    Raises:
+        ValueError: an unknown ``impl``, or a chunk id past ``chunk_states``.
+    """
+    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import block_states
+
+    lay = blocks.lay
+    J = len(lay.item_off)
+    Wm1 = blocks.conv_kernel - 1
+    if stats is not None:
+        stats["scanned"] = [o - Wm1 for o in lay.item_off]
+    if J == 0:
+        return
+    S = block_states(blocks, chunk_states)
+    xbc, dt_raw = blocks.inputs
+    if impl == "torch":
+        from sglang_mamba_ext.speculative.ops.inchunk import mamba2_chunked as mc
+        from sglang_mamba_ext.speculative.ops.inchunk.chunked import write_states
+
+        src = torch.full((J,), -1, dtype=torch.int64, device=xbc.device)
+        prep = mc.prepare(xbc, dt_raw, lay, src, conv_state, weights)
+        write_states(prep.window, lay, mc.add_partial(prep, lay, S, begin=[Wm1] * J), conv_state, ssm_state)
+    elif impl == "triton":
+        _mamba2_blocks_triton(xbc.contiguous(), dt_raw.contiguous(), lay, S, Wm1, conv_state, ssm_state, weights)
+    else:
+        raise ValueError(f"write_mamba2_tail_blocks: unknown impl {impl!r} (triton, torch)")
 
 
 def write_mamba2_checkpoints_torch(
@@ -312,4 +370,40 @@ def write_mamba2_checkpoints_triton(
             xbc, T, starts, srcs, offs, dsts,
             conv_state, *conv_state.stride(),
             L=L, C=C, D=D, W=W, BD=BDv,
+        )
+
+
+def _mamba2_blocks_triton(xbc, dt_raw, lay, S, begin: int, conv_state, ssm_state, weights: Mamba2Weights,
+                          BP: int = 32, BD: int = 256) -> None:
+    """The state kernel and the conv-window kernel of :func:`write_mamba2_checkpoints_triton`
+    over tail blocks (one checkpoint per block, stepped from block token ``begin = W - 1``)."""
+    from sglang_mamba_ext.speculative.ops.inchunk.fused import _inchunk_conv_window_kernel
+    from sglang_mamba_ext.speculative.ops.triton_utils import launch_scope
+
+    L, T, D = xbc.shape
+    HV, P, N, G, W = weights.num_heads, weights.head_dim, weights.d_state, weights.n_groups, weights.conv_kernel
+    J = len(lay.item_off)
+    dev = xbc.device
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+    istart, ioff, idst = t(lay.starts), t(lay.item_off), t(lay.item_dst)
+    isrc = torch.full((J,), -1, dtype=torch.int64, device=dev)
+    ibeg, ibnd = torch.full((J,), begin, dtype=torch.int64, device=dev), t(list(range(J)))
+    BPv = min(BP, triton.next_power_of_2(P))
+    BDv = min(BD, triton.next_power_of_2(D))
+    has_bias = weights.conv_bias is not None
+    cb = weights.conv_bias if has_bias else weights.conv_weight  # dummy pointer
+    lo_dt, hi_dt = weights.dt_limit
+    with launch_scope(_mamba2_inchunk_kernel):
+        _mamba2_inchunk_kernel[(J * L, HV, triton.cdiv(P, BPv))](
+            xbc, dt_raw, T, istart, isrc, ioff, idst, ibeg, ibnd, S, J,
+            conv_state, *conv_state.stride(),
+            ssm_state, *ssm_state.stride(),
+            weights.conv_weight, cb, weights.A, weights.dt_bias, float(lo_dt), float(min(hi_dt, 3.0e38)),
+            L=L, D=D, HV=HV, G=G, P=P, N=N, W=W, BP=BPv, BN=triton.next_power_of_2(N), HAS_BIAS=has_bias,
+        )
+    with launch_scope(_inchunk_conv_window_kernel):
+        _inchunk_conv_window_kernel[(J * L, triton.cdiv(D, BDv))](
+            xbc, T, istart, isrc, ioff, idst,
+            conv_state, *conv_state.stride(),
+            L=L, C=1, D=D, W=W, BD=BDv,
         )

@@ -18,7 +18,7 @@ path; the Triton path steps those tokens in ``mamba2._mamba2_inchunk_kernel``). 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import List, TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,11 +107,15 @@ def boundary_states(prep: Mamba2Prep, lay: ChunkLayout, S0: torch.Tensor) -> tor
     return S + torch.einsum("lqch,lqchpn->lqhpn", wc, Rc[:, rows])
 
 
-def add_partial(prep: Mamba2Prep, lay: ChunkLayout, S: torch.Tensor, stats: Optional[dict] = None) -> torch.Tensor:
+def add_partial(prep: Mamba2Prep, lay: ChunkLayout, S: torch.Tensor, stats: Optional[dict] = None,
+                begin: Optional[List[int]] = None) -> torch.Tensor:
     """Each checkpoint's state from its boundary state ``S [L, J, HV, P, N]`` and the ``o - b``
-    (at most ``chunk - 1``) tokens after it, all checkpoints in one contraction. ``stats``, if
-    given, gets ``"scanned"`` (``[J]`` tokens added per checkpoint) and ``"chunks"``."""
-    lens = lay.scanned()
+    (at most ``chunk - 1``) tokens after it, all checkpoints in one contraction. ``begin``:
+    ``[J]`` the token ``b`` of each in its row of ``prep`` (default ``item_chunk * chunk``).
+    ``stats``, if given, gets ``"scanned"`` (``[J]`` tokens added per checkpoint) and ``"chunks"``."""
+    if begin is None:
+        begin = [c * lay.chunk for c in lay.item_chunk]
+    lens = [o - b for o, b in zip(lay.item_off, begin)]
     steps = max(lens, default=0)
     if stats is not None:
         stats.update(scanned=list(lens), chunks=lay.max_chunks)
@@ -119,8 +123,8 @@ def add_partial(prep: Mamba2Prep, lay: ChunkLayout, S: torch.Tensor, stats: Opti
         return S
     dev = S.device
     rows = torch.tensor(lay.item_row, dtype=torch.int64, device=dev)
-    tok = torch.tensor([[c * lay.chunk + min(s, m - 1 if m else 0) for s in range(steps)]
-                        for c, m in zip(lay.item_chunk, lens)], dtype=torch.int64, device=dev)
+    tok = torch.tensor([[b + min(s, m - 1 if m else 0) for s in range(steps)]
+                        for b, m in zip(begin, lens)], dtype=torch.int64, device=dev)
     act = torch.tensor([[s < m for s in range(steps)] for m in lens], dtype=torch.bool, device=dev)
     a = torch.where(act[None, :, :, None], prep.a[:, rows[:, None], tok], torch.zeros((), device=dev))  # [L, J, s, HV]
     w = torch.where(act[None, :, :, None], exp0(_rev_excl_cumsum(a, 2)), torch.zeros((), device=dev))
