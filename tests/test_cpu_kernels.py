@@ -203,6 +203,70 @@ class TestMamba2VsTriton(unittest.TestCase):
         _close(self, outs[1][1], outs[0][1], 0, 0, what="conv update states")
 
 
+@unittest.skipUnless(_IN_INTERP and SGLANG_INSTALLED and NO_CUDA, "needs TRITON_INTERPRET=1 (runs in a subprocess)")
+class TestDecodeAndElementwiseVsTriton(unittest.TestCase):
+    """The GDN / KDA packed decode and the small kernels of ``cpu_kernels_elementwise``."""
+
+    @classmethod
+    def setUpClass(cls):
+        _shims()
+
+    def test_packed_decode(self):
+        from sglang.kernels.ops.attention.fla import fused_recurrent as fr
+
+        from sglang_mamba_ext.plugin import cpu_kernels as ck
+
+        g = torch.Generator().manual_seed(5)
+        B, H, HV, K, V = 3, 2, 4, 16, 16
+        pool = torch.randn(5, HV, V, K, generator=g)
+        idx = torch.tensor([1, -1, 3])  # -1: a padded row, zero output and no write
+        b = torch.randn(B, HV, generator=g).to(HALF)
+        A_log, dt_bias = torch.randn(HV, generator=g), torch.randn(HV, generator=g)
+        cases = [("gdn", None, torch.randn(B, 2 * H * K + HV * V, generator=g).to(HALF),
+                  torch.randn(B, HV, generator=g).to(HALF), dt_bias)]
+        for lb in (None, -5.0):
+            cases.append(("kda", lb, torch.randn(B, 2 * HV * K + HV * V, generator=g).to(HALF),
+                          torch.randn(B, HV * K, generator=g).to(HALF), torch.randn(HV * K, generator=g)))
+        for kind, lb, mixed, a, bias in cases:
+            results = []
+            for mod in (fr, ck):
+                p, out = pool.clone(), torch.empty(B, 1, HV, V, dtype=HALF)
+                if kind == "gdn":
+                    mod.fused_recurrent_gated_delta_rule_packed_decode(mixed, a, b, A_log, bias, 0.25, p, out, idx, True)
+                else:
+                    mod.fused_recurrent_kda_packed_decode(mixed, a, b, A_log, bias, 0.25, p, out, idx, True,
+                                                          lower_bound=lb)
+                results.append((out, p))
+            _close(self, results[1][0], results[0][0], 1e-3, what=f"{kind} lb={lb} out")
+            _close(self, results[1][1], results[0][1], 1e-5, what=f"{kind} lb={lb} pool")
+
+    def test_elementwise(self):
+        from sglang.kernels.ops.attention.linear.fused_gdn_gating import fused_gdn_gating
+        from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkvzba_split_reshape_cat
+        from sglang.kernels.ops.elementwise import elementwise as ew
+
+        from sglang_mamba_ext.plugin import cpu_kernels_elementwise as ce
+
+        g = torch.Generator().manual_seed(6)
+        T, Hqk, Hv, hq, hv = 7, 2, 4, 16, 16
+        qkvz = torch.randn(T, Hqk * (2 * hq + 2 * 2 * hv), generator=g).to(HALF)
+        ba = torch.randn(T, Hqk * 4, generator=g).to(HALF)
+        for a, b in zip(ce.fused_qkvzba_split_reshape_cat(qkvz, ba, Hqk, Hv, hq, hv),
+                        fused_qkvzba_split_reshape_cat(qkvz, ba, Hqk, Hv, hq, hv)):
+            _close(self, a, b, 0, 0, what="qkvz split")
+        A_log, a_, b_, bias = (torch.randn(Hv, generator=g), torch.randn(T, Hv, generator=g).to(HALF),
+                               torch.randn(T, Hv, generator=g).to(HALF), torch.randn(Hv, generator=g))
+        for a, b in zip(ce.fused_gdn_gating(A_log, a_, b_, bias), fused_gdn_gating(A_log, a_, b_, bias)):
+            _close(self, a, b, 1e-5, what="gdn gating")
+        h, w, sh, f = (torch.randn(T, 64, generator=g).to(HALF), torch.randn(64, generator=g).to(HALF),
+                       torch.randn(T, 64, generator=g).to(HALF), torch.randn(T, 64, generator=g).to(HALF))
+        f1, f2 = f.clone(), f.clone()
+        ew.fused_gate_sigmoid_mul_add(h, w, sh, f1)
+        ce.fused_gate_sigmoid_mul_add(h, w, sh, f2)
+        _close(self, f2, f1, 1e-3, what="gate sigmoid mul add")
+        _close(self, ce.fused_gate_sigmoid_mul(h, w, sh), ew.fused_gate_sigmoid_mul(h, w, sh), 1e-3, what="gate mul")
+
+
 TestCpuKernelsUnderInterpreter = triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED)
 
 

@@ -38,15 +38,18 @@ with line numbers is in ``docs/sglang-hooks.md``):
   ``torch.cuda.get_device_properties``, which fails without a driver; for a CPU tensor the
   CPU's core count stands in (a block-size heuristic only); its launch
   (``_layer_norm_fwd``) enters ``device_context``, which gets the device module bridge below.
-- **torch kernels** (AROUND SGLang's chunked linear-layer kernels, issue 40 item 5): for CPU
-  tensors, ``fla/chunk.py::chunk_gated_delta_rule`` (GDN), ``fla/kda.py::chunk_kda`` (KDA),
-  ``mamba/triton_ops/ssd_combined.py::mamba_chunk_scan_combined`` (Mamba2) and
-  ``mamba/causal_conv1d_triton.py::causal_conv1d_fn`` / ``causal_conv1d_update`` (plain decode
-  only) run as the plain-torch versions of :mod:`.cpu_kernels` / :mod:`.cpu_kernels_ssd` instead
-  of under Triton's interpreter (about 8 tokens/s for a tiny Qwen3-Next). A CUDA tensor, an
-  inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls SGLang's kernel unchanged.
-  Registered before the plugin's own BEFORE hooks on the same functions
-  (``plugin/inchunk_conv_ssd.py``), so those still see every call.
+- **torch kernels** (AROUND SGLang's linear-layer kernels, issue 40 item 5; the list is
+  :data:`KERNEL_BRIDGES`): for CPU tensors, the plain-torch versions run instead of SGLang's
+  Triton kernels under the interpreter (a tiny Qwen3-Next prefilled about 8 tokens/s there):
+  :mod:`.cpu_kernels` for ``fla/chunk.py::chunk_gated_delta_rule`` (GDN), ``fla/kda.py::
+  chunk_kda`` (KDA) and the GDN / KDA packed decode (``fla/fused_recurrent.py``);
+  :mod:`.cpu_kernels_ssd` for ``mamba/triton_ops/ssd_combined.py::mamba_chunk_scan_combined``
+  (Mamba2) and ``mamba/causal_conv1d_triton.py::causal_conv1d_fn`` / ``causal_conv1d_update``
+  (plain decode only); :mod:`.cpu_kernels_elementwise` for the small kernels that dominated
+  once the scans were fast (Qwen3-Next's qkvz split, the GDN gating, Qwen2-MoE's shared-expert
+  gate). A CUDA tensor, an inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls
+  SGLang's kernel unchanged. Registered before the plugin's own BEFORE hooks on the same
+  functions (``plugin/inchunk_conv_ssd.py``), so those still see every call.
 """
 
 from __future__ import annotations
@@ -91,10 +94,23 @@ KERNELS_ENV = "SGLANG_MAMBA_EXT_CPU_KERNELS"
 KERNEL_BRIDGES = {
     "sglang.kernels.ops.attention.fla.chunk.chunk_gated_delta_rule": ("cpu_kernels", "chunk_gated_delta_rule"),
     "sglang.kernels.ops.attention.fla.kda.chunk_kda": ("cpu_kernels", "chunk_kda"),
+    "sglang.kernels.ops.attention.fla.fused_recurrent.fused_recurrent_gated_delta_rule_packed_decode":
+        ("cpu_kernels", "fused_recurrent_gated_delta_rule_packed_decode"),
+    "sglang.kernels.ops.attention.fla.fused_recurrent.fused_recurrent_kda_packed_decode":
+        ("cpu_kernels", "fused_recurrent_kda_packed_decode"),
     "sglang.kernels.ops.mamba.triton_ops.ssd_combined.mamba_chunk_scan_combined":
         ("cpu_kernels_ssd", "mamba_chunk_scan_combined"),
     CAUSAL_CONV_TRITON + ".causal_conv1d_fn": ("cpu_kernels_ssd", "causal_conv1d_fn"),
     CAUSAL_CONV_TRITON + ".causal_conv1d_update": ("cpu_kernels_ssd", "causal_conv1d_update"),
+    # the small kernels around the scans (Qwen3-Next / Qwen2-MoE; cpu_kernels_elementwise.py)
+    "sglang.kernels.ops.attention.triton_gdn_fused_proj.fused_qkvzba_split_reshape_cat":
+        ("cpu_kernels_elementwise", "fused_qkvzba_split_reshape_cat"),
+    "sglang.kernels.ops.attention.linear.fused_gdn_gating.fused_gdn_gating":
+        ("cpu_kernels_elementwise", "fused_gdn_gating"),
+    "sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add":
+        ("cpu_kernels_elementwise", "fused_gate_sigmoid_mul_add"),
+    "sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul":
+        ("cpu_kernels_elementwise", "fused_gate_sigmoid_mul"),
 }
 
 _installed = False
@@ -313,6 +329,7 @@ def install_model_bridges() -> dict:
         done["shims"] = install_interpreter_shims(extra_modules=MAMBA_KERNEL_MODULES)
     done["causal_conv"] = bind_causal_conv()
     done["torch_native_mla"] = register_torch_native_mla()
+    done["torch_kernels"] = torch_kernels()  # SGLANG_MAMBA_EXT_CPU_KERNELS (KERNEL_BRIDGES)
     return done
 
 
