@@ -46,6 +46,10 @@ ONCHIP_TILE_BYTES = 64 * 1024
 ONCHIP_MAX_DEPTH = 8
 #: Value columns per program (``tree_recurrence_triton``'s ``BV``).
 ONCHIP_BV = 32
+#: :func:`onchip_tree_verify` runs the one-launch kernel of ``ops/verify/onchip_raw.py`` (q/k
+#: norm, gates and tree walk in registers); False: torch prep + ``ops/verify/fused.py`` (the
+#: path it replaced, kept as the tests' second opinion).
+RAW_ENTRY = True
 #: Environment override of the rule: ``auto`` (default), ``on_chip`` or ``one_layer``.
 VERIFY_ENV = "SGLANG_MAMBA_EXT_DEFERRED_VERIFY"
 VERIFY_VARIANTS = ("on_chip", "one_layer")
@@ -172,12 +176,21 @@ def onchip_tree_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     n = q.numel() // (H * K)
     T = int(draft_token_num)
     bs = n // T
+    state = ssm_states.transpose(-1, -2) if ssm_vk else ssm_states
+    if RAW_ENTRY:
+        from sglang_mamba_ext.speculative.ops.verify.onchip_raw import onchip_verify_raw
+
+        parents = None if retrieve_parent_token is None else retrieve_parent_token[:bs]
+        o = onchip_verify_raw(q.reshape(n, H, K), k.reshape(n, H, K), v.reshape(n, HV, V),
+                              a.reshape(n, HV, -1) if not per_head_gate else a.reshape(n, HV), b.reshape(n, HV),
+                              A_log, dt_bias, state, cache_indices[:bs], parents, T, max_depth, per_head_gate,
+                              K ** -0.5 if scale is None else scale)
+        return o.reshape(1, n, HV, V)
     qf = l2_normalize(q.reshape(bs, T, H, K).float())
     kf = l2_normalize(k.reshape(bs, T, H, K).float())
     g, beta = activate_gates(a, b, A_log, dt_bias, HV, K, per_head_gate)
     g = g.reshape(bs, T, HV) if per_head_gate else g.reshape(bs, T, HV, K)
     parents = None if retrieve_parent_token is None else retrieve_parent_token[:bs]
-    state = ssm_states.transpose(-1, -2) if ssm_vk else ssm_states
     o = onchip_tree_recurrence(qf, kf, v.reshape(bs, T, HV, V), g, beta.reshape(bs, T, HV), state,
                                cache_indices[:bs].to(torch.int64).clamp(min=0), parents, max_depth,
                                K ** -0.5 if scale is None else scale)

@@ -120,6 +120,7 @@ def load_triton_kernels_for_cpu() -> bool:
         "sglang_mamba_ext.speculative.ops.triton_utils",
         "sglang_mamba_ext.speculative.ops.replay.fused",
         "sglang_mamba_ext.speculative.ops.verify.fused",
+        "sglang_mamba_ext.speculative.ops.verify.onchip_raw",
     )
     if torch.cuda.is_available():
         for n in names:
