@@ -38,6 +38,7 @@ from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.host_tier import attach_host_tier
+from sglang_mamba_ext.plugin.inchunk_checkpoints import CHECKPOINT_COUNTERS
 from sglang_mamba_ext.plugin import overlap_publish, replayssm
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.sessions import RadixSessions, end_streaming_turn
@@ -406,6 +407,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             # --enable-linear-replayssm: decode-ring records folded before the tree took a state
             "replayssm_records_folded": self.replayssm_records_folded,
             "finish_states_donated_early": self.finish_states_donated_early,  # plugin/overlap_publish.py
+            **{n: int(pool.__dict__.get(n, 0)) for n in CHECKPOINT_COUNTERS},  # plugin/inchunk_checkpoints.py
             # int8 checkpoints (--enable-int8-mamba-checkpoint): the tree's states are here,
             # not in the SSM slots above; 0 without the flag
             "int8_ckpt_slots_total": ckpt.size if ckpt is not None else 0,

@@ -332,15 +332,36 @@ def forward_extend_before(backend, layer, forward_batch, mixed_qkv, a, b, **kwar
         if plan:
             split = _split_for(backend, layer, forward_batch, plan)
             if split is None:
+                first = sum(1 for items in plan.values() for o, _ in items if o < KERNEL_CHUNK)
+                count_checkpoints(backend.req_to_token_pool, forward_batch, first, 0,
+                                  sum(len(items) for items in plan.values()) - first)
                 write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, plan, backend_impl(backend))
             else:
                 now_plan, tail = split
+                count_checkpoints(backend.req_to_token_pool, forward_batch,
+                                  sum(len(items) for items in now_plan.values()), len(tail.offsets), 0)
                 if now_plan:
                     write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b, now_plan,
                                             backend_impl(backend))
                 if tail.offsets:
                     _stash_tail(backend, layer, mixed_qkv, a, b, tail)
     return None
+
+
+#: Counters on the request pool (``/server_info``, ``plugin/cache.py``): checkpoints written
+#: from a row's start state (inside its first chunk), from the prefill's own chunk states, and
+#: from the writer's own chunked pass; counted once per forward batch.
+CHECKPOINT_COUNTERS = ("inchunk_from_start_state", "inchunk_from_chunk_states", "inchunk_from_own_pass")
+
+
+def count_checkpoints(pool, forward_batch, from_start: int, from_chunks: int, own_pass: int) -> None:
+    """Add one forward batch's checkpoints to :data:`CHECKPOINT_COUNTERS` on ``pool`` (the
+    first layer to call counts; the others of the same batch are ignored)."""
+    if pool is None or pool.__dict__.get("_inchunk_counted") is forward_batch:
+        return
+    pool.__dict__["_inchunk_counted"] = forward_batch
+    for name, n in zip(CHECKPOINT_COUNTERS, (from_start, from_chunks, own_pass)):
+        pool.__dict__[name] = pool.__dict__.get(name, 0) + int(n)
 
 
 #: ``{layer_id: pending tail write}`` between :func:`forward_extend_before` and the kernel

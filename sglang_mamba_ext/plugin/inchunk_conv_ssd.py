@@ -53,6 +53,7 @@ from sglang_mamba_ext.plugin.inchunk_checkpoints import (
     SHORT_CONV_BACKEND,
     WRITER_ATTR,
     backend_impl,
+    count_checkpoints,
     _plan_for,
     _writes_and_host,
     _writes_for,
@@ -238,6 +239,7 @@ def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
     weights = _mamba2_weights(ctx.backend, ctx.layer_id, mixer)
     chunk = kwargs.get("chunk_size", args[2] if len(args) > 2 else None)
     changed = None
+    total = sum(1 for row in host[1] for o in row if o >= 0)
     if _scan_gives_chunk_states(kwargs, chunk, x.shape[1], T):
         from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
         from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
@@ -245,10 +247,15 @@ def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
         host, tail = split_plan(*host, None, int(chunk))
         writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0]) for lo, orow, drow in zip(*host)],
                              writes.src_slots.device)._replace(src_slots=writes.src_slots)
+        count_checkpoints(ctx.backend.req_to_token_pool, ctx.forward_batch, total - len(tail.offsets),
+                          len(tail.offsets), 0)
         if tail.offsets:
             ctx.tail = (gather_tail_blocks((ctx.xbc, dt_raw), tail, weights.conv_kernel, int(chunk)),
                         bool(kwargs.get("return_intermediate_states", False)))
             changed = ((x, dt, A, *args), dict(kwargs, return_intermediate_states=True))
+    else:
+        first = sum(1 for lo, row in zip(host[0], host[1]) for o in row if 0 <= o < int(chunk or 64))
+        count_checkpoints(ctx.backend.req_to_token_pool, ctx.forward_batch, first, 0, total - first)
     if writes.offsets.shape[1]:
         advanced = conv_pool[ctx.prefixed].clone()
         conv_pool[ctx.prefixed] = ctx.start_windows

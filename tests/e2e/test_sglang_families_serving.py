@@ -211,5 +211,59 @@ class TestQwen35Serving(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "qwen3_5_text", "GDNAttnBackend", "Qwen3_5ForCausalLM"
 
 
+class LongExtendServing(FamilyServing):
+    """Issue 39: with prompts in one extend (``--chunked-prefill-size 512``), checkpoints past a
+    row's first 64-token chunk start from the prefill kernel's own chunk states (GDN / KDA ``h``,
+    Mamba2's SSD ``states``): ``/server_info`` counts each checkpoint by where it started
+    (``inchunk_from_*``), and the hits they give serve what cold runs serve."""
+
+    STOCK = False
+    PLUGIN_FLAGS = ("--chunked-prefill-size", "512")
+    test_0_launch_and_writer = test_1_resend_hits_len_minus_1_and_matches_reference = None
+    test_2_third_prompt_hits_shared_77 = test_3_next_turn_hits_len_plus_out_minus_1 = None
+    test_4_abort_then_idle_checks = None
+
+    def counters(self):
+        import requests
+
+        r = requests.get(self.server.base_url + "/server_info", timeout=60)
+        r.raise_for_status()
+        info = r.json()["internal_states"][0]["mamba_radix"]
+        return [info[k] for k in ("inchunk_from_start_state", "inchunk_from_chunk_states", "inchunk_from_own_pass")]
+
+    def gen_counted(self, ids, **kw):
+        before = self.counters()
+        out = self.gen(ids, **kw)
+        return out, [b - a for a, b in zip(before, self.counters())]
+
+    def test_checkpoints_from_the_kernels_chunk_states(self):
+        p = self.tokens(300)
+        first, d = self.gen_counted(p)
+        self.assertEqual((first[1], d), (0, [0, 1, 0]))  # prompt - 1 = 299: from the state at 256
+        # 240 tokens, 200 shared with p: the branch point 200 (from 192) and 239 (from 192)
+        p2 = p[:200] + self.tokens(40)
+        second, d = self.gen_counted(p2)
+        self.assertEqual((second[1], d), (0, [0, 2, 0]))
+        p3 = p[:200] + self.tokens(30)
+        third, d = self.gen_counted(p3)
+        self.assertEqual((third[1], d), (200, [1, 0, 0]))  # 229: 29 tokens after the hit
+        self.assert_same(third, self.gen(p3, cold=True))
+        again = self.gen(p)
+        self.assertEqual(again[1], 299)
+        self.assert_same(again, first)
+
+
+class TestQwen3NextLongExtend(LongExtendServing, unittest.TestCase):
+    ARCH, BACKEND, MODEL_CLASS = "qwen3_next", "GDNAttnBackend", "Qwen3NextForCausalLM"
+
+
+class TestNemotronHLongExtend(LongExtendServing, unittest.TestCase):
+    ARCH, BACKEND, MODEL_CLASS = "nemotron_h", "Mamba2AttnBackend", "NemotronHForCausalLM"
+
+
+class TestKimiLinearLongExtend(LongExtendServing, unittest.TestCase):
+    ARCH, BACKEND, MODEL_CLASS = "kimi_linear", "KDAAttnBackend", "KimiLinearForCausalLM"
+
+
 if __name__ == "__main__":
     unittest.main()
