@@ -12,7 +12,8 @@
 # tier vs the device copy-on-write, Qwen3-Next shapes; last line int8_load_ratio=... Last, the
 # GDN / KDA in-chunk checkpoint writer (docs/design.md, "Prefix checkpoints"): correctness vs
 # torch and fla's chunked kernels, cost per checkpoint by offset (63, 511, 2047; since issue 39
-# each starts from the chunk boundary below it) vs the prefill it saves; last line
+# each starts from the prefill's chunk state below it, as served; the writer's own chunked pass
+# timed beside it: inchunk_selfpass_cost_ratio=) vs the prefill it saves; last line
 # inchunk_cost_ratio=<z> (sglang_mamba_ext/speculative/ops/inchunk/gpu_check.py).
 # Extra arguments go to `python -m sglang_mamba_ext.speculative.ops.gpu_check` (e.g.
 # --state-dtype bf16), run with the repository root on PYTHONPATH (the package need not be
