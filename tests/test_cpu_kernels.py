@@ -173,6 +173,31 @@ class TestMamba2VsTriton(unittest.TestCase):
                 _close(self, a, b, 1e-2 if what != "out" else 6e-2, rtol=2e-3 if what != "out" else 1e-2,
                        what=f"Mamba2 {name} {what}")
 
+    def test_selective_state_update(self):
+        from sglang.kernels.ops.mamba.triton_ops import mamba_ssm
+
+        from sglang_mamba_ext.plugin.cpu_bridges import cpu_device_module
+        from sglang_mamba_ext.plugin.cpu_kernels_ssd import selective_state_update
+
+        g = torch.Generator().manual_seed(7)
+        Bn, H, P, G, N = 3, 4, 16, 2, 16
+        pool = torch.randn(5, H, P, N, generator=g)
+        x = torch.randn(Bn, H, P, generator=g).to(HALF)
+        dt = torch.randn(Bn, H, generator=g).to(HALF)[:, :, None].expand(-1, -1, P)  # as MambaMixer2 passes them
+        A = (-torch.rand(H, generator=g) - 0.5)[:, None, None].expand(-1, P, N)
+        dt_bias = torch.randn(H, generator=g)[:, None].expand(-1, P)
+        D = torch.randn(H, generator=g)[:, None].expand(-1, P)
+        B, C = torch.randn(Bn, G, N, generator=g).to(HALF), torch.randn(Bn, G, N, generator=g).to(HALF)
+        rows = torch.tensor([2, -1, 0], dtype=torch.int32)
+        results = []
+        for fn in (mamba_ssm.selective_state_update, selective_state_update):
+            p, out = pool.clone(), torch.empty(Bn, H, P, dtype=HALF)
+            with cpu_device_module():
+                fn(p, x, dt, A, B, C, D, z=None, dt_bias=dt_bias, dt_softplus=True, state_batch_indices=rows, out=out)
+            results.append((out, p))
+        _close(self, results[1][0], results[0][0], 2e-3, what="ssu out")
+        _close(self, results[1][1], results[0][1], 1e-5, what="ssu pool")
+
     def test_causal_conv(self):
         from sglang.kernels.ops.mamba import causal_conv1d_triton as triton_mod
 

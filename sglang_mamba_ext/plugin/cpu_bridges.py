@@ -44,7 +44,8 @@ with line numbers is in ``docs/sglang-hooks.md``):
   :mod:`.cpu_kernels` for ``fla/chunk.py::chunk_gated_delta_rule`` (GDN), ``fla/kda.py::
   chunk_kda`` (KDA) and the GDN / KDA packed decode (``fla/fused_recurrent.py``);
   :mod:`.cpu_kernels_ssd` for ``mamba/triton_ops/ssd_combined.py::mamba_chunk_scan_combined``
-  (Mamba2) and ``mamba/causal_conv1d_triton.py::causal_conv1d_fn`` / ``causal_conv1d_update``
+  (Mamba2), its decode ``mamba/triton_ops/mamba_ssm.py::selective_state_update`` (one token per
+  row) and ``mamba/causal_conv1d_triton.py::causal_conv1d_fn`` / ``causal_conv1d_update``
   (plain decode only); :mod:`.cpu_kernels_elementwise` for the small kernels that dominated
   once the scans were fast (Qwen3-Next's qkvz split, the GDN gating, Qwen2-MoE's shared-expert
   gate). A CUDA tensor, an inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls
@@ -102,6 +103,8 @@ KERNEL_BRIDGES = {
         ("cpu_kernels_ssd", "mamba_chunk_scan_combined"),
     CAUSAL_CONV_TRITON + ".causal_conv1d_fn": ("cpu_kernels_ssd", "causal_conv1d_fn"),
     CAUSAL_CONV_TRITON + ".causal_conv1d_update": ("cpu_kernels_ssd", "causal_conv1d_update"),
+    "sglang.kernels.ops.mamba.triton_ops.mamba_ssm.selective_state_update":
+        ("cpu_kernels_ssd", "selective_state_update"),
     # the small kernels around the scans (Qwen3-Next / Qwen2-MoE; cpu_kernels_elementwise.py)
     "sglang.kernels.ops.attention.triton_gdn_fused_proj.fused_qkvzba_split_reshape_cat":
         ("cpu_kernels_elementwise", "fused_qkvzba_split_reshape_cat"),
@@ -150,6 +153,7 @@ def make_kernel_around(target: str):
     a CPU tensor when :func:`torch_kernels`, SGLang's kernel otherwise."""
     conv_update = target.endswith("causal_conv1d_update")
     conv_fn = target.endswith("causal_conv1d_fn")
+    ssu = target.endswith("selective_state_update")
 
     def kernel_around(original, *args, **kwargs):
         first = _first_tensor(args, kwargs)
@@ -162,6 +166,11 @@ def make_kernel_around(target: str):
                 return original(*args, **kwargs)
         if conv_fn and kwargs.get("block_table") is not None:
             return original(*args, **kwargs)
+        if ssu:
+            from sglang_mamba_ext.plugin.cpu_kernels_ssd import ssu_supported
+
+            if not ssu_supported(*args, **kwargs):
+                return original(*args, **kwargs)
         return _torch_version(target)(*args, **kwargs)
 
     kernel_around.__name__ = f"kernel_around[{target.rsplit('.', 1)[1]}]"

@@ -7,6 +7,7 @@ convolutions (issue 40, item 5; the delta-rule kernels are in :mod:`.cpu_kernels
 - :func:`causal_conv1d_fn` / :func:`causal_conv1d_update` replace
   ``sglang/kernels/ops/mamba/causal_conv1d_triton.py``'s functions of the same names (Mamba2,
   GDN, KDA and short-conv prefill / decode).
+- :func:`selective_state_update` replaces ``mamba/triton_ops/mamba_ssm.py``'s (Mamba2 decode).
 
 The SSD recurrence (per head, state ``h`` of shape ``[P, N]``)::
 
@@ -325,3 +326,53 @@ def update_supported(*args, **kwargs) -> bool:
     names = ("cache_seqlens", "num_accept_tokens", "intermediate_conv_window", "retrieve_next_token",
              "retrieve_next_sibling", "retrieve_parent_token", "metadata")
     return len(args) <= 5 and all(kwargs.get(n) is None for n in names)
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None, pad_slot_id=PAD_SLOT_ID, out=None, **kwargs):
+    """Replaces ``mamba/triton_ops/mamba_ssm.py::selective_state_update`` for one decode token
+    per row (``MambaMixer2.forward``'s decode; speculative / stochastic-rounding calls stay on
+    SGLang's kernel, see :func:`ssu_supported`).
+
+    Args:
+        state: pool ``[slots, H, P, N]`` updated in place; x, dt: ``[B, H, P]``; A: ``[H, P, N]``;
+        B, C: ``[B, G, N]``; D, dt_bias: ``[H, P]``; z: like x or None;
+        state_batch_indices: ``[B]`` pool rows (``pad_slot_id``: zero state, no write);
+        out: ``[B, H, P]`` written in place.
+    """
+    Bn, H, P = x.shape
+    rep = H // B.shape[-2]
+    dtf = dt.float()
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.float()
+    if dt_softplus:
+        dtf = torch.where(dtf <= 20.0, torch.log1p(torch.exp(dtf)), dtf)
+    rows = state_batch_indices.to(torch.long).reshape(-1) if state_batch_indices is not None else torch.arange(Bn)
+    live = rows != pad_slot_id if pad_slot_id is not None else torch.ones(Bn, dtype=torch.bool)
+    s = torch.zeros(Bn, H, P, state.shape[-1])
+    if live.any():
+        s[live] = state[rows[live]].float()
+    Bh = B.float().repeat_interleave(rep, dim=1)[:, :, None, :]  # [B, H, 1, N]
+    Ch = C.float().repeat_interleave(rep, dim=1)[:, :, None, :]
+    xf = x.float()
+    s = s * torch.exp(A.float() * dtf[..., None]) + Bh * dtf[..., None] * xf[..., None]
+    y = (s * Ch).sum(-1)
+    if D is not None:
+        y = y + xf * D.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    if live.any():
+        state[rows[live]] = s[live].to(state.dtype)
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y.reshape(out.shape))
+    return None
+
+
+def ssu_supported(state, x, *args, **kwargs) -> bool:
+    """Whether :func:`selective_state_update` covers this call: one token per row, a 4-D
+    pool, no speculative buffers, no stochastic rounding."""
+    plain = ("intermediate_states_buffer", "retrieve_parent_token", "intermediate_state_indices", "cache_steps")
+    return (state.dim() == 4 and x.dim() == 3 and not kwargs.get("disable_state_update")
+            and not kwargs.get("enable_stochastic_rounding") and all(kwargs.get(n) is None for n in plain)
+            and len(args) <= 7)
