@@ -364,10 +364,11 @@ class TestFlags(unittest.TestCase):
             ("--enable-hierarchical-cache", "--hicache-host-memory-mode", "buffer_only"):
                 "--enable-mamba-radix cannot be combined with --hicache-host-memory-mode buffer_only (SGLang: "
                 "'buffer_only requires a storage backend",
-            ("--enable-hierarchical-cache", "--hicache-storage-backend", "file"):
-                "--enable-mamba-radix cannot be combined with --hicache-storage-backend file (",
+            # issue 42: --hicache-storage-backend file is served (tests/test_storage_tier.py);
+            # without the host tier it is refused
             ("--hicache-storage-backend", "file"):
-                "--enable-mamba-radix cannot be combined with --hicache-storage-backend file (",
+                "--enable-mamba-radix cannot be combined with --hicache-storage-backend file without "
+                "--enable-hierarchical-cache (",
             ("--enable-hierarchical-cache", "--hicache-ratio", "0"):
                 "--enable-mamba-radix cannot be combined with --enable-hierarchical-cache --hicache-ratio 0.0 (",
             # a fresh user's finds: NaN and infinity reached int() in a later check (tracebacks),

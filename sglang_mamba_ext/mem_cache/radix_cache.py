@@ -25,13 +25,14 @@ from .state_tiers import HOST_WRITE_POLICIES, StateTiers  # noqa: F401  (re-expo
 from .req import CacheReq
 from .req_to_token_pool import HybridReqToTokenPool
 from .session_pins import SessionPins
+from .storage_tier import StorageTier
 from .tree_locks import TreeLocks
 from .tree_queries import TreeQueries
 from .stats import CacheCounters, CacheStats
 from .tree_node import EMPTY_INDICES, EvictResult, InsertResult, KeyLike, MatchResult, TreeNode, drop_removed_tail, match_len, split_key
 
 
-class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, TreeQueries, CacheCounters):
+class MambaRadixCache(PrefixCheckpoints, StateTiers, StorageTier, SessionPins, TreeLocks, TreeQueries, CacheCounters):
     """Hybrid prefix cache: attention KV + SSM state per node (``docs/design.md``).
 
     Args:
@@ -102,6 +103,7 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
         self.req_to_token_pool = req_to_token_pool
         self.mamba_pool = req_to_token_pool.mamba_pool
         self._init_state_tiers(req_to_token_pool, hicache_write_policy)
+        self._init_storage_tier()  # attach_storage gives it a store
         self.page_size = page_size
         self.mamba_track_interval = mamba_track_interval
         self.finish_state = finish_state
@@ -171,6 +173,13 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
         best = len(path)
         while best and not path[best - 1].has_state:
             best -= 1
+        if cow_mamba and self.storage is not None and self._fetch_from_storage(
+            tokens, extra_key, n, path[best - 1].seq_len if best else 0, pos
+        ):  # docs/design.md, "Storage tier": read back into the host tier, loaded below
+            path, pos = self._walk(root, tokens, 0, n, extra_key)
+            best = len(path)
+            while best and not path[best - 1].has_state:
+                best -= 1
         if best and path[best - 1].value is None:
             # KV in the host tier (docs/design.md, "Host tier"): a copy-on-write match loads
             # it back now; any other match stops above it
@@ -536,7 +545,10 @@ class MambaRadixCache(PrefixCheckpoints, StateTiers, SessionPins, TreeLocks, Tre
             self.event_sink("state_stored", node)
 
     def _drop_state(self, node: TreeNode) -> None:
-        """Tombstone ``node``: free its SSM slot (caller checked it is unlocked)."""
+        """Tombstone ``node``: free its SSM slot (caller checked it is unlocked); a state
+        without a host copy goes to the storage tier first, if there is one."""
+        if self.storage is not None and node.mamba_host_value is None:
+            self._spill(node)
         self.state_pool.free([node.mamba_value])
         node.mamba_value = None
         self._mamba_evictable -= 1

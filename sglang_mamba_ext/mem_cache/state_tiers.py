@@ -127,6 +127,8 @@ class StateTiers:
         return True
 
     def _drop_host(self, node: TreeNode) -> None:
+        if self.storage is not None and node.mamba_value is None:
+            self._spill(node)  # the state leaves its last tier (docs/design.md, "Storage tier")
         self.mamba_host_pool.free([node.mamba_host_value])
         node.mamba_host_value = None
         self.host_lru_list.remove(node.host_link)

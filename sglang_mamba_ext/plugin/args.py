@@ -166,11 +166,7 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
         if getattr(server_args, field, False):
             refuse(flag, f" ({why})")
     _map_replayssm(server_args)
-    storage = getattr(server_args, "hicache_storage_backend", None)
-    if storage:
-        # SGLang turns its storage prefetch on with the backend alone (L3, a KV store)
-        refuse(f"--hicache-storage-backend {storage}",
-               " (its host tier keeps SSM states in host memory; there is no L3 storage tier)")
+    _take_storage_backend(server_args, settings, refuse)
     host_ratio = getattr(server_args, "hicache_ratio", None)
     host_size = getattr(server_args, "hicache_size", 0) or 0
     if getattr(server_args, "enable_hierarchical_cache", False):
@@ -190,7 +186,7 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
                    " (SGLang: 'buffer_only requires a storage backend (--hicache-storage-backend): host "
                    "memory is only a staging buffer and all cached data lives in storage', "
                    "arg_groups/hicache_hook.py, and 'is only implemented for the unified radix tree', "
-                   "mem_cache/registry.py; the plugin has no storage tier, so its host tier is a cache: "
+                   "mem_cache/registry.py; the plugin's host tier is a cache above its storage tier: "
                    "mode cache)")
     if not getattr(server_args, "_radix_eviction_policy_explicitly_set", False):
         # SGLang records whether argv named the policy (server_args.prepare_server_args), as its
@@ -236,6 +232,31 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     _check_mamba_cache_size(server_args)
     _check_host_tier_size(server_args)
     return settings
+
+
+def _take_storage_backend(server_args, settings, refuse) -> None:
+    """``--hicache-storage-backend file`` (``docs/design.md``, "Storage tier"): the plugin's
+    tree writes states and KV through SGLang's backend itself, so the backend's name moves to
+    the plugin's settings and SGLang's field is cleared (its scheduler would otherwise run
+    its own storage prefetch against the plugin's cache). Needs the host tier; only SGLang's
+    ``file`` backend is served (the others take SGLang's host KV pool object at
+    construction, which the plugin's host tier is not)."""
+    storage = getattr(server_args, "hicache_storage_backend", None)
+    if not storage:
+        return
+    if not getattr(server_args, "enable_hierarchical_cache", False):
+        refuse(f"--hicache-storage-backend {storage} without --enable-hierarchical-cache",
+               " (its storage tier sits below the host tier and reads back through it)")
+    if storage != "file":
+        refuse(f"--hicache-storage-backend {storage}",
+               " (its storage tier serves SGLang's file backend; the others are built on SGLang's "
+               "host KV pool object, mem_cache/storage/backend_factory.py, which the plugin's host "
+               "tier is not)")
+    if getattr(server_args, "hicache_host_memory_mode", "cache") not in (None, "cache"):
+        return  # refused below with SGLang's reason
+    settings["storage_backend"] = storage
+    settings["storage_extra_config"] = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    server_args.hicache_storage_backend = None
 
 
 def _map_replayssm(server_args) -> None:

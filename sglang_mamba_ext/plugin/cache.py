@@ -42,7 +42,7 @@ from sglang_mamba_ext.plugin.inchunk_checkpoints import CHECKPOINT_COUNTERS
 from sglang_mamba_ext.plugin import overlap_publish, replayssm
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.sessions import RadixSessions, end_streaming_turn
-from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX
+from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX, current_settings
 
 logger = logging.getLogger(__name__)
 
@@ -181,8 +181,10 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         return -1
 
     def clear_storage_backend(self) -> bool:
-        """No L3 storage (``--hicache-storage-backend`` is refused with the flag)."""
-        return False
+        """Empty the storage tier (``--hicache-storage-backend``; SGLang's
+        ``/clear_hicache_storage_backend``); False without one."""
+        storage = self.core.storage
+        return bool(storage.clear()) if storage is not None else False
 
     @property
     def token_to_kv_pool_host(self):
@@ -427,6 +429,13 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "host_kv_demoted": core.host_kv_demoted_total,
             "host_kv_loaded": core.host_kv_loaded_total,
             "host_kv_evicted": core.host_kv_evicted_total,
+            # storage tier (--hicache-storage-backend): states / KV pages written, prefixes
+            # read back, values that failed their check (read as misses)
+            "storage_states_written": core.storage_states_written_total,
+            "storage_kv_pages_written": core.storage_kv_pages_written_total,
+            "storage_loads": core.storage_loads_total,
+            "storage_kv_pages_loaded": core.storage_kv_pages_loaded_total,
+            "storage_rejected": core.storage_rejected_total,
             # --enable-session-radix-cache: states open sessions pin (evicted last)
             "session_pins": len(core.pinned_nodes()),
             **core.stats_snapshot(),
@@ -585,6 +594,19 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         hicache_write_policy=write_policy,
         enable_session_radix_cache=bool(getattr(params, "enable_session_radix_cache", False)),
     )
+    storage = current_settings().get("storage_backend")
+    if storage:  # docs/design.md, "Storage tier"
+        from sglang.srt.runtime_context import get_parallel, get_server_args
+
+        from sglang_mamba_ext.plugin.host_tier import attach_storage_tier
+
+        sa = get_server_args()
+        try:  # each TP rank stores its own shard (HiCacheFile's key suffix)
+            rank, size = get_parallel().tp_rank, get_parallel().tp_size
+        except RuntimeError:  # not published (an offline build of the cache)
+            rank, size = 0, 1
+        attach_storage_tier(cache.core, storage, current_settings().get("storage_extra_config"),
+                            getattr(sa, "served_model_name", None) or getattr(sa, "model_path", None), rank, size)
     from sglang_mamba_ext.plugin.tp_digest import maybe_digest_check
 
     cache.tp_digest = maybe_digest_check(cache.core, getattr(params, "tp_cache_group", None))

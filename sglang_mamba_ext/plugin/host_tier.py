@@ -103,3 +103,70 @@ def _kv_buffers(kv_allocator):
             "k_buffer / v_buffer or kv_buffer to copy to host memory (drop --enable-hierarchical-cache)"
         )
     return buffers, page_size
+
+
+def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_rank: int = 0, tp_size: int = 1):
+    """``--hicache-storage-backend file`` (``docs/design.md``, "Storage tier"): give the tree
+    (``core``, with its host tier attached) SGLang's own storage backend, built by SGLang's
+    ``StorageBackendFactory`` from a ``HiCacheStorageConfig`` as its cache controller builds
+    it, keyed by SGLang's ``get_storage_hash_str`` (page hashes chained from the sequence
+    start, seeded by ``extra_key`` / ``cache_salt``). ``extra_config``: SGLang's
+    ``--hicache-storage-backend-extra-config`` (JSON or ``@file``), parsed by SGLang.
+    Returns the backend."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    extra = extra_config if isinstance(extra_config, dict) else \
+        HybridCacheController.parse_storage_backend_extra_config(extra_config)[0]
+    config = HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+        model_name=model_name, extra_config=extra or None,
+    )
+    backend = StorageBackendFactory.create_backend(backend_name, config, None)
+    page = core.page_size
+
+    def page_keys(tokens, namespace):
+        ek, salt = namespace if isinstance(namespace, tuple) else (namespace, None)
+        return get_storage_hash_str(RadixKey(list(tokens), ek, cache_salt=salt), None, page_size=page)
+
+    core.attach_storage(backend, page_keys, layout_tag=storage_layout_tag(core),
+                        discard=_file_discard(backend), state_suffix=f".{PoolName.MAMBA.value}")
+    logger.info(
+        "sglang-mamba-ext: storage tier %s (%s) under the host tier: %d-byte states, %d-byte KV pages",
+        backend_name, getattr(getattr(backend, "_backend", backend), "file_path", "?"),
+        core.mamba_host_pool.slot_bytes(), core.kv_host_pool.token_bytes() * page,
+    )
+    return backend
+
+
+def storage_layout_tag(core) -> bytes:
+    """What a stored value's bytes mean: the host tiers' tensor shapes and dtypes and the page
+    size (part of every stored value's digest: another layout reads as a miss)."""
+    parts = [f"page={core.page_size}"]
+    parts += [f"s{tuple(t.shape[1:])}:{t.dtype}" for t in core.mamba_host_pool.host]
+    parts += [f"k{tuple(t.shape[1:])}:{t.dtype}" for t in core.kv_host_pool.host_buffers]
+    return ";".join(parts).encode()
+
+
+def _file_discard(backend):
+    """For SGLang's ``HiCacheFile``: remove a key's file (a value that failed its check), so
+    that a later write replaces it (``HiCacheFile.set`` skips a key whose file exists)."""
+    import os
+
+    inner = getattr(backend, "_backend", backend)
+    suffixed = getattr(inner, "_get_suffixed_key", None)
+    root = getattr(inner, "file_path", None)
+    if suffixed is None or root is None:
+        return None
+
+    def discard(key: str) -> None:
+        name = suffixed(key)
+        if getattr(inner, "metadata_cache", None) is not None:
+            inner.metadata_cache.remove(name)
+        os.remove(os.path.join(root, f"{name}.bin"))
+
+    return discard
