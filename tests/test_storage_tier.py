@@ -254,6 +254,8 @@ class TestStorageFlags(unittest.TestCase):
             (("--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"),
              "--enable-mamba-radix cannot be combined with --hicache-storage-backend mooncake (its storage "
              "tier serves SGLang's file backend"),
+            (("--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--tp", "2"),
+             "--enable-mamba-radix cannot be combined with --hicache-storage-backend file at --tp 2"),
         ):
             with self.subTest(extra=extra):
                 with self.assertRaises(ValueError) as cm:

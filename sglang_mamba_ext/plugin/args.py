@@ -252,6 +252,11 @@ def _take_storage_backend(server_args, settings, refuse) -> None:
                " (its storage tier serves SGLang's file backend; the others are built on SGLang's "
                "host KV pool object, mem_cache/storage/backend_factory.py, which the plugin's host "
                "tier is not)")
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    if tp > 1 or int(getattr(server_args, "dp_size", 1) or 1) > 1:
+        refuse(f"--hicache-storage-backend {storage} at --tp {tp} / --dp {getattr(server_args, 'dp_size', 1)}",
+               " (each rank would read its own files, and a file missing on one rank would make the "
+               "ranks' trees differ; served on one rank only)")
     if getattr(server_args, "hicache_host_memory_mode", "cache") not in (None, "cache"):
         return  # refused below with SGLang's reason
     settings["storage_backend"] = storage
