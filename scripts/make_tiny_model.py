@@ -3,7 +3,7 @@
 
 Usage: python scripts/make_tiny_model.py --out DIR [--seed N] [--draft-out DRAFT_DIR]
 [--linear-gate {kda,gdn}] [--linear-kernels {tiny,sglang}]
-       python scripts/make_tiny_model.py --arch ARCH --out DIR [--seed N]
+       python scripts/make_tiny_model.py --arch ARCH --out DIR [--seed N] [--draft-out DRAFT_DIR]
        python scripts/make_tiny_model.py --list-archs
 
 ``--arch`` writes a tiny checkpoint of one of SGLang's own hybrid families instead
@@ -11,6 +11,12 @@ Usage: python scripts/make_tiny_model.py --out DIR [--seed N] [--draft-out DRAFT
 ``lfm2``; ``qwen3_5_text`` builds, its serving is not verified yet), served by SGLang's own
 model class for it; built by transformers' own class (``sglang_mamba_ext/models/hf_tiny.py``),
 float16, the same tokenizer.
+
+``--arch qwen3_next|qwen3_5_text|nemotron_h --draft-out DIR`` also writes the family's own MTP
+draft as SGLang's MTP class loads it (``Qwen3NextForCausalLMMTP``, ``Qwen3_5ForCausalLMMTP``,
+``NemotronHForCausalLMMTP``; ``sglang_mamba_ext/models/mtp_tiny.py``), fitted to the target so
+that it often agrees with it, for ``--speculative-algorithm NEXTN
+--speculative-draft-model-path DIR``.
 
 ``--list-archs`` prints every hybrid causal-LM class of SGLang 0.5.23, one line each: SGLang's
 module name (the ``--arch`` name), architecture, linear-layer kind, status (``supported``,
@@ -40,7 +46,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="output model directory (created); required unless --list-archs")
     parser.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     parser.add_argument("--draft-out", default=None,
-                        help="also write the matching frozen-KV draft model here (created)")
+                        help="also write the matching draft here (created): the frozen-KV draft of the tiny "
+                             "hybrid model, or with --arch qwen3_next|qwen3_5_text|nemotron_h the family's own "
+                             "MTP draft")
     parser.add_argument("--linear-gate", choices=["kda", "gdn"], default="kda",
                         help="decay gate of the linear layers: kda (per key channel, default) or gdn "
                              "(per value head)")
@@ -61,15 +69,23 @@ def main(argv=None) -> int:
     if not args.out:
         parser.error("--out is required (unless --list-archs)")
     if args.arch:
-        given = [f for f, v in (("--draft-out", args.draft_out), ("--linear-gate", args.linear_gate != "kda"),
+        from sglang_mamba_ext.models.mtp_tiny import MTP_ARCHS, build_mtp_draft
+
+        given = [f for f, v in (("--draft-out", args.draft_out and args.arch not in MTP_ARCHS),
+                                ("--linear-gate", args.linear_gate != "kda"),
                                 ("--linear-kernels", args.linear_kernels != "tiny")) if v]
         if given:
             parser.error(f"--arch {args.arch} cannot be combined with {', '.join(given)}: those shape the "
-                         "tiny hybrid model only; drop them or drop --arch")
+                         f"tiny hybrid model only (--draft-out: with --arch {', '.join(MTP_ARCHS)} only, "
+                         "their MTP draft); drop them or drop --arch")
         from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model
 
         out = build_hf_tiny_model(args.arch, args.out, seed=args.seed)
         print(f"wrote tiny {args.arch} checkpoint to {out}")
+        if args.draft_out:
+            st = build_mtp_draft(args.arch, out, args.draft_out, seed=args.seed)
+            print(f"wrote tiny {st['mtp_class']} draft to {args.draft_out} (agrees with the target on "
+                  f"{st['agreement']:.0%} of held-out greedy tokens)")
         return 0
     out = build_tiny_model(args.out, seed=args.seed, config_overrides={"linear_gate": args.linear_gate},
                            linear_kernels=args.linear_kernels)
