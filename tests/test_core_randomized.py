@@ -18,7 +18,10 @@ import torch
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+import random
+
 from cache_sim import ExactCheckpointPool, SimModel, make_cache
+from storage_sim import MemoryStore, page_keys
 from sglang_mamba_ext.mem_cache import CacheReq, RadixKey
 
 TOTAL_OPS = int(os.environ.get("SGLANG_MAMBA_EXT_RANDOM_OPS", "100000"))
@@ -38,6 +41,8 @@ class CacheMachine(RuleBasedStateMachine):
     host_kv_demoted = 0
     mamba_size = 10
     sessions = False  # the session pin / close rules (--enable-session-radix-cache)
+    storage = False  # a storage tier (--hicache-storage-backend) over an in-memory store
+    storage_loads = 0
 
     def __init__(self):
         super().__init__()
@@ -53,6 +58,9 @@ class CacheMachine(RuleBasedStateMachine):
             **self.cache_kwargs,
         )
         self.sim = SimModel(self.cache)
+        if self.storage:
+            self.store = MemoryStore()
+            self.cache.attach_storage(self.store, page_keys(self.page_size), b"sim", discard=self.store.discard)
         self.live = []  # requests holding a row (or a COW slot)
         self.prompt_len = {}
         self.locks = []  # nodes locked by the test itself
@@ -254,6 +262,25 @@ class CacheMachine(RuleBasedStateMachine):
         if c.kv_host_pool is not None:
             c.kv_host_pool.clear()
 
+    @precondition(lambda self: self.storage)
+    @rule(seed=st.integers(0, 2**16))
+    def damage_storage(self, seed):
+        """A stored value loses a byte or gets one flipped: it must read as a miss."""
+        self.store.damage(random.Random(seed))
+
+    @precondition(lambda self: self.storage and not self.live and not self.locks)
+    @rule()
+    def spill_all(self):
+        """Everything out of the device and host tiers: what leaves goes to storage."""
+        from sglang_mamba_ext.mem_cache import EvictResult
+
+        c = self.cache
+        c.evict(num_tokens=10**6, mamba_num=10**6)
+        c._evict_host(c.mamba_host_pool.size)
+        res = EvictResult()
+        c._evict_host_kv(c.kv_host_pool.size, res)
+        c._count_evicted(res)
+
     # now and then (1 in 11) more than the tree holds: everything unlocked goes
     @rule(tokens=st.integers(0, 44).map(lambda t: 10**6 if t > 40 else t),
           mamba=st.integers(0, 4).map(lambda m: 10**6 if m == 4 else m))
@@ -298,6 +325,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.check_all()
         CacheMachine.host_backups += self.cache.host_backups_total
         CacheMachine.host_kv_demoted += self.cache.host_kv_demoted_total
+        CacheMachine.storage_loads += self.cache.storage_loads_total
 
     # ---------------------------------------------------------------- helpers
     def _drop(self, req):
@@ -359,6 +387,17 @@ CONFIGS = {
             branch_checkpoints=True, ckpt_size=5, host_size=7, kv_host_size=40, hicache_write_policy="write_back",
             eviction_policy="adaptive", max_states_per_path=3)
     ),
+    # a storage tier under the host tier (--hicache-storage-backend, issue 42), values
+    # damaged now and then
+    "page1_branch_host_storage_adaptive": dict(
+        page_size=1, track_slots=2, finish_state="working", mamba_size=6, storage=True, cache_kwargs=dict(
+            branch_checkpoints=True, host_size=3, kv_host_size=24, hicache_write_policy="write_through",
+            eviction_policy="adaptive", max_states_per_path=3)
+    ),
+    "page2_ckpt_host_back_storage": dict(
+        page_size=2, track_slots=2, finish_state="working", mamba_size=8, storage=True, cache_kwargs=dict(
+            branch_checkpoints=True, ckpt_size=5, host_size=3, kv_host_size=16, hicache_write_policy="write_back")
+    ),
     "page2_nobuffer_ckpt_recompute": dict(
         page_size=2, track_slots=0, finish_state="working", sessions=True, cache_kwargs=dict(
             branch_checkpoints=True, ckpt_size=5, eviction_policy="recompute", kv_bytes_per_token=64)
@@ -383,6 +422,7 @@ def _make_case(name, cfg):
             stores = ExactCheckpointPool.total_stores
             backups = CacheMachine.host_backups
             demoted = CacheMachine.host_kv_demoted
+            loads = CacheMachine.storage_loads
             super().runTest()
             # The machine really stepped (invariants run once per step).
             self.assertGreaterEqual(CacheMachine.ops - before, examples * STEPS // 2)
@@ -401,6 +441,9 @@ def _make_case(name, cfg):
                 # with it), and about one run in three has none (test_host_tier.py's TestHostKV
                 # covers that policy's demotions)
                 self.assertGreater(CacheMachine.host_kv_demoted - demoted, 0)
+            if cfg.get("storage"):
+                # prefixes really came back from storage
+                self.assertGreater(CacheMachine.storage_loads - loads, 0)
             if cfg.get("cache_kwargs", {}).get("ckpt_size"):
                 # states really went through the checkpoint pool
                 self.assertGreater(ExactCheckpointPool.total_stores - stores, 0)

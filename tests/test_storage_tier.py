@@ -28,14 +28,14 @@ class TestStorageTier(unittest.TestCase):
         self.dir = tempfile.mkdtemp(prefix="smx-storage-")
         self.addCleanup(shutil.rmtree, self.dir, True)
 
-    def build(self):
+    def build(self, *flags):
         """A fresh cache over the storage directory (a new server, as far as storage goes)."""
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
         ctx, _ = F.scheduler_context(F.base_argv(
             "--enable-mamba-radix", "--enable-hierarchical-cache", "--hicache-ratio", "1",
             "--max-mamba-cache-size", str(MAMBA_SIZE), "--hicache-storage-backend", "file",
-            "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": self.dir})))
+            "--hicache-storage-backend-extra-config", json.dumps({"file_storage_path": self.dir}), *flags))
         stack = contextlib.ExitStack()
         stack.enter_context(F.in_context(ctx))
         self.addCleanup(stack.close)
@@ -97,7 +97,8 @@ class TestStorageTier(unittest.TestCase):
         core.mamba_pool.free([req.mamba_pool_idx])
         core.sanity_check()
         self.assertEqual(core.token_to_kv_pool_allocator.available_size() + core.total_size(), KV_SIZE)
-        self.assertEqual(core.mamba_pool.available_size() + core.mamba_total_size(), MAMBA_SIZE)
+        held = core.mamba_total_size() if core.mamba_ckpt_pool is None else 0  # int8: the tree holds none
+        self.assertEqual(core.mamba_pool.available_size() + held, MAMBA_SIZE)
 
     def files(self, suffix):
         return sorted(f for f in os.listdir(self.dir) if f.endswith(".bin") and (suffix in f))
@@ -118,6 +119,27 @@ class TestStorageTier(unittest.TestCase):
         self.assertEqual(m.prefix_len, 12)
         self.assertEqual((core.storage_loads_total, core.storage_kv_pages_loaded_total), (1, 12))
         self.assert_exact(core, kv_pool, m, req, kv, state)
+        self.release(core, req)
+
+    def test_int8_states_come_back_as_a_device_hit_would_give_them(self):
+        """Under ``--enable-int8-mamba-checkpoint`` the stored state is the int8 one (data,
+        scales, conv window as the host tier holds them): read back and dequantized it equals
+        what a hit on the device copy gives."""
+        core, kv_pool = self.build("--enable-int8-mamba-checkpoint", "--int8-mamba-ckpt-size", "8")
+        self.assertIsNotNone(core.mamba_ckpt_pool)
+        tokens = list(range(100, 110))
+        kv, _ = self.put(core, kv_pool, tokens, seed=9)
+        node = core.match_prefix(RadixKey(tokens)).last_node
+        tmp = core.mamba_pool.alloc_list(1)[0]
+        core.mamba_ckpt_pool.load_to_active(core.mamba_pool, [node.mamba_value], [tmp])
+        want = [t[:, tmp].clone() for t in core.mamba_pool.state_tensors()]
+        core.mamba_pool.free([tmp])
+        self.push_out(core)
+        self.assertEqual(core.storage_states_written_total, 1)
+        self.clobber(core, kv_pool)
+        m, req = self.hit(core, tokens)
+        self.assertEqual((m.prefix_len, core.storage_loads_total), (10, 1))
+        self.assert_exact(core, kv_pool, m, req, kv, want)
         self.release(core, req)
 
     def test_a_new_cache_on_the_same_directory_hits_from_storage(self):
