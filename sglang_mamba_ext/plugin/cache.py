@@ -566,10 +566,11 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
     if ctx.enable_hierarchical_cache:
         write_policy = attach_host_tier(params.req_to_token_pool, params.token_to_kv_pool_allocator)
     algo = str(get_spec().speculative_algorithm or "").upper()
-    if params.is_eagle and algo != "FROZEN_KV_MTP":
-        # EAGLE / EAGLE3 drafts write KV keyed by token pairs (SGLang's bigram radix keys);
-        # FROZEN_KV_MTP's draft writes no KV (SGLang counts it as EAGLE-family only for the
-        # scheduler), so its keys are plain tokens.
+    if params.is_eagle and algo not in ("FROZEN_KV_MTP", "EAGLE"):
+        # SGLang keys EAGLE-family trees by token pairs (bigram keys): a draft's KV at position
+        # i was computed with token i+1. This tree keys by tokens; FROZEN_KV_MTP's draft writes
+        # no KV, and an EAGLE / NEXTN draft's KV at a hit's last position may carry another
+        # next token (draft proposals only: accept counts, never outputs; docs/speculative.md).
         raise ValueError(
             f"--enable-mamba-radix does not support --speculative-algorithm {algo} (bigram radix keys)"
         )

@@ -20,7 +20,9 @@ default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serv
   (``sglang/srt/configs/mamba_utils.py::mamba2_state_dtype``), about 2e-3 log-prob drift.
 - with ``--speculative-algorithm`` on a host without CUDA: ``--disable-overlap-schedule`` and
   the environment of :func:`cpu_spec_env` (Triton interpreter, no ``torch.compile``, the
-  plugin's CPU routing of the speculative path, ``plugin/speculative/cpu_routing.py``).
+  plugin's CPU routing of the speculative path, ``plugin/speculative/cpu_routing.py``); with
+  ``NEXTN`` / ``EAGLE`` also ``--speculative-draft-attention-backend triton`` (EAGLE's draft
+  backend factory, ``speculative/draft_utils.py``, has no ``torch_native`` entry).
 - with the tiny model served by SGLang's own GDN / KDA backends (``--linear-kernels sglang`` of
   ``scripts/make_tiny_model.py``) on a host without CUDA: ``TRITON_INTERPRET=1``, so that their
   Triton kernels run under Triton's interpreter (``plugin/triton_interpret.py``).
@@ -201,6 +203,11 @@ def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     if speculating_without_cuda(argv) and absent("--disable-overlap-schedule"):
         # FROZEN_KV_MTP on CPU is run (and tested) by SGLang's non-overlap scheduler only.
         add("--disable-overlap-schedule")
+    algo = (_flag_value(argv, "--speculative-algorithm") or "").upper()
+    if speculating_without_cuda(argv) and algo in ("NEXTN", "EAGLE") and absent("--speculative-draft-attention-backend"):
+        # EAGLE's draft backends (speculative/draft_utils.py DraftBackendFactory) have no
+        # torch_native entry; SGLang's Triton attention runs under the interpreter (issue 41)
+        add("--speculative-draft-attention-backend", "triton")
     return argv, added
 
 

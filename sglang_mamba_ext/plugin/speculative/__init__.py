@@ -140,4 +140,9 @@ def register_spec_hooks() -> None:
     # path (inert unless cpu_routing.CPU_SPEC_ENV is 1 on a host without CUDA).
     for target, kind, name in cpu_routing.CPU_HOOK_TARGETS:
         HookRegistry.register(target, getattr(cpu_routing, name), getattr(HookType, kind))
+    # SGLang's own MTP drafts (NEXTN / EAGLE) on CPU (issue 41; inert likewise)
+    from sglang_mamba_ext.plugin.speculative import cpu_mtp
+
+    for target, kind, name in cpu_mtp.CPU_MTP_HOOK_TARGETS:
+        HookRegistry.register(target, getattr(cpu_mtp, name), getattr(HookType, kind))
     _registered = True

@@ -1,0 +1,129 @@
+"""End to end (issue 41, item 2): speculative decoding with SGLang 0.5.23's own MTP draft class
+on CPU, ``--speculative-algorithm NEXTN`` (SGLang's EAGLE worker with the model's MTP layer),
+with ``--enable-mamba-radix``, in SGLang's snapshot mode.
+
+The tiny Qwen3-Next target and its MTP draft (``scripts/make_tiny_model.py --arch qwen3_next
+--draft-out``: SGLang loads it as ``Qwen3NextForCausalLMMTP``) are built per class. The user
+passes SGLang's speculative flags, ``--enable-mamba-radix`` and pool caps; the plugin's CPU
+defaults add the rest (``--disable-overlap-schedule``, the Triton interpreter, the CPU
+speculative routing, ``--speculative-draft-attention-backend triton``) and its CPU bridge for
+the MTP class (``plugin/speculative/cpu_mtp.py``).
+
+Greedy output must equal, token for token, what the same plugin server without speculation
+returned for the same prompts (started first, its outputs kept, stopped before the
+speculative server starts: one server at a time). Accept counts come from ``meta_info`` and are
+checked for consistency (as ``test_spec_serving.py`` does: ``1 + spec_verify_ct +
+spec_num_correct_drafts`` tokens came out of the rounds, at most the last round's accepted
+drafts past ``max_new_tokens``), and the draft must have been accepted somewhere. The cache
+stays exact across speculative turns: a resent 150-token prompt hits 149, its next turn hits
+``len + out - 1`` (the prompt's own ``len - 1`` when the last round accepted drafts past the
+stop). SGLang's strict idle checks (leaks) are on.
+
+Deferred mode (``--mamba-spec-state-update deferred``) is FROZEN_KV_MTP only: EAGLE's worker
+is not hooked, and the combination is refused at start-up (``docs/limits.md``).
+"""
+
+import os
+import tempfile
+import unittest
+
+import pytest
+
+from server_util import CHECKED_ENV, Server, idle_and_checked
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+NEW_TOKENS = 16
+PROMPTS = [list(range(5, 13)), [100, 200, 300, 40, 50], list(range(20, 60))]
+LONG = list(range(300, 450))  # 150 tokens
+TURN_TOKENS = 6
+NEXT_TAIL = list(range(10, 20))
+
+
+class _MtpSpecCase:
+    ARCH = "qwen3_next"
+    TOPK, STEPS, DRAFT_TOKENS = 1, 3, 4
+    CAPS = ["--max-total-tokens", "4096", "--max-mamba-cache-size", "32", "--max-running-requests", "4"]
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model
+        from sglang_mamba_ext.models.mtp_tiny import build_mtp_draft
+
+        tmp = tempfile.TemporaryDirectory(prefix=f"{cls.ARCH}-mtp-e2e-")
+        cls.addClassCleanup(tmp.cleanup)
+        cls.target = build_hf_tiny_model(cls.ARCH, os.path.join(tmp.name, "target"))
+        cls.draft_stats = build_mtp_draft(cls.ARCH, cls.target, os.path.join(tmp.name, "draft"))
+        cls.draft = os.path.join(tmp.name, "draft")
+        base = ["--device", "cpu", "--enable-mamba-radix", *cls.CAPS]
+        # the baseline: the same plugin server without speculation, then stopped
+        plain = Server(cls.target, base, os.path.join(tmp.name, "plain.log"), env=dict(CHECKED_ENV))
+        cls.addClassCleanup(plain.stop)
+        plain.wait_healthy()
+        cls.want = {}
+        for p in PROMPTS:
+            cls.want[tuple(p)] = plain.generate(input_ids=p, max_new_tokens=NEW_TOKENS)["output_ids"]
+        out = plain.generate(input_ids=LONG, max_new_tokens=TURN_TOKENS)["output_ids"]
+        cls.want[tuple(LONG)] = out
+        nxt = LONG + out + NEXT_TAIL
+        cls.want[tuple(nxt)] = plain.generate(input_ids=nxt, max_new_tokens=TURN_TOKENS)["output_ids"]
+        plain.stop()
+        flags = [*base, "--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", cls.draft,
+                 "--speculative-num-steps", str(cls.STEPS), "--speculative-eagle-topk", str(cls.TOPK),
+                 "--speculative-num-draft-tokens", str(cls.DRAFT_TOKENS)]
+        cls.server = Server(cls.target, flags, os.path.join(tmp.name, "spec.log"), env=dict(CHECKED_ENV))
+        cls.addClassCleanup(cls.server.stop)
+        cls.server.wait_healthy()
+
+    def _gen(self, ids, n):
+        r = self.server.generate(input_ids=ids, max_new_tokens=n)
+        self.assertEqual(r["output_ids"], self.want[tuple(ids)], f"prompt {ids[:8]}... ({len(ids)} tokens)")
+        mi = r["meta_info"]
+        self.assertEqual(mi["completion_tokens"], n)
+        hist = mi["spec_correct_drafts_histogram"]
+        self.assertEqual(sum(hist), mi["spec_verify_ct"], mi)
+        self.assertEqual(sum(i * h for i, h in enumerate(hist)), mi["spec_num_correct_drafts"], mi)
+        self.assertLessEqual(len(hist), self.STEPS + 1, mi)
+        deepest = max(i for i, h in enumerate(hist) if h > 0)
+        overshoot = 1 + mi["spec_verify_ct"] + mi["spec_num_correct_drafts"] - n
+        self.assertTrue(0 <= overshoot <= deepest, mi)
+        self.assertAlmostEqual(mi["spec_accept_length"], n / mi["spec_verify_ct"], places=9)
+        return r, overshoot
+
+    def test_0_launch(self):
+        log = self.server.log_text()
+        # NEXTN runs as SGLang's EAGLE worker; the plugin's CPU default picked the draft backend
+        self.assertIn("'speculative_algorithm': 'EAGLE'", log)
+        self.assertIn("'speculative_draft_attention_backend': 'triton'", log)
+
+    def test_greedy_equals_plain_server_and_accept_counts(self):
+        accepted = 0
+        for p in PROMPTS:
+            r, _ = self._gen(p, NEW_TOKENS)
+            accepted += r["meta_info"]["spec_num_correct_drafts"]
+        # the fitted MTP head agrees with the target on some tokens (mtp_tiny.json: ~20%)
+        self.assertGreater(accepted, 0, self.draft_stats)
+
+    def test_resend_and_next_turn_hit_exactly(self):
+        first, _ = self._gen(LONG, TURN_TOKENS)
+        again, overshoot = self._gen(LONG, TURN_TOKENS)
+        self.assertEqual(again["meta_info"]["cached_tokens"], len(LONG) - 1)  # 149
+        out = again["output_ids"]
+        nxt = LONG + out + NEXT_TAIL
+        r, _ = self._gen(nxt, TURN_TOKENS)
+        # the finished turn's state covers prompt + output[:-1] unless its last round accepted
+        # drafts past the stop (snapshot mode cannot cut it back): then the prompt's own len - 1
+        want = len(LONG) + len(out) - 1 if overshoot == 0 else len(LONG) - 1
+        self.assertEqual(r["meta_info"]["cached_tokens"], want, (overshoot, again["meta_info"]))
+
+    def test_zz_idle_leak_check(self):
+        load = idle_and_checked(self.server)
+        self.assertEqual(load["num_used_tokens"], 0)
+
+
+class TestQwen3NextMtpTopk1(_MtpSpecCase, unittest.TestCase):
+    """Qwen3-Next + Qwen3NextForCausalLMMTP, a chain of 3 drafts (4 tokens verified)."""
+
+
+if __name__ == "__main__":
+    unittest.main()
