@@ -323,6 +323,23 @@ class CacheMachine(RuleBasedStateMachine):
         self.live, self.locks = [], []
         self.evict(10**6, 10**6)
         self.check_all()
+        if self.storage:
+            # one whole request over an undamaged store, everything to storage, then the
+            # request's prompt again: read back, KV and state checked by the forward
+            self.store.values.clear()
+            self.rid += 1
+            tokens = SYSTEMS[self.rid % len(SYSTEMS)] + [3, 1, 2]
+            self.sim.run(list(tokens), [2, 0], rid=self.rid)
+            self.spill_all()
+            self.check_all()
+            self.rid += 1
+            req = CacheReq(rid=self.rid, token_ids=tokens + [2, 0, 1])
+            loads = self.cache.storage_loads_total
+            assert self.sim.admit(req, prompt_len=len(req.token_ids))
+            assert self.cache.storage_loads_total == loads + 1 and req.cache_protected_len > 0
+            self.sim.forward(req, 0)  # checks the read-back KV and working state
+            self.sim.release(req, checkpoint=False)
+            self.check_all()
         CacheMachine.host_backups += self.cache.host_backups_total
         CacheMachine.host_kv_demoted += self.cache.host_kv_demoted_total
         CacheMachine.storage_loads += self.cache.storage_loads_total

@@ -193,40 +193,44 @@ class StorageTier:
         except Exception:  # noqa: BLE001
             return
         if missing:
-            slots = self._path_slots(path)
             page = self.page_size
-            for i in missing:
-                if not self._write(keys[i], self._kv_payload(slots[i * page : (i + 1) * page])):
+            slots = self._path_slots(path)
+            want = [s for i in missing for s in slots[i * page : (i + 1) * page]]
+            rows = self._kv_rows(want)  # one gather per buffer for every missing page
+            for j, i in enumerate(missing):
+                payload = torch.cat([_flat_bytes(r[j * page : (j + 1) * page]) for r in rows]) if rows else \
+                    torch.empty(0, dtype=torch.uint8)
+                if not self._write(keys[i], payload):
                     return  # a state is useless without its prefix's KV
                 self.storage_kv_pages_written_total += 1
         if self._write(state_key, self._state_payload(node)):
             self.storage_states_written_total += 1
 
     def _path_slots(self, path: List[TreeNode]):
-        """Per token of the path: ``(is_host, slot)`` as two parallel lists' zip."""
+        """Per token of the path: ``(on_host, slot)``."""
         out = []
         for n in path:
             if n.value is not None:
-                out.extend((False, int(s)) for s in n.value.tolist())
+                out.extend((False, s) for s in n.value.tolist())
             else:
-                out.extend((True, int(s)) for s in n.host_value.tolist())
+                out.extend((True, s) for s in n.host_value.tolist())
         return out
 
-    def _kv_payload(self, slots) -> torch.Tensor:
+    def _kv_rows(self, slots) -> List[torch.Tensor]:
+        """The KV of ``slots`` (``(on_host, slot)`` per token), one CPU tensor per buffer."""
         pool = self.kv_host_pool
-        dev_idx = torch.tensor([s for h, s in slots if not h], dtype=torch.int64)
-        host_idx = torch.tensor([s for h, s in slots if h], dtype=torch.int64)
-        order = [h for h, _ in slots]
-        parts = []
+        on_host = torch.tensor([h for h, _ in slots], dtype=torch.bool)
+        idx = torch.tensor([s for _, s in slots], dtype=torch.int64)
+        dev_idx, host_idx = idx[~on_host], idx[on_host]
+        out = []
         for dev, host in zip(pool.device_buffers, pool.host_buffers):
             rows = torch.empty((len(slots), *host.shape[1:]), dtype=host.dtype)
-            is_host = torch.tensor(order, dtype=torch.bool)
             if dev_idx.numel():
-                rows[~is_host] = dev[dev_idx.to(dev.device)].to("cpu")
+                rows[~on_host] = dev[dev_idx.to(dev.device)].to("cpu")
             if host_idx.numel():
-                rows[is_host] = host[host_idx]
-            parts.append(_flat_bytes(rows))
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+                rows[on_host] = host[host_idx]
+            out.append(rows)
+        return out
 
     def _state_payload(self, node: TreeNode) -> torch.Tensor:
         if node.mamba_host_value is not None:

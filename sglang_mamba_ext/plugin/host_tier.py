@@ -133,6 +133,7 @@ def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_ra
         ek, salt = namespace if isinstance(namespace, tuple) else (namespace, None)
         return get_storage_hash_str(RadixKey(list(tokens), ek, cache_salt=salt), None, page_size=page)
 
+    page_keys([0] * page, None)  # SGLang builds its native hasher on first use: at start-up, not at a spill
     core.attach_storage(backend, page_keys, layout_tag=storage_layout_tag(core),
                         discard=_file_discard(backend), state_suffix=f".{PoolName.MAMBA.value}")
     logger.info(
