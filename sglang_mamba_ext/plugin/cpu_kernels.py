@@ -87,6 +87,17 @@ class ChunkLayout:
         return out
 
 
+_MASKS = {}
+
+
+def _masks(C: int):
+    """``(causal, strict, eye)`` for a ``C x C`` chunk (cached; causal includes the diagonal)."""
+    if C not in _MASKS:
+        ones = torch.ones(C, C, dtype=torch.bool)
+        _MASKS[C] = (torch.tril(ones), torch.tril(ones, -1), torch.eye(C))
+    return _MASKS[C]
+
+
 def _seq_bounds(cu_seqlens: Optional[torch.Tensor], batch: int, length: int) -> List[int]:
     if cu_seqlens is None:
         return [b * length for b in range(batch + 1)]
@@ -118,12 +129,10 @@ def delta_rule_chunked(q, k, v, g_cum, beta, scale, h0, layout: ChunkLayout):
     nt, C, H, K = k.shape
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [NT, H, C, D]
     beta = beta.transpose(1, 2)  # [NT, H, C]
-    causal = torch.tril(torch.ones(C, C, dtype=torch.bool))
-    strict = torch.tril(torch.ones(C, C, dtype=torch.bool), -1)
+    causal, strict, eye = _masks(C)
     if g_cum.dim() == 3:  # GDN: one decay per head and token
         G = g_cum.transpose(1, 2)  # [NT, H, C]
-        diff = G[..., :, None] - G[..., None, :]
-        decay = torch.where(causal, diff, torch.full_like(diff, -math.inf)).exp()  # [NT, H, C, C]
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill_(~causal, -math.inf).exp_()  # [NT, H, C, C]
         kk = k @ k.transpose(-1, -2) * decay
         qk = q @ k.transpose(-1, -2) * decay
         kw = k * G.exp()[..., None]  # k_t * exp(G_t)
@@ -139,7 +148,7 @@ def delta_rule_chunked(q, k, v, g_cum, beta, scale, h0, layout: ChunkLayout):
         for a in range(0, nt, step):
             Gs, ks, qs = G[a:a + step], k[a:a + step], q[a:a + step]
             diff = Gs[:, :, :, None, :] - Gs[:, :, None, :, :]  # [n, H, C(t), C(j), K]
-            dec = torch.where(causal[:, :, None], diff, torch.full_like(diff, -math.inf)).exp_()
+            dec = diff.masked_fill_(~causal[:, :, None], -math.inf).exp_()
             kk[a:a + step] = torch.einsum("nhtk,nhjk,nhtjk->nhtj", ks, ks, dec)
             qk[a:a + step] = torch.einsum("nhtk,nhjk,nhtjk->nhtj", qs, ks, dec)
         kw = k * G.exp()
@@ -148,7 +157,7 @@ def delta_rule_chunked(q, k, v, g_cum, beta, scale, h0, layout: ChunkLayout):
         q_in = q * G.exp()
         s_decay = G_last.exp()[:, :, None, :]  # scales the K columns of S [V, K]
     # (I + L) u' = beta * (v - decayed S0 k), L_tj = beta_t * (k_t . k_j) * decay_tj for j < t
-    system = torch.eye(C) + beta[..., None] * kk * strict
+    system = eye + beta[..., None] * kk * strict
     rhs = torch.cat([beta[..., None] * v, beta[..., None] * kw], dim=-1)
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, w = sol[..., : v.shape[-1]], sol[..., v.shape[-1]:]  # [NT, H, C, V], [NT, H, C, K]

@@ -96,8 +96,7 @@ def ssd_scan(x, dt, A, B, C, bounds, chunk_size, D=None, z=None, initial_states=
     xc, Bc, Cc, dtc = (t.transpose(1, 2) for t in (xc, Bc, Cc, dtc))  # [np, H, L, .]
     L = pieces.L
     causal = torch.tril(torch.ones(L, L, dtype=torch.bool))
-    diff = dA[..., :, None] - dA[..., None, :]
-    decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+    decay = (dA[..., :, None] - dA[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()
     scores = (Cc @ Bc.transpose(-1, -2)) * decay * dtc[..., None, :]
     y = scores @ xc  # [np, H, L, P]
     last = dA[..., -1:]  # [np, H, 1] (constant past the end: dt is zero there)
