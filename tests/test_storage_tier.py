@@ -42,6 +42,7 @@ class TestStorageTier(unittest.TestCase):
         kv_pool = MHATokenToKVPool(KV_SIZE, page_size=1, dtype=torch.float32, head_num=2, head_dim=4, layer_num=2,
                                    device="cpu", enable_memory_saver=False)
         cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE, hierarchical=True, kv_pool=kv_pool)
+        self.adapter = cache
         return cache.core, kv_pool
 
     # -- helpers ---------------------------------------------------------------------------
@@ -155,6 +156,21 @@ class TestStorageTier(unittest.TestCase):
         self.assertEqual(m.prefix_len, 16)
         self.assert_exact(core2, kv_pool2, m, req, kv, state)
         self.release(core2, req)
+
+    def test_clear_storage_backend_empties_the_directory(self):
+        """SGLang's ``/clear_hicache_storage_backend`` reaches the adapter's
+        ``clear_storage_backend``: the files go, and the next match misses."""
+        core, kv_pool = self.build()
+        tokens = list(range(120, 128))
+        self.put(core, kv_pool, tokens, seed=10)
+        self.push_out(core)
+        self.assertTrue(self.files(".mamba"))
+        self.assertTrue(self.adapter.clear_storage_backend())
+        self.assertEqual(self.files(""), [])
+        m, req = self.hit(core, tokens)
+        self.assertEqual((m.prefix_len, core.storage_loads_total), (0, 0))
+        if req.mamba_pool_idx is not None:
+            self.release(core, req)
 
     def test_kv_in_the_tree_and_only_the_state_from_storage(self):
         """The inner state of a shared prefix leaves the host tier while the branches keep
