@@ -263,6 +263,30 @@ class TestStorageTier(unittest.TestCase):
                 shutil.rmtree(self.dir)
                 os.makedirs(self.dir)
 
+    def test_a_later_spill_writes_a_lost_page_again(self):
+        """A KV page file lost (a size cap, a failed check) while its state is stored: the
+        prefix misses until the same prefix leaves the tiers again, whose spill writes the
+        page back (the state is already there)."""
+        core, kv_pool = self.build()
+        tokens = list(range(130, 140))
+        kv, state = self.put(core, kv_pool, tokens, seed=11)
+        self.push_out(core)
+        keys = core._page_hasher(tokens, None)
+        lost = [f for f in self.files("") if f.startswith(keys[4] + "_")]
+        os.remove(os.path.join(self.dir, lost[0]))
+        m, req = self.hit(core, tokens)
+        self.assertEqual(m.prefix_len, 0)
+        if req.mamba_pool_idx is not None:
+            self.release(core, req)
+        kv, state = self.put(core, kv_pool, tokens, seed=11)  # the same prefix computed again
+        self.push_out(core)
+        self.assertEqual((core.storage_states_written_total, core.storage_kv_pages_written_total), (1, 11))
+        self.clobber(core, kv_pool)
+        m, req = self.hit(core, tokens)
+        self.assertEqual(m.prefix_len, 10)
+        self.assert_exact(core, kv_pool, m, req, kv, state)
+        self.release(core, req)
+
     def test_foreign_layout_reads_as_a_miss(self):
         """A value written under another layout (here: another tag) fails its digest."""
         core, kv_pool = self.build()

@@ -14,7 +14,8 @@ swapped or foreign file reads as a miss, never as a wrong state.
 
 Writes happen when a state leaves the last tier (:meth:`StorageTier._spill`: the host copy
 of a state the host tier evicts, or a device state dropped without a host copy), with the
-KV of the pages of its prefix the store lacks. A copy-on-write match whose deepest usable
+KV of the pages of its prefix the store lacks (also when the state is stored already: a page
+a size cap or a failed check removed is written again). A copy-on-write match whose deepest usable
 state is shallower than what the store holds reads back the longest stored prefix that ends
 on a state (KV pages past the tree's KV match, then the state) into host slots and hangs it
 in the tree as host-only KV and a host-only state; the host tier's own load then copies
@@ -155,10 +156,13 @@ class StorageTier:
         try:
             got = self.storage.get(key, target)
         except Exception:  # noqa: BLE001 - e.g. HiCacheFile's short read: a miss
-            got = None
-            if self.storage.exists(key):
+            try:
+                there = self.storage.exists(key)
+            except Exception:  # noqa: BLE001
+                there = False
+            if there:
                 self._reject(key)
-                return None
+            return None
         if got is None:
             return None
         payload = unseal(self._storage_tag, key, got, payload_bytes)
@@ -186,9 +190,8 @@ class StorageTier:
         if not keys:
             return
         state_key = keys[-1] + self.state_suffix
-        try:
-            if self.storage.exists(state_key):
-                return
+        try:  # pages a size cap or a failed check removed are written again
+            have_state = self.storage.exists(state_key)
             missing = [i for i, k in enumerate(keys) if not self.storage.exists(k)]
         except Exception:  # noqa: BLE001
             return
@@ -203,7 +206,7 @@ class StorageTier:
                 if not self._write(keys[i], payload):
                     return  # a state is useless without its prefix's KV
                 self.storage_kv_pages_written_total += 1
-        if self._write(state_key, self._state_payload(node)):
+        if not have_state and self._write(state_key, self._state_payload(node)):
             self.storage_states_written_total += 1
 
     def _path_slots(self, path: List[TreeNode]):
