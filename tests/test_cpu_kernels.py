@@ -239,7 +239,7 @@ class TestDecodeAndElementwiseVsTriton(unittest.TestCase):
     def test_packed_decode(self):
         from sglang.kernels.ops.attention.fla import fused_recurrent as fr
 
-        from sglang_mamba_ext.plugin import cpu_kernels as ck
+        from sglang_mamba_ext.plugin import cpu_kernels_decode as ck
 
         g = torch.Generator().manual_seed(5)
         B, H, HV, K, V = 3, 2, 4, 16, 16

@@ -41,8 +41,9 @@ with line numbers is in ``docs/sglang-hooks.md``):
 - **torch kernels** (AROUND SGLang's linear-layer kernels, issue 40 item 5; the list is
   :data:`KERNEL_BRIDGES`): for CPU tensors, the plain-torch versions run instead of SGLang's
   Triton kernels under the interpreter (a tiny Qwen3-Next prefilled about 8 tokens/s there):
-  :mod:`.cpu_kernels` for ``fla/chunk.py::chunk_gated_delta_rule`` (GDN), ``fla/kda.py::
-  chunk_kda`` (KDA) and the GDN / KDA packed decode (``fla/fused_recurrent.py``);
+  :mod:`.cpu_kernels` for ``fla/chunk.py::chunk_gated_delta_rule`` (GDN) and ``fla/kda.py::
+  chunk_kda`` (KDA), :mod:`.cpu_kernels_decode` for the GDN / KDA packed decode
+  (``fla/fused_recurrent.py``);
   :mod:`.cpu_kernels_ssd` for ``mamba/triton_ops/ssd_combined.py::mamba_chunk_scan_combined``
   (Mamba2), its decode ``mamba/triton_ops/mamba_ssm.py::selective_state_update`` (one token per
   row) and ``mamba/causal_conv1d_triton.py::causal_conv1d_fn`` / ``causal_conv1d_update``
@@ -96,9 +97,9 @@ KERNEL_BRIDGES = {
     "sglang.kernels.ops.attention.fla.chunk.chunk_gated_delta_rule": ("cpu_kernels", "chunk_gated_delta_rule"),
     "sglang.kernels.ops.attention.fla.kda.chunk_kda": ("cpu_kernels", "chunk_kda"),
     "sglang.kernels.ops.attention.fla.fused_recurrent.fused_recurrent_gated_delta_rule_packed_decode":
-        ("cpu_kernels", "fused_recurrent_gated_delta_rule_packed_decode"),
+        ("cpu_kernels_decode", "fused_recurrent_gated_delta_rule_packed_decode"),
     "sglang.kernels.ops.attention.fla.fused_recurrent.fused_recurrent_kda_packed_decode":
-        ("cpu_kernels", "fused_recurrent_kda_packed_decode"),
+        ("cpu_kernels_decode", "fused_recurrent_kda_packed_decode"),
     "sglang.kernels.ops.mamba.triton_ops.ssd_combined.mamba_chunk_scan_combined":
         ("cpu_kernels_ssd", "mamba_chunk_scan_combined"),
     CAUSAL_CONV_TRITON + ".causal_conv1d_fn": ("cpu_kernels_ssd", "causal_conv1d_fn"),

@@ -16,7 +16,6 @@ shared-expert gate 12 %, the GDN gating 10 %). Same signatures and outputs; brid
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def fused_qkvzba_split_reshape_cat(mixed_qkvz, mixed_ba, num_heads_qk, num_heads_v, head_qk, head_v):

@@ -21,7 +21,7 @@ products, and the states are handed from piece to piece in one short loop.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.nn.functional as F
