@@ -97,5 +97,23 @@ class TestEagleDraftBackendDefault(unittest.TestCase):
         self.assertNotIn('"torch_native"', src)
 
 
+
+class TestDeferredRefusedForNextn(unittest.TestCase):
+    def test_refused_naming_the_algorithm(self):
+        from sglang_mamba_ext.plugin.early_checks import early_model_checks
+        from sglang_mamba_ext.plugin.startup_errors import FlagError
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for d in ("t", "d"):
+                os.makedirs(os.path.join(tmp, d))
+                with open(os.path.join(tmp, d, "config.json"), "w") as f:
+                    json.dump({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}, f)
+            for algo in ("NEXTN", "EAGLE"):
+                argv = ["--model-path", os.path.join(tmp, "t"), "--speculative-algorithm", algo,
+                        "--speculative-draft-model-path", os.path.join(tmp, "d"), "--mamba-spec-state-update", "deferred"]
+                with self.assertRaisesRegex(FlagError, f"FROZEN_KV_MTP only; {algo}"):
+                    early_model_checks(argv)
+
+
 if __name__ == "__main__":
     unittest.main()

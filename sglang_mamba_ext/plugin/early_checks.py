@@ -88,6 +88,12 @@ def _check_sglang_kernels(cfg: dict, argv: Sequence[str]) -> None:
 
 
 def _check_deferred(argv: Sequence[str]) -> None:
+    algo = (_flag_value(argv, "--speculative-algorithm") or "").upper()
+    if algo in ("NEXTN", "EAGLE", "EAGLE3"):
+        # before the draft check: a model's own MTP draft directory carries the target's config
+        raise FlagError(f"--mamba-spec-state-update deferred runs with --speculative-algorithm FROZEN_KV_MTP only; "
+                        f"{algo} (SGLang's EAGLE worker, e.g. with a model's own MTP head) runs in snapshot mode: "
+                        "drop --mamba-spec-state-update deferred")
     target = local_model_config(_flag_value(argv, "--model-path"))
     mt = target.get("model_type")
     if mt in MAMBA2_MODEL_TYPES:
