@@ -11,11 +11,13 @@ import torch
 from sglang_mamba_ext.speculative.ops.inchunk import plan_writes, write_checkpoints
 from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
 from sglang_mamba_ext.speculative.replay import ReplayWeights
+from sglang_mamba_ext.testing.spec_pair import triton_subprocess_case
 from test_inchunk_checkpoints import _CAN_RUN, DEV, _inputs, _mixers, _pools
+from test_mamba2_inchunk import _CAN_RUN as _CAN_RUN_MAMBA2
 
 #: (start, length, source slot, [(offset, destination)]) of the two rows of the packed extend
-ROWS = [(0, 140, 1, [(5, 3), (131, 4), (32, 8), (64, 2)]), (140, 90, -1, [(2, 5), (0, 6), (89, 7)])]
-T = 230
+ROWS = [(0, 160, 1, [(5, 3), (131, 4), (32, 8), (64, 2), (160, 9)]), (160, 90, -1, [(2, 5), (0, 6), (89, 7), (90, 0)])]
+T = 250
 
 
 def _chunk_states(mixed, g_raw, b_raw, w, chunk, dtype=torch.float32):
@@ -48,7 +50,7 @@ class TestFromChunkStates(unittest.TestCase):
                 write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl="reference")
             else:
                 write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl=impl, chunk=chunk, stats=stats,
-                                  chunk_states=h, first_chunks=firsts)
+                                  chunk_states=h, first_chunks=firsts, row_lengths=[n for _, n, _, _ in ROWS])
             out[mode] = (conv, temp)
         torch.testing.assert_close(out["chunks"][0], out["reference"][0], rtol=0, atol=0)
         torch.testing.assert_close(out["chunks"][1], out["reference"][1], atol=tol, rtol=tol)
@@ -56,11 +58,12 @@ class TestFromChunkStates(unittest.TestCase):
 
     def test_torch_kda_and_gdn(self):
         st = self._case("kda", "torch", 16)
-        # first-chunk checkpoints (5 | 2, 0) from the start states, then 131, 32, 64 | 89 from h
-        self.assertEqual(st["scanned"], [5, 2, 0, 3, 0, 0, 9])
+        # first-chunk checkpoints (5 | 2, 0) from the start states, then 131, 32, 64, 160 | 89,
+        # 90 from h; 160, the row's end, on the grid: from the chunk state at 144 (16 tokens)
+        self.assertEqual(st["scanned"], [5, 2, 0, 3, 0, 0, 16, 9, 10])
         self.assertEqual(st["chunks"], 0)  # no chunked pass
         st = self._case("gdn", "torch", 64)
-        self.assertEqual(st["scanned"], [5, 32, 2, 0, 3, 0, 25])
+        self.assertEqual(st["scanned"], [5, 32, 2, 0, 3, 0, 32, 25, 26])
 
     def test_half_precision_chunk_states(self):
         """SGLang's ``h`` is in the activations' dtype: a state rounded to fp16 stays within
@@ -73,25 +76,29 @@ class TestFromChunkStates(unittest.TestCase):
         self._case("gdn", "triton", 64)
 
     def test_split_and_bad_inputs(self):
-        now, tail = split_plan([0, 140], [[5, 131, -1], [70, 2, -1]], [[3, 4, -1], [5, 6, -1]], [0, 9], 64)
+        now, tail = split_plan([0, 140], [[5, 131, -1], [70, 2, -1]], [[3, 4, -1], [5, 6, -1]], [140, 80], [0, 3],
+                               64)
         self.assertEqual(now, ([0, 140], [[5], [2]], [[3], [6]]))
-        self.assertEqual(tail, ([0, 140], [131, 70], [4, 5], [2, 10], [128, 64]))
+        self.assertEqual(tail, ([0, 140], [131, 70], [4, 5], [2, 4], [128, 64]))
+        # a checkpoint at the row's end on the grid (128 of 128): no chunk starts there, so from 64
+        now, tail = split_plan([0], [[128, 64]], [[3, 4]], [128], [0], 64)
+        self.assertEqual((now[1], tail.offsets, tail.begins, tail.chunk_ids), ([[]], [128, 64], [64, 64], [1, 1]))
         # one grid over the packed tokens (Mamba2): row 1's 70 from the state at token 192 (b = 52)
-        now, tail = split_plan([0, 140], [[5, 131, -1], [70, 2, 51]], [[3, 4, -1], [5, 6, 7]], None, 64)
+        now, tail = split_plan([0, 140], [[5, 131, -1], [70, 2, 51]], [[3, 4, -1], [5, 6, 7]], [140, 80], None, 64)
         self.assertEqual(now, ([0, 140], [[5, -1], [2, 51]], [[3, -1], [6, 7]]))
         self.assertEqual(tail, ([0, 140], [131, 70], [4, 5], [2, 3], [128, 52]))
+        # row 0's end at 128 (the next row's start): from the state at 64
+        now, tail = split_plan([0, 128], [[128], [3]], [[3], [4]], [128, 10], None, 64)
+        self.assertEqual((tail.offsets, tail.begins, tail.chunk_ids), ([128], [64], [1]))
         mixed, g_raw, b_raw = _inputs(1, 150, "gdn")
         with self.assertRaisesRegex(ValueError, "must lie in"):
             gather_tail_blocks((mixed, g_raw, b_raw), tail._replace(offsets=[131, 40]), 4, 64)
         w = ReplayWeights.from_mixers(_mixers(1, "gdn"))
         conv, temp = _pools(1, 10)
-        with self.assertRaisesRegex(ValueError, "needs first_chunks"):
+        with self.assertRaisesRegex(ValueError, "needs first_chunks and row_lengths"):
             write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, [(70, 2)])], DEV), conv, temp, w,
                               impl="torch", chunk_states=temp[:, :3])
 
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 class TestMamba2FromChunkStates(unittest.TestCase):
@@ -99,22 +106,23 @@ class TestMamba2FromChunkStates(unittest.TestCase):
     checkpoint starts from the grid state below it when that lies inside its row."""
 
     def _case(self, impl):
-        from test_mamba2_inchunk import _CAN_RUN as CAN, _inputs as m2_inputs, _pools as m2_pools, _weights
+        from test_mamba2_inchunk import _inputs as m2_inputs, _pools as m2_pools, _weights
 
         from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
 
-        if impl == "triton" and not CAN:
+        if impl == "triton" and not _CAN_RUN_MAMBA2:
             self.skipTest("kernels already imported without the Triton interpreter")
         L, chunk = 2, 32
         w = _weights(L)
         xbc, dt = m2_inputs(L, T)
         base = m2_pools(L, 10)
         # grid states: chunk c starts at packed token 32c; for c >= 1 the state of the row holding
-        # token 32c - 1 after its tokens up to 32c (row 0: 0..140, row 1: 140..230)
+        # token 32c - 1 after its tokens up to 32c (row 0: 0..160, row 1: 160..250)
         nc = (T + chunk - 1) // chunk
-        owner = [(0, 1, c * chunk) if c * chunk <= 140 else (1, -1, c * chunk - 140) for c in range(nc)]
+        split = ROWS[1][0]
+        owner = [(0, 1, c * chunk) if c * chunk <= split else (1, -1, c * chunk - split) for c in range(nc)]
         conv, ssm = (torch.cat([t, t.new_zeros(L, nc, *t.shape[2:])], 1) for t in base)
-        rows = {0: (0, 1, []), 1: (140, -1, [])}
+        rows = {0: (0, 1, []), 1: (split, -1, [])}
         for c, (r, _, o) in enumerate(owner):
             rows[r][2].append((o, 10 + c))
         write_mamba2_checkpoints(xbc, dt, plan_writes([rows[0], rows[1]], DEV), conv, ssm, w, impl="reference")
@@ -124,7 +132,8 @@ class TestMamba2FromChunkStates(unittest.TestCase):
         for mode in ("reference", "chunks"):
             conv, ssm = (t.clone() for t in base)
             kw = dict(impl="reference") if mode == "reference" else dict(impl=impl, chunk=chunk, stats=stats,
-                                                                           chunk_states=states)
+                                                                           chunk_states=states,
+                                                                           row_lengths=[n for _, n, _, _ in ROWS])
             write_mamba2_checkpoints(xbc, dt, writes, conv, ssm, w, **kw)
             out[mode] = (conv, ssm)
         torch.testing.assert_close(out["chunks"][0], out["reference"][0], rtol=0, atol=0)
@@ -133,9 +142,18 @@ class TestMamba2FromChunkStates(unittest.TestCase):
 
     def test_torch(self):
         st = self._case("torch")
-        # row 0 (start 0): 5 | 131 -> 128, 32 -> 32, 64 -> 64; row 1 (start 140): 2, 0 (row start),
-        # 89 -> token 229, grid 224 (b = 84): 5 tokens
-        self.assertEqual(st["scanned"], [5, 2, 0, 3, 0, 0, 5])
+        # row 0 (start 0): 5 | 131 -> 128, 32 -> 32, 64 -> 64, 160 (its end, the grid start of
+        # row 1) -> 128; row 1 (start 160): 2, 0 | 89 -> token 249, grid 224 (b = 64), 90 -> 64
+        self.assertEqual(st["scanned"], [5, 2, 0, 3, 0, 0, 32, 25, 26])
 
     def test_triton(self):
         self._case("triton")
+
+
+# the Triton tests, interpreted in a fresh process when Triton was imported here without it
+TestUnderTritonInterpreter = triton_subprocess_case(__file__, "FromChunk and triton",
+                                                    skip=_CAN_RUN and _CAN_RUN_MAMBA2)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -76,7 +76,7 @@ def _kda_case(T: int):
     def run(offset: int, impl: str) -> None:
         kw = {}
         if impl == "chunks":  # the serving path where SGLang's extend kernel returns h
-            impl, kw = "torch", dict(chunk_states=h, first_chunks=[0])
+            impl, kw = "torch", dict(chunk_states=h, first_chunks=[0], row_lengths=[T])
         write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, [(offset, 2)])], "cpu"), conv, temp, w,
                           impl=impl, **kw)
     return run
@@ -105,7 +105,7 @@ def _mamba2_case(T: int):
     def run(offset: int, impl: str) -> None:
         kw = {}
         if impl == "chunks":  # the serving path: SGLang's scan returns its chunk states
-            impl, kw = "torch", dict(chunk_states=states)
+            impl, kw = "torch", dict(chunk_states=states, row_lengths=[T])
         write_mamba2_checkpoints(xbc, dt, plan_writes([(0, 1, [(offset, 2)])], "cpu"), conv, ssm, w, impl=impl, **kw)
     return run
 

@@ -403,9 +403,10 @@ def _kernel_gives_chunk_states(backend, layer, forward_batch) -> bool:
 
 
 def _split_for(backend, layer, forward_batch, plan):
-    """``(plan inside the rows' first chunks, TailWrites)`` when the kernel gives chunk states,
+    """``(plan of the checkpoints with no chunk state below them, TailWrites)`` when the kernel
+    gives chunk states (:func:`~sglang_mamba_ext.speculative.ops.inchunk.from_chunks.split_plan`),
     else None; computed once per forward batch."""
-    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import TailWrites
+    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import first_chunks_of, split_plan
 
     cached = backend.__dict__.get("_mamba_radix_inchunk_split")
     if cached is not None and cached[0] is forward_batch:
@@ -413,23 +414,16 @@ def _split_for(backend, layer, forward_batch, plan):
     split = None
     if _kernel_gives_chunk_states(backend, layer, forward_batch):
         lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-        starts, firsts = [0], [0]
+        starts = [0]
         for n in lens[:-1]:
             starts.append(starts[-1] + n)
-            firsts.append(firsts[-1] + (n + KERNEL_CHUNK - 1) // KERNEL_CHUNK)
-        now: Dict[int, List[Tuple[int, int]]] = {}
-        tail = TailWrites([], [], [], [], [])
-        for r in sorted(plan):
-            for o, slot in plan[r]:
-                if o < KERNEL_CHUNK:
-                    now.setdefault(r, []).append((o, slot))
-                else:
-                    tail.starts.append(starts[r])
-                    tail.offsets.append(o)
-                    tail.dst_slots.append(slot)
-                    tail.chunk_ids.append(firsts[r] + o // KERNEL_CHUNK)
-                    tail.begins.append((o // KERNEL_CHUNK) * KERNEL_CHUNK)
-        split = (now, tail)
+        firsts = first_chunks_of(lens, KERNEL_CHUNK)
+        rows = sorted(plan)
+        (_, offs, dsts), tail = split_plan([starts[r] for r in rows], [[o for o, _ in plan[r]] for r in rows],
+                                           [[d for _, d in plan[r]] for r in rows], [lens[r] for r in rows],
+                                           [firsts[r] for r in rows], KERNEL_CHUNK)
+        now = {r: [(o, d) for o, d in zip(orow, drow) if o >= 0] for r, orow, drow in zip(rows, offs, dsts)}
+        split = ({r: items for r, items in now.items() if items}, tail)
     backend.__dict__["_mamba_radix_inchunk_split"] = (forward_batch, split)
     return split
 

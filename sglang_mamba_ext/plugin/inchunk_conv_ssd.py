@@ -244,7 +244,8 @@ def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
         from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
         from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
 
-        host, tail = split_plan(*host, None, int(chunk))
+        lens = [int(ctx.forward_batch.extend_seq_lens_cpu[r]) for r in sorted(ctx.plan)]
+        host, tail = split_plan(*host, lens, None, int(chunk))
         writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0]) for lo, orow, drow in zip(*host)],
                              writes.src_slots.device)._replace(src_slots=writes.src_slots)
         count_checkpoints(ctx.backend.req_to_token_pool, ctx.forward_batch, total - len(tail.offsets),

@@ -61,6 +61,7 @@ def write_checkpoints(
     conv_state: torch.Tensor, temporal_state: torch.Tensor, weights, impl: str = "triton",
     check_offsets: bool = True, chunk: int = DEFAULT_CHUNK, host=None, stats: Optional[dict] = None,
     chunk_states: Optional[torch.Tensor] = None, first_chunks: Optional[Sequence[int]] = None,
+    row_lengths: Optional[Sequence[int]] = None,
 ) -> None:
     """For every request ``i`` and linear layer ``l``, run the layer's conv + gated delta rule
     from slot ``writes.src_slots[i]``'s states over tokens ``starts[i] ..`` of the inputs and
@@ -94,8 +95,10 @@ def write_checkpoints(
         chunk_states: ``[L, NT, HV, K, V]`` view: the prefill's state at the start of every
             chunk (SGLang's ``h`` transposed; :mod:`.from_chunks`). When given, a checkpoint
             past its row's first chunk starts from it instead of a chunked pass, and the
-            writer's cost no longer depends on the offset; needs ``first_chunks``.
+            writer's cost no longer depends on the offset; needs ``first_chunks`` and
+            ``row_lengths``.
         first_chunks: ``[N]`` each row's first chunk in ``chunk_states`` (host ints).
+        row_lengths: ``[N]`` each row's tokens in the prefill that computed ``chunk_states``.
 
     Raises:
         ValueError: shapes or gate width disagree with ``weights``, non-contiguous inputs, an
@@ -138,10 +141,11 @@ def write_checkpoints(
         from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import (
             gather_tail_blocks, split_plan, write_tail_blocks)
 
-        if first_chunks is None or len(first_chunks) != writes.starts.shape[0]:
-            raise ValueError("write_checkpoints: chunk_states needs first_chunks, one per row")
+        N = writes.starts.shape[0]
+        if first_chunks is None or row_lengths is None or len(first_chunks) != N or len(row_lengths) != N:
+            raise ValueError("write_checkpoints: chunk_states needs first_chunks and row_lengths, one per row")
         now, tail = split_plan(*(host or (writes.starts.tolist(), writes.offsets.tolist(),
-                                          writes.dst_slots.tolist())), first_chunks, chunk)
+                                          writes.dst_slots.tolist())), row_lengths, first_chunks, chunk)
         blocks = gather_tail_blocks((mixed_qkv, g_raw, b_raw), tail, W, chunk)
         now_writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0])
                                   for lo, orow, drow in zip(*now)], mixed_qkv.device)

@@ -5,13 +5,14 @@ SGLang's chunked GDN / KDA prefill (``kernels/ops/attention/fla/chunk.py``, ``fl
 computes ``h [1, NT, HV, V, K]``: the state at the start of every 64-token chunk of every
 sequence of the packed extend (chunks numbered over the sequences in order). A checkpoint at
 offset ``o >= chunk`` of a row then needs only the ``o - b <= chunk - 1`` tokens after the
-boundary ``b = (o // chunk) * chunk``, starting from ``h`` at that chunk: a cost that does not
-depend on ``o``. Checkpoints inside a row's first chunk start from the row's start state, which
+boundary ``b = (o // chunk) * chunk``, starting from ``h`` at that chunk (``chunk`` tokens from
+the chunk before for a checkpoint at the row's end, where no chunk starts): a cost that does
+not depend on ``o``. Checkpoints inside a row's first chunk start from the row's start state, which
 the writers of :mod:`.chunked` / :mod:`.fused` already step without a chunked pass.
 
 Two phases, because SGLang's forward advances the rows' working slots and may reuse its input
 buffers: :func:`gather_tail_blocks` (before the forward) copies, per checkpoint, the
-``W - 1 + chunk - 1`` raw inputs it reads into a block of its own; :func:`write_tail_blocks`
+``W - 1 + chunk`` raw inputs it reads into a block of its own; :func:`write_tail_blocks`
 (once ``h`` exists) steps each block from its boundary state and stores the conv window and the
 state. Each block is a row whose first ``W - 1`` tokens only feed the conv, so the writers' own
 kernels run on it unchanged (torch: :func:`.chunked.prepare` / :func:`.chunked.scan_from_boundaries`;
@@ -30,7 +31,8 @@ from sglang_mamba_ext.speculative.ops.inchunk.layout import DEFAULT_CHUNK, Chunk
 if TYPE_CHECKING:
     from sglang_mamba_ext.speculative.replay import ReplayWeights
 
-__all__ = ["TailWrites", "TailBlocks", "split_plan", "gather_tail_blocks", "block_states", "write_tail_blocks"]
+__all__ = ["TailWrites", "TailBlocks", "split_plan", "first_chunks_of", "gather_tail_blocks", "block_states",
+           "write_tail_blocks"]
 
 
 class TailWrites(NamedTuple):
@@ -42,7 +44,7 @@ class TailWrites(NamedTuple):
         dst_slots: destination slots.
         chunk_ids: the chunk state each starts from (its index in the prefill's chunk states).
         begins: the boundary ``b`` of that state, in tokens after the row's start (``0 < b <=
-            offset``, ``offset - b <= chunk - 1``).
+            offset``, ``offset - b <= chunk``; ``chunk`` only for a checkpoint at the row's end).
     """
 
     starts: List[int]
@@ -53,8 +55,8 @@ class TailWrites(NamedTuple):
 
 
 class TailBlocks(NamedTuple):
-    """The raw inputs of :class:`TailWrites`, one block of ``P = W - 1 + chunk - 1`` tokens per
-    checkpoint (tokens ``b - (W-1) .. b + P - (W-1) - 1`` of its row; past ``o`` unused).
+    """The raw inputs of :class:`TailWrites`, one block of ``P = W - 1 + chunk`` tokens per
+    checkpoint (tokens ``b - (W-1) .. b + chunk - 1`` of its row; past ``o`` unused).
 
     Attributes:
         inputs: the per-token inputs, each ``[L, J*P, *]`` (copies, their dtypes): GDN / KDA
@@ -72,36 +74,41 @@ class TailBlocks(NamedTuple):
 
 
 def split_plan(starts: Sequence[int], offsets: Sequence[Sequence[int]], dst_slots: Sequence[Sequence[int]],
-               first_chunks: Optional[Sequence[int]] = None, chunk: int = DEFAULT_CHUNK
+               lengths: Sequence[int], first_chunks: Optional[Sequence[int]] = None, chunk: int = DEFAULT_CHUNK
                ) -> Tuple[Tuple[List[int], List[List[int]], List[List[int]]], TailWrites]:
     """Split a host plan (the ``host`` triple of :func:`~.write_checkpoints`) into the
     checkpoints with no chunk state of the prefill below them (same triple, others ``-1``) and
     the rest (:class:`TailWrites`).
 
+    A chunk state is used only where its chunk starts at a token of the row itself, after the
+    row's first token: the prefill has no state for a chunk starting at the row's end (the last
+    row's end, or the next row's start). A checkpoint at such an end (``offset = length``, on
+    the grid) starts from the chunk state before, ``chunk`` tokens back.
+
     Args:
+        lengths: ``[N]`` each row's tokens in the prefill (``extend_seq_lens``).
         first_chunks: ``[N]`` each row's first chunk in the chunk states, when chunks start at
             every row (GDN / KDA's ``h``); None: one chunk grid over the packed tokens, chunk
-            ``c`` starting at token ``c * chunk`` (Mamba2's SSD ``states``), a state usable by a
-            row only past the row's first token.
+            ``c`` starting at token ``c * chunk`` (Mamba2's SSD ``states``).
     """
     now_offs, now_dst = [], []
     tail = TailWrites([], [], [], [], [])
-    for r, (lo, orow, drow) in enumerate(zip(starts, offsets, dst_slots)):
+    for r, (lo, orow, drow, n) in enumerate(zip(starts, offsets, dst_slots, lengths)):
+        lo, n = int(lo), int(n)
         no, nd = [], []
         for o, d in zip(orow, drow):
             o, d = int(o), int(d)
             if o < 0 or d < 0:
                 continue
-            if first_chunks is not None:
-                cid, b = int(first_chunks[r]) + o // chunk, (o // chunk) * chunk
-            else:
-                cid = (lo + o) // chunk
-                b = cid * chunk - lo
-            if b <= 0:
+            g = (o // chunk) * chunk if first_chunks is not None else ((lo + o) // chunk) * chunk - lo
+            if g >= n:  # no chunk starts at the row's end
+                g -= chunk
+            if g <= 0:
                 no.append(o)
                 nd.append(d)
             else:
-                for lst, v in zip(tail, (int(lo), o, d, cid, b)):
+                cid = int(first_chunks[r]) + g // chunk if first_chunks is not None else (lo + g) // chunk
+                for lst, v in zip(tail, (lo, o, d, cid, g)):
                     lst.append(v)
         now_offs.append(no)
         now_dst.append(nd)
@@ -109,6 +116,16 @@ def split_plan(starts: Sequence[int], offsets: Sequence[Sequence[int]], dst_slot
     now_offs = [x + [-1] * (width - len(x)) for x in now_offs]
     now_dst = [x + [-1] * (width - len(x)) for x in now_dst]
     return (list(starts), now_offs, now_dst), tail
+
+
+def first_chunks_of(lengths: Sequence[int], chunk: int = DEFAULT_CHUNK) -> List[int]:
+    """``[N]`` each row's first chunk when every row starts a chunk (GDN / KDA's ``h``):
+    ``ceil(length / chunk)`` chunks per row, rows in order."""
+    out, c = [], 0
+    for n in lengths:
+        out.append(c)
+        c += (int(n) + chunk - 1) // chunk
+    return out
 
 
 def gather_tail_blocks(inputs: Sequence[torch.Tensor], tail: TailWrites, conv_kernel: int,
@@ -126,13 +143,13 @@ def gather_tail_blocks(inputs: Sequence[torch.Tensor], tail: TailWrites, conv_ke
             it, or an offset past the inputs.
     """
     Wm1 = conv_kernel - 1
-    P = Wm1 + chunk - 1
+    P = Wm1 + chunk
     T = inputs[0].shape[1]
     idx, item_off = [], []
     for lo, o, b in zip(tail.starts, tail.offsets, tail.begins):
-        if not 0 < b <= o or o - b >= chunk or lo + o > T:
+        if not 0 < b <= o or o - b > chunk or lo + o > T:
             raise ValueError(f"gather_tail_blocks: offset {o} from boundary {b} of a row at {lo}: the boundary must "
-                             f"lie in (0, offset] within {chunk - 1} tokens, the offset within the {T} input tokens")
+                             f"lie in (0, offset] within {chunk} tokens, the offset within the {T} input tokens")
         first = lo + b - Wm1
         idx.extend(min(max(first + t, 0), T - 1) for t in range(P))
         item_off.append(Wm1 + o - b)

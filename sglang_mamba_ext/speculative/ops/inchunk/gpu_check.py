@@ -180,7 +180,8 @@ def main(argv=None) -> int:
 
     def writer(p, from_chunks=True):
         writes = plan_writes([(i * (P_end + 1), i, [(p, N + i)]) for i in range(N)], dev)
-        kw = dict(chunk_states=h, first_chunks=[i * per_row for i in range(N)]) if from_chunks else {}
+        kw = dict(chunk_states=h, first_chunks=[i * per_row for i in range(N)], row_lengths=[P_end + 1] * N) \
+            if from_chunks else {}
         return lambda: write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, **kw)
 
     with torch.no_grad():

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
 
     def writer(p, from_chunks=True):
         plan = plan_writes([(r * (P_end + 1), r, [(p, R + r)]) for r in range(R)], dev)
-        kw = dict(chunk_states=states) if from_chunks else {}
+        kw = dict(chunk_states=states, row_lengths=[P_end + 1] * R) if from_chunks else {}
         return lambda: write_mamba2_checkpoints(xbc, dt, plan, conv, ssm, w, check_offsets=False, **kw)
 
     times = {p: timed(writer(p), dev, iters) for p in (P_in, P_mid, P_end)}

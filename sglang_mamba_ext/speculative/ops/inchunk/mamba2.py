@@ -84,6 +84,7 @@ def write_mamba2_checkpoints(
     xbc: torch.Tensor, dt_raw: torch.Tensor, writes: "CheckpointWrites", conv_state: torch.Tensor,
     ssm_state: torch.Tensor, weights: Mamba2Weights, impl: str = "triton", check_offsets: bool = True,
     chunk: int = 64, host=None, stats: Optional[dict] = None, chunk_states: Optional[torch.Tensor] = None,
+    row_lengths=None,
 ) -> None:
     """For every request ``i`` and layer ``l``, run the layer's conv + SSD recurrence from slot
     ``writes.src_slots[i]``'s states over tokens ``starts[i] ..`` and store the conv window and
@@ -108,7 +109,8 @@ def write_mamba2_checkpoints(
             one grid over the packed tokens (SGLang's SSD scan ``states``; chunk ``c`` starts at
             token ``c * chunk``). When given, a checkpoint with a grid boundary inside its row
             below it starts from that state (:mod:`.from_chunks`), so its cost does not depend
-            on its offset.
+            on its offset; needs ``row_lengths``.
+        row_lengths: ``[N]`` each row's tokens in the scan that computed ``chunk_states``.
 
     Raises:
         ValueError: shapes disagree with ``weights``, non-contiguous inputs, an offset past
@@ -144,8 +146,10 @@ def write_mamba2_checkpoints(
         from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
         from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
 
+        if row_lengths is None or len(row_lengths) != writes.starts.shape[0]:
+            raise ValueError("write_mamba2_checkpoints: chunk_states needs row_lengths, one per row")
         now, tail = split_plan(*(host or (writes.starts.tolist(), writes.offsets.tolist(),
-                                          writes.dst_slots.tolist())), None, chunk)
+                                          writes.dst_slots.tolist())), row_lengths, None, chunk)
         blocks = gather_tail_blocks((xbc, dt_raw), tail, W, chunk)
         now_writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0])
                                   for lo, orow, drow in zip(*now)], xbc.device)
