@@ -138,25 +138,15 @@ def write_checkpoints(
     if impl == "triton" and (chunk < 16 or chunk & (chunk - 1)):
         raise ValueError(f"write_checkpoints: the Triton writer needs a chunk that is a power of two >= 16, not {chunk}")
     if chunk_states is not None:
-        from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import (
-            gather_tail_blocks, split_plan, write_tail_blocks)
+        from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import write_split, write_tail_blocks
 
-        N = writes.starts.shape[0]
-        if first_chunks is None or row_lengths is None or len(first_chunks) != N or len(row_lengths) != N:
+        if first_chunks is None:
             raise ValueError("write_checkpoints: chunk_states needs first_chunks and row_lengths, one per row")
-        now, tail = split_plan(*(host or (writes.starts.tolist(), writes.offsets.tolist(),
-                                          writes.dst_slots.tolist())), row_lengths, first_chunks, chunk)
-        blocks = gather_tail_blocks((mixed_qkv, g_raw, b_raw), tail, W, chunk)
-        now_writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0])
-                                  for lo, orow, drow in zip(*now)], mixed_qkv.device)
-        if now_writes.offsets.shape[1]:
-            write_checkpoints(mixed_qkv, g_raw, b_raw, now_writes._replace(src_slots=writes.src_slots), conv_state,
-                              temporal_state, weights, impl, False, chunk, now, stats)
-        tail_stats: dict = {}
-        write_tail_blocks(blocks, chunk_states, conv_state, temporal_state, weights, impl, tail_stats)
-        if stats is not None:
-            stats["scanned"] = list(stats.get("scanned", [])) + tail_stats["scanned"]
-            stats.setdefault("chunks", 0)
+        write_split(writes, host, row_lengths, first_chunks, chunk, (mixed_qkv, g_raw, b_raw), W,
+                    lambda w, h, st: write_checkpoints(mixed_qkv, g_raw, b_raw, w, conv_state, temporal_state, weights,
+                                                       impl, False, chunk, h, st),
+                    lambda blocks, st: write_tail_blocks(blocks, chunk_states, conv_state, temporal_state, weights,
+                                                         impl, st), stats)
         return
     lay = chunk_layout(writes, chunk, host)
     if impl == "triton":

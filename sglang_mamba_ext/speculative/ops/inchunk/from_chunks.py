@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from sglang_mamba_ext.speculative.replay import ReplayWeights
 
 __all__ = ["TailWrites", "TailBlocks", "split_plan", "first_chunks_of", "gather_tail_blocks", "block_states",
-           "write_tail_blocks"]
+           "block_tables", "write_split", "write_tail_blocks"]
 
 
 class TailWrites(NamedTuple):
@@ -218,3 +218,45 @@ def write_tail_blocks(blocks: TailBlocks, chunk_states: torch.Tensor, conv_state
                             temporal_state, weights)
     else:
         raise ValueError(f"write_tail_blocks: unknown impl {impl!r} (triton, torch)")
+
+
+def block_tables(lay: ChunkLayout, begin: int, device):
+    """Device int64 per-block tables for the writers' partial-chunk kernels (``fused.
+    _inchunk_recurrent_kernel``, ``mamba2._mamba2_inchunk_kernel``): block start, start slot
+    (``-1``: no start window is read), offset, destination, first token stepped (``begin =
+    W - 1``), boundary state index (the block's own)."""
+    J = len(lay.item_off)
+    t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    return (t(lay.starts), torch.full((J,), -1, dtype=torch.int64, device=device), t(lay.item_off),
+            t(lay.item_dst), torch.full((J,), begin, dtype=torch.int64, device=device), t(list(range(J))))
+
+
+def write_split(writes, host, row_lengths, first_chunks, chunk: int, inputs: Sequence[torch.Tensor], conv_kernel: int,
+                write_now, write_tail, stats: Optional[dict]) -> None:
+    """A writer's call with the prefill's chunk states, in one place for both kinds of layer:
+    :func:`split_plan`, then ``write_now(now_writes, now_host, stats)`` for the checkpoints with
+    no chunk state below them (``now_writes``: a :class:`~.CheckpointWrites` keeping
+    ``writes.src_slots``; skipped when none) and ``write_tail(blocks, tail_stats)`` for the
+    others (:func:`gather_tail_blocks` of ``inputs``); ``stats["scanned"]`` lists the first
+    group's, then the second's.
+
+    Raises:
+        ValueError: ``row_lengths`` (or ``first_chunks`` when not None) not one per row.
+    """
+    from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
+
+    N = writes.starts.shape[0]
+    if row_lengths is None or len(row_lengths) != N or (first_chunks is not None and len(first_chunks) != N):
+        raise ValueError("chunk_states needs row_lengths (and for GDN / KDA first_chunks), one per row")
+    now, tail = split_plan(*(host or (writes.starts.tolist(), writes.offsets.tolist(), writes.dst_slots.tolist())),
+                           row_lengths, first_chunks, chunk)
+    blocks = gather_tail_blocks(inputs, tail, conv_kernel, chunk)
+    now_writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0]) for lo, orow, drow in zip(*now)],
+                             inputs[0].device)
+    if now_writes.offsets.shape[1]:
+        write_now(now_writes._replace(src_slots=writes.src_slots), now, stats)
+    tail_stats: dict = {}
+    write_tail(blocks, tail_stats)
+    if stats is not None:
+        stats["scanned"] = list(stats.get("scanned", [])) + tail_stats["scanned"]
+        stats.setdefault("chunks", 0)

@@ -250,12 +250,10 @@ def write_blocks_triton(mixed_qkv: torch.Tensor, g_raw: torch.Tensor, b_raw: tor
     L, T, D = mixed_qkv.shape
     sh = weights.shape
     H, HV, K, V, W = sh.num_k_heads, sh.num_v_heads, sh.head_k_dim, sh.head_v_dim, sh.conv_kernel
+    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import block_tables
+
     J = len(lay.item_off)
-    dev = mixed_qkv.device
-    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-    istart, ioff, idst = t(lay.starts), t(lay.item_off), t(lay.item_dst)
-    isrc = torch.full((J,), -1, dtype=torch.int64, device=dev)
-    ibeg, ibnd = torch.full((J,), begin, dtype=torch.int64, device=dev), t(list(range(J)))
+    istart, isrc, ioff, idst, ibeg, ibnd = block_tables(lay, begin, mixed_qkv.device)
     BK = max(16, triton.next_power_of_2(K))
     BVv = max(16, min(BV, triton.next_power_of_2(V)))
     has_bias = weights.conv_bias is not None

@@ -143,24 +143,13 @@ def write_mamba2_checkpoints(
     if impl not in ("triton", "torch"):
         raise ValueError(f"write_mamba2_checkpoints: unknown impl {impl!r} (triton, torch, reference)")
     if chunk_states is not None:
-        from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
-        from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
+        from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import write_split
 
-        if row_lengths is None or len(row_lengths) != writes.starts.shape[0]:
-            raise ValueError("write_mamba2_checkpoints: chunk_states needs row_lengths, one per row")
-        now, tail = split_plan(*(host or (writes.starts.tolist(), writes.offsets.tolist(),
-                                          writes.dst_slots.tolist())), row_lengths, None, chunk)
-        blocks = gather_tail_blocks((xbc, dt_raw), tail, W, chunk)
-        now_writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0])
-                                  for lo, orow, drow in zip(*now)], xbc.device)
-        if now_writes.offsets.shape[1]:
-            write_mamba2_checkpoints(xbc, dt_raw, now_writes._replace(src_slots=writes.src_slots), conv_state,
-                                     ssm_state, weights, impl, False, chunk, now, stats)
-        tail_stats: dict = {}
-        write_mamba2_tail_blocks(blocks, chunk_states, conv_state, ssm_state, weights, impl, tail_stats)
-        if stats is not None:
-            stats["scanned"] = list(stats.get("scanned", [])) + tail_stats["scanned"]
-            stats.setdefault("chunks", 0)
+        write_split(writes, host, row_lengths, None, chunk, (xbc, dt_raw), W,
+                    lambda w, h, st: write_mamba2_checkpoints(xbc, dt_raw, w, conv_state, ssm_state, weights, impl,
+                                                              False, chunk, h, st),
+                    lambda blocks, st: write_mamba2_tail_blocks(blocks, chunk_states, conv_state, ssm_state, weights,
+                                                                impl, st), stats)
         return
     from sglang_mamba_ext.speculative.ops.inchunk.layout import chunk_layout
 
@@ -381,17 +370,14 @@ def _mamba2_blocks_triton(xbc, dt_raw, lay, S, begin: int, conv_state, ssm_state
                           BP: int = 32, BD: int = 256) -> None:
     """The state kernel and the conv-window kernel of :func:`write_mamba2_checkpoints_triton`
     over tail blocks (one checkpoint per block, stepped from block token ``begin = W - 1``)."""
+    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import block_tables
     from sglang_mamba_ext.speculative.ops.inchunk.fused import _inchunk_conv_window_kernel
     from sglang_mamba_ext.speculative.ops.triton_utils import launch_scope
 
     L, T, D = xbc.shape
     HV, P, N, G, W = weights.num_heads, weights.head_dim, weights.d_state, weights.n_groups, weights.conv_kernel
     J = len(lay.item_off)
-    dev = xbc.device
-    t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-    istart, ioff, idst = t(lay.starts), t(lay.item_off), t(lay.item_dst)
-    isrc = torch.full((J,), -1, dtype=torch.int64, device=dev)
-    ibeg, ibnd = torch.full((J,), begin, dtype=torch.int64, device=dev), t(list(range(J)))
+    istart, isrc, ioff, idst, ibeg, ibnd = block_tables(lay, begin, xbc.device)
     BPv = min(BP, triton.next_power_of_2(P))
     BDv = min(BD, triton.next_power_of_2(D))
     has_bias = weights.conv_bias is not None
