@@ -2,7 +2,9 @@
 the served path is ``tests/e2e/test_pd_serving.py``):
 
 - ``--disaggregation-mode prefill`` parses with ``--enable-mamba-radix`` and reaches the
-  scheduler side; ``decode`` and ``--enable-pd-role-switch`` are refused naming the flags;
+  scheduler side; ``decode`` without ``--disaggregation-decode-enable-radix-cache`` or with
+  ``--enable-hierarchical-cache``, and ``--enable-pd-role-switch``, are refused naming the
+  flags (the served decode side: ``tests/test_pd_decode.py``);
 - the ``_send_kv_chunk`` hook (``plugin/disaggregation.py``) makes the request's sender take
   SGLang's host-copy branch on a host without CUDA under the flag, and nothing else: with CUDA
   or without the flag the sender is untouched;
@@ -39,7 +41,10 @@ class TestPdFlags(unittest.TestCase):
     def test_decode_and_role_switch_refused_naming_the_flags(self):
         cases = [
             (["--disaggregation-mode", "decode"],
-             "--enable-mamba-radix cannot be combined with --disaggregation-mode decode"),
+             "needs --disaggregation-decode-enable-radix-cache"),
+            (["--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache",
+              "--enable-hierarchical-cache"],
+             "--enable-mamba-radix on a decode server cannot be combined with --enable-hierarchical-cache"),
             ([*PREFILL, "--enable-pd-role-switch"],
              "--enable-mamba-radix cannot be combined with --enable-pd-role-switch"),
         ]

@@ -319,27 +319,39 @@ def _map_replayssm(server_args) -> None:
 def _check_disaggregation(server_args) -> None:
     """Prefill/decode disaggregation (``docs/design.md``, "Prefill/decode disaggregation"):
     the plugin serves the prefill side (SGLang sends the KV and the working SSM state from
-    the plugin's pool; the cache keeps serving hits there). The decode side builds SGLang's
-    own ``HybridMambaDecodeReqToTokenPool`` (``mem_cache/kv_cache_configurator.py``, rows
-    pre-allocated for transfers in flight) outside the request-pool hook, and the plugin's
-    cache needs its own pool, so a decode server runs without the flag (SGLang's decode path,
-    with or without ``--disaggregation-decode-enable-radix-cache``).
+    the plugin's pool; the cache keeps serving hits there) and the decode side with SGLang's
+    decode-side tree (``--disaggregation-decode-enable-radix-cache``): the plugin's pool
+    takes the decode pool's pre-allocated rows and its tree keeps finished requests
+    (:mod:`.pd_decode`).
 
     Raises:
-        FlagError: ``--disaggregation-mode decode`` or ``--enable-pd-role-switch`` (a
-            prefill server that can flip to decode) with the flag."""
+        FlagError: ``--disaggregation-mode decode`` without
+            ``--disaggregation-decode-enable-radix-cache`` (SGLang then runs the decode server
+            without a tree, so there is no cache for the flag to choose) or with
+            ``--enable-hierarchical-cache`` (SGLang's decode host tier loads back through
+            its own tree's mixin, not served); ``--enable-pd-role-switch`` (a prefill
+            server that can flip to decode: SGLang's switch rebuilds the scheduler's
+            queues, not served with the plugin)."""
     mode = getattr(server_args, "disaggregation_mode", "null")
     if mode == "decode":
-        raise FlagError(
-            f"{ENABLE_FLAG} cannot be combined with --disaggregation-mode decode: the decode "
-            "server builds SGLang's own request pool (HybridMambaDecodeReqToTokenPool), which "
-            f"the plugin's cache cannot use; drop {ENABLE_FLAG} on the decode server (it "
-            "receives the KV and SSM state the same way) and keep it on the prefill server"
-        )
+        if not getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+            raise FlagError(
+                f"{ENABLE_FLAG} on a decode server (--disaggregation-mode decode) needs "
+                "--disaggregation-decode-enable-radix-cache (SGLang's switch for a decode-side "
+                f"tree; without it there is no cache to run): add it, or drop {ENABLE_FLAG} "
+                "on the decode server"
+            )
+        if getattr(server_args, "enable_hierarchical_cache", False):
+            raise FlagError(
+                f"{ENABLE_FLAG} on a decode server cannot be combined with "
+                "--enable-hierarchical-cache (SGLang's decode-side host tier is not served "
+                "with the plugin's cache yet); drop one of them"
+            )
     if mode == "prefill" and getattr(server_args, "enable_pd_role_switch", False):
         raise FlagError(
-            f"{ENABLE_FLAG} cannot be combined with --enable-pd-role-switch (the server could "
-            "flip to decode, which runs without the plugin); drop one of them"
+            f"{ENABLE_FLAG} cannot be combined with --enable-pd-role-switch (a role switch "
+            "rebuilds the server's queues for the other side at run time, which the plugin's "
+            "pool and cache are not re-checked for); drop one of them"
         )
 
 

@@ -39,7 +39,7 @@ from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.host_tier import attach_host_tier
 from sglang_mamba_ext.plugin.inchunk_checkpoints import CHECKPOINT_COUNTERS
-from sglang_mamba_ext.plugin import overlap_publish, replayssm
+from sglang_mamba_ext.plugin import overlap_publish, pd_decode, replayssm
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.sessions import RadixSessions, end_streaming_turn
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX, current_settings
@@ -438,6 +438,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             "storage_rejected": core.storage_rejected_total,
             # --enable-session-radix-cache: states open sessions pin (evicted last)
             "session_pins": len(core.pinned_nodes()),
+            # PD decode server: prefix held, KV tokens and bytes asked of the prefill server
+            **pd_decode.server_info_fields(self, _kv_bytes_per_token(self.token_to_kv_pool_allocator),
+                                           core.state_pool.slot_bytes()),
             **core.stats_snapshot(),
         }
 

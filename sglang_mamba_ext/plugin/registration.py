@@ -103,6 +103,9 @@ def install_mamba_radix() -> None:
     from sglang_mamba_ext.plugin.disaggregation import register_disaggregation_hooks
 
     register_disaggregation_hooks()
+    from sglang_mamba_ext.plugin.pd_decode import register_pd_decode_hooks
+
+    register_pd_decode_hooks()  # the decode side: the plugin's pool with pre-allocated rows
     from sglang_mamba_ext.plugin.overlap_publish import register_overlap_publish_hook
 
     register_overlap_publish_hook()  # a launched prefill is matched by the next batch
