@@ -1,6 +1,6 @@
 """End to end (issue 41, item 2): speculative decoding with SGLang 0.5.23's own MTP draft class
 on CPU, ``--speculative-algorithm NEXTN`` (SGLang's EAGLE worker with the model's MTP layer),
-with ``--enable-mamba-radix``, in SGLang's snapshot mode.
+with ``--enable-mamba-radix``, in SGLang's snapshot mode, topk 1 (a chain) and 2 (a tree).
 
 The tiny Qwen3-Next and Nemotron-H targets and their MTP drafts (``scripts/make_tiny_model.py
 --arch qwen3_next|nemotron_h --draft-out``: SGLang loads them as ``Qwen3NextForCausalLMMTP`` /
@@ -17,8 +17,7 @@ checked for consistency (as ``test_spec_serving.py`` does: ``1 + spec_verify_ct 
 spec_num_correct_drafts`` tokens came out of the rounds, at most the last round's accepted
 drafts past ``max_new_tokens``), and the draft must have been accepted somewhere. The cache
 stays exact across speculative turns: a resent 150-token prompt hits 149, its next turn hits
-``len + out - 1`` (the prompt's own ``len - 1`` when the last round accepted drafts past the
-stop). SGLang's strict idle checks (leaks) are on.
+``len + out - 1`` (``len + out`` when the last round accepted drafts past the stop). SGLang's strict idle checks (leaks) are on.
 
 Deferred mode (``--mamba-spec-state-update deferred``) is FROZEN_KV_MTP only: EAGLE's worker
 is not hooked, and the combination is refused at start-up (``docs/limits.md``).
@@ -114,9 +113,10 @@ class _MtpSpecCase:
         out = again["output_ids"]
         nxt = LONG + out + NEXT_TAIL
         r, _ = self._gen(nxt, TURN_TOKENS)
-        # the finished turn's state covers prompt + output[:-1] unless its last round accepted
-        # drafts past the stop (snapshot mode cannot cut it back): then the prompt's own len - 1
-        want = len(LONG) + len(out) - 1 if overshoot == 0 else len(LONG) - 1
+        # the finished turn's state covers prompt + output[:-1]; when its last round accepted
+        # drafts past the stop, EAGLE's committed state covers prompt + output (the token past
+        # the stop is the round's bonus token, never an input), and the whole turn is reused
+        want = len(LONG) + len(out) - 1 if overshoot == 0 else len(LONG) + len(out)
         self.assertEqual(r["meta_info"]["cached_tokens"], want, (overshoot, again["meta_info"]))
 
     def test_zz_idle_leak_check(self):
@@ -126,6 +126,12 @@ class _MtpSpecCase:
 
 class TestQwen3NextMtpTopk1(_MtpSpecCase, unittest.TestCase):
     """Qwen3-Next + Qwen3NextForCausalLMMTP, a chain of 3 drafts (4 tokens verified)."""
+
+
+class TestQwen3NextMtpTopk2(_MtpSpecCase, unittest.TestCase):
+    """Qwen3-Next + Qwen3NextForCausalLMMTP, a tree: topk 2, 3 steps, 6 tokens verified."""
+
+    TOPK, STEPS, DRAFT_TOKENS = 2, 3, 6
 
 
 class TestNemotronHMtpTopk1(_MtpSpecCase, unittest.TestCase):
