@@ -27,6 +27,9 @@ EXPECTED = {
                          (4, 64, 64)),
     "lfm2": ("Lfm2ForCausalLM", "model.layers.0.conv.in_proj.weight", (192, 64)),
     "qwen3_5_text": ("Qwen3_5ForCausalLM", "model.layers.0.linear_attn.in_proj_qkv.weight", (128, 64)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "model.layers.0.mlp.shared_expert_gate.weight", (1, 64)),
+    "lfm2_moe": ("Lfm2MoeForCausalLM", "model.layers.1.feed_forward.expert_bias", (4,)),
+    "mamba2": ("Mamba2ForCausalLM", "backbone.layers.0.mixer.in_proj.weight", (164, 64)),
 }
 
 # The layer kinds each family must mix (keys of its config.json in the released format).
@@ -42,6 +45,11 @@ LINEAR_AND_FULL = {
     # SGLang places the full-attention layers by full_attention_interval, transformers by layer_types.
     "qwen3_5_text": lambda c: c["layer_types"] == ["linear_attention", "full_attention"] * 2
     and c["full_attention_interval"] == 2,
+    "qwen3_5_moe_text": lambda c: c["layer_types"] == ["linear_attention", "full_attention"] * 2
+    and c["full_attention_interval"] == 2 and c["num_experts"] == 4,
+    "lfm2_moe": lambda c: set(c["layer_types"]) == {"conv", "full_attention"} and c["num_dense_layers"] == 1,
+    # no attention layer at all: every layer a Mamba2 mixer
+    "mamba2": lambda c: c["num_heads"] * c["head_dim"] == c["intermediate_size"] and "layer_types" not in c,
 }
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the

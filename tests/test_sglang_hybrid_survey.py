@@ -16,7 +16,8 @@ import tempfile
 import unittest
 
 from sglang_mamba_ext.models import hf_tiny
-from sglang_mamba_ext.models.hf_tiny import (ARCHS, SERVED_ARCHS, SGLANG_HYBRID_CLASSES, arch_status, list_archs,
+from sglang_mamba_ext.models.hf_tiny import (ARCHS, SERVED_ARCHS, SGLANG_HYBRID_CLASSES, arch_class, arch_module,
+                                              arch_status, list_archs,
                                              scan_sglang_hybrid_modules)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,16 +91,22 @@ class TestSurvey(unittest.TestCase):
 class TestListArchs(unittest.TestCase):
     def test_statuses(self):
         status = {c.arch: arch_status(c) for c in SGLANG_HYBRID_CLASSES}
-        served = {**SIX, "qwen3_5_text": "Qwen3_5ForCausalLM"}  # Qwen3.5 dense text: issue 40
-        for module, arch in served.items():
+        # issue 40: Qwen3.5 dense and MoE text (one SGLang module, two --arch names), LFM2 MoE
+        served = {**SIX, "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                  "lfm2_moe": "Lfm2MoeForCausalLM"}
+        for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)
-        self.assertEqual(status["Qwen3_5MoeForCausalLM"], "not yet")  # same module, no --arch
+            self.assertEqual(arch_class(name), arch)
+        self.assertEqual(arch_module("qwen3_5_moe_text"), "qwen3_5_text")
         self.assertEqual(set(SERVED_ARCHS), set(served))
-        build_only = {c.module for c in SGLANG_HYBRID_CLASSES if arch_status(c) == "build only"}
-        self.assertEqual(build_only, set(ARCHS) - set(SERVED_ARCHS))
-        self.assertEqual(set(status.values()), {"supported", "not yet"})
-        # Every --arch is a surveyed module, by SGLang's module name.
-        self.assertLessEqual(set(ARCHS), {c.module for c in SGLANG_HYBRID_CLASSES})
+        build_only = {c.arch for c in SGLANG_HYBRID_CLASSES if arch_status(c) == "build only"}
+        self.assertEqual(build_only, {arch_class(a) for a in set(ARCHS) - set(SERVED_ARCHS)})
+        # pure Mamba2 builds; SGLang keeps its hybrid cache path off for it (docs/families.md)
+        self.assertEqual(status["Mamba2ForCausalLM"], "build only")
+        self.assertEqual(set(status.values()), {"supported", "build only", "not yet"})
+        # Every --arch is a surveyed class of its SGLang module.
+        self.assertLessEqual({(arch_module(a), arch_class(a)) for a in ARCHS},
+                             {(c.module, c.arch) for c in SGLANG_HYBRID_CLASSES})
 
     def test_script_prints_one_line_per_class(self):
         proc = subprocess.run([sys.executable, SCRIPT, "--list-archs"], capture_output=True, text=True,

@@ -39,15 +39,16 @@ import torch
 
 __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CLASSES", "SGLangHybridClass",
            "build_hf_tiny_model", "build_hf_tiny_models", "reference_greedy", "family_config", "arch_status",
-           "list_archs", "scan_sglang_hybrid_modules"]
+           "list_archs", "scan_sglang_hybrid_modules", "arch_module", "arch_class"]
 
 #: Families served by SGLang's own classes with the plugin, checked end to end
 #: (``tests/e2e/test_sglang_families_serving.py``), by ``--arch`` name (SGLang's module name).
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
-                "qwen3_5_text")
-#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those whose serving
-#: with the plugin is not verified yet (none at present).
-ARCHS = SERVED_ARCHS + ()
+                "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe")
+#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those the plugin does
+#: not serve yet (``mamba2``: SGLang keeps its hybrid cache path off for a model without
+#: attention layers; docs/families.md names the lines).
+ARCHS = SERVED_ARCHS + ("mamba2",)
 #: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
 MARKER_KEY = "sglang_mamba_ext_tiny"
 #: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
@@ -163,6 +164,54 @@ _FAMILIES: Dict[str, Dict] = {
             rms_norm_eps=1e-6, attention_bias=False,
         ),
     ),
+    # Qwen3.5 MoE, text only: SGLang's qwen3_5_text module, class Qwen3_5MoeForCausalLM (hence
+    # an --arch name apart from the module's, the model_type SGLang's Qwen3_5MoeTextConfig
+    # reads). Qwen3.5's GDN layers with a routed MoE and a gated shared expert; transformers
+    # saves the routed experts fused (experts.gate_up_proj / down_proj), which SGLang's loader
+    # maps (models/qwen3_5.py, its expert mapping).
+    "qwen3_5_moe_text": dict(
+        cls="Qwen3_5MoeForCausalLM", module="qwen3_5_text",
+        config=dict(
+            model_type="qwen3_5_moe_text", hidden_size=_HIDDEN, num_hidden_layers=_LAYERS,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+            full_attention_interval=2,
+            layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
+            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, norm_topk_prob=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+            partial_rotary_factor=0.25, rope_theta=10000.0, attn_output_gate=True,
+            rms_norm_eps=1e-6, attention_bias=False,
+        ),
+    ),
+    # LFM2 MoE: LFM2's gated short conv and attention layers; the first num_dense_layers
+    # layers have a dense MLP, the rest a routed MoE (sigmoid router with an expert bias).
+    "lfm2_moe": dict(
+        cls="Lfm2MoeForCausalLM",
+        config=dict(
+            model_type="lfm2_moe", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=_LAYERS, layer_types=["conv", "full_attention"] * (_LAYERS // 2),
+            num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, conv_bias=False,
+            num_dense_layers=1, num_experts=4, num_experts_per_tok=2, use_expert_bias=True,
+            routed_scaling_factor=1.0, norm_topk_prob=True, norm_eps=1e-5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0), rope_theta=10000.0,
+        ),
+    ),
+    # Pure Mamba2 (Mamba-Codestral's format: backbone.*, one gated RMSNorm per mixer): every
+    # layer is a Mamba2 mixer, there is no attention layer at all. One B/C group.
+    # intermediate_size (= expand * hidden_size) is written out: SGLang's mamba2 module and
+    # its Mamba2Config's state shapes read it, transformers derives it.
+    "mamba2": dict(
+        cls="Mamba2ForCausalLM",
+        config=dict(
+            model_type="mamba2", hidden_size=_HIDDEN, intermediate_size=_HIDDEN, num_hidden_layers=_LAYERS,
+            num_heads=4, head_dim=16,
+            expand=1, state_size=16, n_groups=1, conv_kernel=4, chunk_size=64, use_bias=False,
+            use_conv_bias=True, hidden_act="silu", rms_norm=True, layer_norm_epsilon=1e-5,
+            residual_in_fp32=False, time_step_limit=[0.0, 1e4],
+        ),
+    ),
 }
 
 #: A fixed prompt (token ids) for sizing the LM head.
@@ -177,6 +226,22 @@ def family_config(arch: str) -> Dict:
     if arch not in _FAMILIES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     return dict(_FAMILIES[arch]["config"])
+
+
+def arch_module(arch: str) -> str:
+    """SGLang's module (``srt/models/<module>.py``) of ``arch``'s class: the arch name itself,
+    except where one module holds two served classes (``qwen3_5_moe_text`` -> ``qwen3_5_text``).
+
+    Raises:
+        ValueError: ``arch`` not in :data:`ARCHS`."""
+    family_config(arch)
+    return _FAMILIES[arch].get("module", arch)
+
+
+def arch_class(arch: str) -> str:
+    """SGLang's (and transformers') class name of ``arch`` (the ``architectures`` entry)."""
+    family_config(arch)
+    return _FAMILIES[arch]["cls"]
 
 
 # --- Survey of SGLang 0.5.23's hybrid classes (issue 40, item 1) -------------------------------
@@ -342,8 +407,9 @@ def arch_status(cls: SGLangHybridClass) -> str:
     """``supported`` (an ``--arch`` served with exact checkpoints, checked end to end),
     ``build only`` (an ``--arch`` builds its tiny checkpoint; serving not verified yet) or
     ``not yet``."""
-    if cls.module in _FAMILIES and _FAMILIES[cls.module]["cls"] == cls.arch:
-        return "supported" if cls.module in SERVED_ARCHS else "build only"
+    for name, fam in _FAMILIES.items():
+        if fam.get("module", name) == cls.module and fam["cls"] == cls.arch:
+            return "supported" if name in SERVED_ARCHS else "build only"
     return "not yet"
 
 

@@ -66,7 +66,7 @@ TINY_HF_MARKER = "sglang_mamba_ext_tiny"
 SGLANG_HYBRID_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "KimiLinearForCausalLM", "NemotronHForCausalLM",
     "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM",
-    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Lfm2MoeForCausalLM",
 )
 
 #: KV tokens: a few thousand-token conversations at once.

@@ -211,6 +211,26 @@ class TestQwen35Serving(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "qwen3_5_text", "GDNAttnBackend", "Qwen3_5ForCausalLM"
 
 
+class TestQwen35MoeServing(FamilyServing, unittest.TestCase):
+    """Qwen3.5 MoE text (``Qwen3_5MoeForCausalLM``, ``--arch qwen3_5_moe_text``; issue 40): the
+    GDN layers of Qwen3.5 with a routed MoE and a gated shared expert; launched, resent, next
+    turn, abort (the branch point is Qwen3-Next's: the suite's time budget)."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "qwen3_5_moe_text", "GDNAttnBackend", "Qwen3_5MoeForCausalLM"
+
+
+class TestLfm2MoeServing(FamilyServing, unittest.TestCase):
+    """LFM2 MoE (``Lfm2MoeForCausalLM``; issue 40): LFM2's short conv on SGLang's
+    ``ShortConvAttnBackend``, a dense first layer then routed MoE layers; launched, resent,
+    next turn, abort (the branch point is LFM2's backend's: the suite's time budget)."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "lfm2_moe", "ShortConvAttnBackend", "Lfm2MoeForCausalLM"
+
+
 class LongExtendServing(FamilyServing):
     """Issue 39: with prompts in one extend (``--chunked-prefill-size 512``), checkpoints past a
     row's first 64-token chunk start from the prefill kernel's own chunk states (GDN / KDA ``h``,
