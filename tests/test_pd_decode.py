@@ -64,7 +64,8 @@ class TestDecodeFlagsAndPool(unittest.TestCase):
             pool = _decode_pool(4, 3)
         self.assertIsInstance(pool, MambaRadixReqToTokenPool)
         self.assertEqual(pool.available_size(), 4 + 3)
-        self.assertEqual(pool.pre_alloc_size, 3)
+        # as SGLang's decode pool: running rows and in-flight rows (its idle leak check)
+        self.assertEqual((pool.size, pool.pre_alloc_size), (4, 3))
 
     def test_sglangs_decode_pool_without_the_flag(self):
         from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool
@@ -184,6 +185,24 @@ class TestDecodeRequestLife(unittest.TestCase):
         self.assertEqual(self.cache.core.full_protected_size(), 0)
         self.assertEqual(self.cache.core.mamba_protected_size(), 0)
         self.assertEqual(self.free_counts(), before)
+
+
+class TestSglangDecodePathUnchanged(unittest.TestCase):
+    def test_what_the_hooks_rely_on(self):
+        # When one of these fails, SGLang's decode path changed: re-read plugin/pd_decode.py.
+        import inspect
+
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+        from sglang.srt.disaggregation import prefill
+
+        match = inspect.getsource(inspect.unwrap(DecodePreallocQueue._match_prefix_and_lock))
+        self.assertIn("cow_mamba=self.tree_cache.supports_mamba()", match)
+        pre = inspect.getsource(inspect.unwrap(DecodePreallocQueue._pre_alloc))
+        self.assertIn("self.req_to_token_pool.alloc([req])", pre)
+        # the prefill server starts sending KV at decode_prefix_len (the state: whole)
+        src = inspect.getsource(prefill)
+        self.assertIn("decode_prefix_len = req.disagg_kv_sender.pop_decode_prefix_len()", src)
+        self.assertIn("req.start_send_idx = decode_prefix_len", src)
 
 
 class TestTransferCounters(unittest.TestCase):

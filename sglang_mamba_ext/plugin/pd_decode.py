@@ -12,8 +12,9 @@ the plugin's:
   them. The plugin's cache needs its own pool (one free list per resource, prefix-checkpoint
   slots), so the hook builds the plugin's :class:`~.pool.MambaRadixReqToTokenPool` through
   the ordinary hybrid builder (``_build_hybrid_req_pool``, hooked by :mod:`.pool`) with
-  ``max_num_reqs + pre_alloc_size`` rows, and records ``pre_alloc_size`` on it as SGLang's
-  decode pool does. The decode scheduler only ever asks the pool for ``alloc`` /
+  ``max_num_reqs + pre_alloc_size`` rows, then reports ``size = max_num_reqs`` and
+  ``pre_alloc_size`` as SGLang's decode pool does (its idle leak check counts the free rows
+  against their sum). The decode scheduler only ever asks the pool for ``alloc`` /
   ``free`` / ``available_size`` and the two index maps, which the plugin's pool serves.
 * :func:`match_prefix_and_lock_around` on ``DecodePreallocQueue._match_prefix_and_lock``: a
   decode-side hit asks the cache for a copy-on-write of the matched state into the request's
@@ -68,9 +69,12 @@ def build_decode_req_pool_around(original, configurator, *, max_num_reqs, extra_
                                                extra_max_context_len=extra_max_context_len)
     if not isinstance(pool, MambaRadixReqToTokenPool):
         raise RuntimeError("--enable-mamba-radix: the decode server's request pool was not built by the plugin")
+    # SGLang's decode pool reports its running rows as ``size`` and the in-flight ones as
+    # ``pre_alloc_size`` (its idle leak check counts free rows against the sum)
+    pool.size = max_num_reqs
     pool.pre_alloc_size = pre_alloc_size
     logger.info("sglang-mamba-ext: decode request pool: %d rows (%d running + %d pre-allocated)",
-                pool.size, max_num_reqs, pre_alloc_size)
+                max_num_reqs + pre_alloc_size, max_num_reqs, pre_alloc_size)
     return pool
 
 
