@@ -2,8 +2,9 @@
 on CPU, ``--speculative-algorithm NEXTN`` (SGLang's EAGLE worker with the model's MTP layer),
 with ``--enable-mamba-radix``, in SGLang's snapshot mode, topk 1 (a chain) and 2 (a tree).
 
-The tiny Qwen3-Next and Nemotron-H targets and their MTP drafts (``scripts/make_tiny_model.py
---arch qwen3_next|nemotron_h --draft-out``: SGLang loads them as ``Qwen3NextForCausalLMMTP`` /
+The tiny Qwen3-Next, Qwen3.5 (dense text) and Nemotron-H targets and their MTP drafts
+(``scripts/make_tiny_model.py --arch qwen3_next|qwen3_5_text|nemotron_h --draft-out``: SGLang
+loads them as ``Qwen3NextForCausalLMMTP`` / ``Qwen3_5ForCausalLMMTP`` /
 ``NemotronHForCausalLMMTP``) are built per class. The user
 passes SGLang's speculative flags, ``--enable-mamba-radix`` and pool caps; the plugin's CPU
 defaults add the rest (``--disable-overlap-schedule``, the Triton interpreter, the CPU
@@ -132,6 +133,12 @@ class TestQwen3NextMtpTopk2(_MtpSpecCase, unittest.TestCase):
     """Qwen3-Next + Qwen3NextForCausalLMMTP, a tree: topk 2, 3 steps, 6 tokens verified."""
 
     TOPK, STEPS, DRAFT_TOKENS = 2, 3, 6
+
+
+class TestQwen35MtpTopk1(_MtpSpecCase, unittest.TestCase):
+    """Qwen3.5 dense text + Qwen3_5ForCausalLMMTP, a chain of 3 drafts."""
+
+    ARCH = "qwen3_5_text"
 
 
 class TestNemotronHMtpTopk1(_MtpSpecCase, unittest.TestCase):
