@@ -11,11 +11,14 @@ already holds) and ``pd_decode_kv_tokens_received`` (prompt minus that prefix); 
 decode side without a tree asks for the whole prompt (``decode_prefix_len`` 0), which a
 prompt in a fresh tenant shows on the same set. Greedy output and log-probabilities are
 checked against ``TinyHybridReference`` (the state comes from the prefill server, the prefix
-KV from the decode side's tree: both must be right). Strict idle checks run on both servers.
+KV from the decode side's tree: both must be right). Strict idle checks run on both servers
+after client aborts and after a transfer that never comes (SGLang's waiting timeout,
+shortened to 20 s as in ``test_pd_faults.py``).
 """
 
 import concurrent.futures
-import os
+import random
+import time
 import unittest
 
 import pytest
@@ -27,6 +30,10 @@ from server_util import CHECKED_ENV, idle_and_checked, tiny_class_setup
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 NEW = 8
+TIMEOUT_S = 20
+#: SGLang's bootstrap / transfer waiting timeouts shortened, as in test_pd_faults.py
+ENV = {**CHECKED_ENV, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(TIMEOUT_S),
+       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(TIMEOUT_S)}
 DECODE_CACHE = ["--enable-mamba-radix", "--disaggregation-decode-enable-radix-cache"]
 
 
@@ -48,8 +55,8 @@ class TestPdDecodeCache(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         tmp = tiny_class_setup(cls)
-        bootstrap = start_pd_pair(cls, cls.model, tmp, ["--max-mamba-cache-size", "32"], DECODE_CACHE,
-                                  env=CHECKED_ENV)
+        bootstrap = start_pd_pair(cls, cls.model, tmp, ["--max-mamba-cache-size", "32"], DECODE_CACHE, env=ENV)
+        cls.bootstrap = bootstrap
         cls.url = start_router(cls, tmp, "mini-lb", ["--pd-disaggregation", "--mini-lb"], bootstrap, "/health")
 
     def post(self, ids, n=NEW, timeout=300, **extra):
@@ -161,6 +168,38 @@ class TestPdDecodeCache(unittest.TestCase):
         ids = _ids(77, 30)
         out = self.gen(ids)["output_ids"]
         _, hit, _, _ = self.transfer(ids + out + [5, 6, 7])
+        self.assertEqual(hit, turn_end(ids, out))
+        for server in (self.prefill, self.decode):
+            idle_and_checked(server, settle_s=1.0)
+
+    def test_4_transfer_failure_after_a_decode_side_hit(self):
+        # The next turn of a conversation sent to the decode server alone, with the prefill
+        # server's bootstrap address and a room the prefill server never gets: the decode side
+        # matches and locks its prefix, pre-allocates, and waits for KV that never comes
+        # (SGLang's waiting timeout ends it). Then every slot is back on both servers and the
+        # same turn through the router still hits the decode side exactly.
+        ids = _ids(420, 33)
+        out = self.gen(ids)["output_ids"]
+        nxt = ids + out + _ids(640, 6)
+        before = self.cache_of(self.decode)
+        t0 = time.time()
+        r = requests.post(self.decode.base_url + "/generate", timeout=300, json={
+            "input_ids": nxt, "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": self.bootstrap,
+            "bootstrap_room": random.getrandbits(62)})
+        took = time.time() - t0
+        finish = (r.json().get("meta_info", {}).get("finish_reason") or {}) if r.status_code == 200 else {}
+        self.assertTrue(r.status_code != 200 or finish.get("type") == "abort", r.text[:300])
+        after = self.cache_of(self.decode)
+        # it did reach the decode side's match: its prefix was the turn before
+        self.assertEqual(after["pd_decode_prefix_tokens"] - before["pd_decode_prefix_tokens"], turn_end(ids, out))
+        print(f"\n  transfer never came: HTTP {r.status_code} after {took:.1f} s")
+        for server in (self.prefill, self.decode):
+            idle_and_checked(server)
+            cache = self.cache_of(server)
+            self.assertEqual(cache["kv_protected_tokens"], 0)
+            self.assertEqual(cache["ssm_protected_states"], 0)
+        _, hit, _, _ = self.transfer(nxt)
         self.assertEqual(hit, turn_end(ids, out))
         for server in (self.prefill, self.decode):
             idle_and_checked(server, settle_s=1.0)
