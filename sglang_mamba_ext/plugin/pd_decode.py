@@ -14,8 +14,9 @@ the plugin's:
   the ordinary hybrid builder (``_build_hybrid_req_pool``, hooked by :mod:`.pool`) with
   ``max_num_reqs + pre_alloc_size`` rows, then reports ``size = max_num_reqs`` and
   ``pre_alloc_size`` as SGLang's decode pool does (its idle leak check counts the free rows
-  against their sum). The decode scheduler only ever asks the pool for ``alloc`` /
-  ``free`` / ``available_size`` and the two index maps, which the plugin's pool serves.
+  against their sum). The decode scheduler uses the pool as a prefill scheduler does
+  (``alloc``, ``free``, the row and slot maps, ``translate_mamba_indices``, the SSM
+  allocator for ``ensure_mamba_capacity``), all of which the plugin's pool serves.
 * :func:`match_prefix_and_lock_around` on ``DecodePreallocQueue._match_prefix_and_lock``: a
   decode-side hit asks the cache for a copy-on-write of the matched state into the request's
   working slot (``cow_mamba``), which the plugin, like SGLang, stages on the request
