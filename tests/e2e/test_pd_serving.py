@@ -1,8 +1,8 @@
 """End to end: prefill/decode disaggregation with the plugin on the prefill server (issue 14).
 
 One set for the class, as ``scripts/serve_cpu_pd.sh`` starts it: a prefill server with
-``--enable-mamba-radix`` and the ``kda_cache`` warm-up, a decode server (SGLang's own pool:
-the plugin refuses ``--disaggregation-mode decode``), both ``--disaggregation-transfer-backend
+``--enable-mamba-radix`` and the ``kda_cache`` warm-up, a decode server (SGLang's own pool;
+the decode side with the plugin: ``test_pd_decode_cache.py``), both ``--disaggregation-transfer-backend
 mooncake_tcp`` (mooncake's non-CUDA wheel, TCP transport), and ``sglang-router`` in PD mode.
 The decode server only ever sees the KV and SSM state the prefill server sends, so greedy
 output equal to ``TinyHybridReference.generate_greedy`` token for token, with log-probabilities
