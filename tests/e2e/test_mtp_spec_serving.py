@@ -41,6 +41,23 @@ TURN_TOKENS = 6
 NEXT_TAIL = list(range(10, 20))
 
 
+#: arch -> (target dir, draft dir, draft stats): one build per arch per test process (the topk 1
+#: and topk 2 classes share Qwen3-Next's; a build takes about 40 s)
+_BUILDS = {}
+
+
+def _built(arch):
+    from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model
+    from sglang_mamba_ext.models.mtp_tiny import build_mtp_draft
+
+    if arch not in _BUILDS:
+        tmp = tempfile.TemporaryDirectory(prefix=f"{arch}-mtp-e2e-")
+        target = build_hf_tiny_model(arch, os.path.join(tmp.name, "target"))
+        stats = build_mtp_draft(arch, target, os.path.join(tmp.name, "draft"))
+        _BUILDS[arch] = (tmp, target, os.path.join(tmp.name, "draft"), stats)
+    return _BUILDS[arch][1:]
+
+
 class _MtpSpecCase:
     ARCH = "qwen3_next"
     TOPK, STEPS, DRAFT_TOKENS = 1, 3, 4
@@ -49,14 +66,9 @@ class _MtpSpecCase:
 
     @classmethod
     def setUpClass(cls):
-        from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model
-        from sglang_mamba_ext.models.mtp_tiny import build_mtp_draft
-
-        tmp = tempfile.TemporaryDirectory(prefix=f"{cls.ARCH}-mtp-e2e-")
+        tmp = tempfile.TemporaryDirectory(prefix=f"{cls.ARCH}-mtp-logs-")
         cls.addClassCleanup(tmp.cleanup)
-        cls.target = build_hf_tiny_model(cls.ARCH, os.path.join(tmp.name, "target"))
-        cls.draft_stats = build_mtp_draft(cls.ARCH, cls.target, os.path.join(tmp.name, "draft"))
-        cls.draft = os.path.join(tmp.name, "draft")
+        cls.target, cls.draft, cls.draft_stats = _built(cls.ARCH)
         base = ["--device", "cpu", "--enable-mamba-radix", *cls.CAPS]
         # the baseline: the same plugin server without speculation, then stopped
         plain = Server(cls.target, base, os.path.join(tmp.name, "plain.log"), env=dict(CHECKED_ENV))
@@ -135,6 +147,9 @@ class TestQwen3NextMtpTopk2(_MtpSpecCase, unittest.TestCase):
     TOPK, STEPS, DRAFT_TOKENS = 2, 3, 6
 
 
+@unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_MTP") == "1",
+                     "the suite's time budget (docs/testing.md): Qwen3.5's GDN layers and MTP class run the same "
+                     "plugin paths as Qwen3-Next's; SGLANG_MAMBA_EXT_ALL_MTP=1 runs it (4 passed in 6.5 min)")
 class TestQwen35MtpTopk1(_MtpSpecCase, unittest.TestCase):
     """Qwen3.5 dense text + Qwen3_5ForCausalLMMTP, a chain of 3 drafts."""
 
