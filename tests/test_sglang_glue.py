@@ -551,6 +551,18 @@ class TestPoolAndCacheCreation(_ContextTest):
             with self.assertRaisesRegex(ValueError, f"{CPU_OVERLAP_ENV}='yes': expected 1"):
                 F.scheduler_context(F.base_argv("--enable-mamba-radix"))
 
+    def test_plugin_environment_switches_fail_at_start_up(self):
+        """A value of the plugin's environment switches other than their choices fails at
+        start-up naming the variable and the choices; the choices themselves pass."""
+        from sglang_mamba_ext.plugin.args import PLUGIN_ENV_CHOICES
+
+        for name, choices in PLUGIN_ENV_CHOICES.items():
+            with mock.patch.dict(os.environ, {name: "bogus"}):
+                with self.assertRaisesRegex(ValueError, f"{name}='bogus': expected one of {', '.join(choices)}"):
+                    F.scheduler_context(F.base_argv("--enable-mamba-radix"))
+        with mock.patch.dict(os.environ, {name: choices[-1] for name, choices in PLUGIN_ENV_CHOICES.items()}):
+            F.scheduler_context(F.base_argv("--enable-mamba-radix"))
+
     def test_flag_off_gives_sglang_cache_and_pool(self):
         from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
