@@ -120,9 +120,13 @@ class DifferentialServing:
                 futs = [ex.submit(self._gen, self.server, ids) for _, ids in batch]
                 if abort:
                     aborted = ex.submit(abort_mid_generation, self.server, tok(60), f"diff-abort-{r}", 2000, 1.0)
-                outs = [f.result() for f in futs]
-                if abort:
-                    aborted.result()
+                try:
+                    outs = [f.result() for f in futs]
+                    if abort:
+                        aborted.result()
+                except requests.exceptions.ConnectionError as e:  # the server went away: show why
+                    raise AssertionError(f"round {r}: {e}; the plugin's server log ends:\n"
+                                         f"{self.server.log_tail()}") from e
             for (kind, ids), out in zip(batch, outs):
                 want = self._gen(self.base, ids)
                 self.assertEqual(want["meta_info"]["cached_tokens"], 0)
