@@ -150,6 +150,35 @@ class TestMamba2FromChunkStates(unittest.TestCase):
         self._case("triton")
 
 
+class TestBoundaryAtTheLastToken(unittest.TestCase):
+    """A checkpoint on a chunk boundary that is also the longest row's last token, beside one
+    that steps tokens (a Nemotron-H differential run hit this: an index past the prepared
+    tokens): both writers' own pass, against the token scan."""
+
+    def test_gdn_and_mamba2(self):
+        from test_mamba2_inchunk import _inputs as m2_inputs, _pools as m2_pools, _weights
+
+        from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
+
+        writes = plan_writes([(0, -1, [(64, 2), (5, 3)]), (64, 1, [(30, 4)])], DEV)
+        w = ReplayWeights.from_mixers(_mixers(1, "gdn"))
+        mixed, g_raw, b_raw = _inputs(1, 100, "gdn")
+        out = []
+        for impl in ("reference", "torch"):
+            conv, temp = _pools(1, 6)
+            write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl=impl)
+            out.append(temp)
+        torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=2e-5)
+        w2 = _weights(1)
+        xbc, dt = m2_inputs(1, 100)
+        out = []
+        for impl in ("reference", "torch"):
+            conv, ssm = m2_pools(1, 6)
+            write_mamba2_checkpoints(xbc, dt, writes, conv, ssm, w2, impl=impl)
+            out.append(ssm)
+        torch.testing.assert_close(out[1], out[0], atol=2e-5, rtol=2e-5)
+
+
 # the Triton tests, interpreted in a fresh process when Triton was imported here without it
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, "FromChunk and triton",
                                                     skip=_CAN_RUN and _CAN_RUN_MAMBA2)

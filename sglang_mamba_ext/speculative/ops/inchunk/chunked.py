@@ -237,7 +237,8 @@ def scan_from_boundaries(prep: GdrPrep, lay: ChunkLayout, S: torch.Tensor, stats
     if steps:
         dev = S.device
         rows = torch.tensor(lay.item_row, dtype=torch.int64, device=dev)
-        tok = torch.tensor([[b + min(s, max(m - 1, 0)) for s in range(steps)]
+        n = prep.k.shape[2]  # a checkpoint on the last token's boundary steps nothing: its index stays in range
+        tok = torch.tensor([[min(b + min(s, max(m - 1, 0)), n - 1) for s in range(steps)]
                             for b, m in zip(begin, lens)], dtype=torch.int64, device=dev)
         act = torch.tensor([[s < m for s in range(steps)] for m in lens], dtype=torch.bool, device=dev)
 

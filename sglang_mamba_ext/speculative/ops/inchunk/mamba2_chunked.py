@@ -123,7 +123,8 @@ def add_partial(prep: Mamba2Prep, lay: ChunkLayout, S: torch.Tensor, stats: Opti
         return S
     dev = S.device
     rows = torch.tensor(lay.item_row, dtype=torch.int64, device=dev)
-    tok = torch.tensor([[b + min(s, m - 1 if m else 0) for s in range(steps)]
+    n = prep.a.shape[2]  # a checkpoint on the last token's boundary steps nothing: its index stays in range
+    tok = torch.tensor([[min(b + min(s, m - 1 if m else 0), n - 1) for s in range(steps)]
                         for b, m in zip(begin, lens)], dtype=torch.int64, device=dev)
     act = torch.tensor([[s < m for s in range(steps)] for m in lens], dtype=torch.bool, device=dev)
     a = torch.where(act[None, :, :, None], prep.a[:, rows[:, None], tok], torch.zeros((), device=dev))  # [L, J, s, HV]
