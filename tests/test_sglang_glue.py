@@ -554,7 +554,7 @@ class TestPoolAndCacheCreation(_ContextTest):
     def test_plugin_environment_switches_fail_at_start_up(self):
         """A value of the plugin's environment switches other than their choices fails at
         start-up naming the variable and the choices; the choices themselves pass."""
-        from sglang_mamba_ext.plugin.args import PLUGIN_ENV_CHOICES
+        from sglang_mamba_ext.plugin.startup_errors import PLUGIN_ENV_CHOICES
 
         for name, choices in PLUGIN_ENV_CHOICES.items():
             with mock.patch.dict(os.environ, {name: "bogus"}):

@@ -34,7 +34,7 @@ import pkgutil
 from typing import Any, Dict
 
 from sglang_mamba_ext.plugin import settings as S
-from sglang_mamba_ext.plugin.startup_errors import FlagError, remember_parser
+from sglang_mamba_ext.plugin.startup_errors import FlagError, check_plugin_env, remember_parser
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     if cpu_overlap not in ("0", "1"):
         raise FlagError(f"{CPU_OVERLAP_ENV}={cpu_overlap!r}: expected 1 (overlap scheduling on CPU, the "
                         "default) or 0 (off, as --disable-overlap-schedule)")
-    _check_plugin_env()
+    check_plugin_env()
     # The prefill side of PD disaggregation is served and tested on CPU without overlap
     # only (SGLang's overlapped prefill loop with the CPU transfer backend is untested).
     pd_cpu = server_args.device == "cpu" and str(getattr(server_args, "disaggregation_mode", "null")) == "prefill"
@@ -233,28 +233,6 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     _check_mamba_cache_size(server_args)
     _check_host_tier_size(server_args)
     return settings
-
-
-#: The plugin's environment switches and their values (docs/flags.md, docs/design.md)
-PLUGIN_ENV_CHOICES = {
-    "SGLANG_MAMBA_EXT_INCHUNK_IMPL": ("auto", "triton", "torch"),
-    "SGLANG_MAMBA_EXT_INCHUNK_FROM_CHUNKS": ("1", "0"),
-    "SGLANG_MAMBA_EXT_CPU_KERNELS": ("torch", "triton"),
-}
-
-
-def _check_plugin_env() -> None:
-    """Refuse, at start-up, a value of the plugin's environment switches other than their
-    choices (:data:`PLUGIN_ENV_CHOICES`; unset or empty: the first, the default).
-
-    Raises:
-        FlagError: naming the variable, its value and the choices.
-    """
-    for name, choices in PLUGIN_ENV_CHOICES.items():
-        value = os.environ.get(name, "").strip().lower()
-        if value and value not in choices:
-            raise FlagError(f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)} "
-                            f"(unset: {choices[0]})")
 
 
 def _take_storage_backend(server_args, settings, refuse) -> None:

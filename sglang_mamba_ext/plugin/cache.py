@@ -38,8 +38,7 @@ from sglang_mamba_ext.mem_cache import RadixKey as CoreRadixKey
 from sglang_mamba_ext.plugin import req_bridge
 from sglang_mamba_ext.plugin.kv_events import attach as attach_kv_events
 from sglang_mamba_ext.plugin.host_tier import attach_host_tier
-from sglang_mamba_ext.plugin.inchunk_checkpoints import CHECKPOINT_COUNTERS
-from sglang_mamba_ext.plugin import overlap_publish, pd_decode, replayssm
+from sglang_mamba_ext.plugin import overlap_publish, replayssm
 from sglang_mamba_ext.plugin.pool import MambaRadixReqToTokenPool
 from sglang_mamba_ext.plugin.sessions import RadixSessions, end_streaming_turn
 from sglang_mamba_ext.plugin.settings import BACKEND_NAME, WARMUP_RID_PREFIX, current_settings
@@ -381,68 +380,10 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             self.hybrid_metrics.sync(self.core.stats_snapshot())
 
     def server_info(self) -> dict:
-        """The ``mamba_radix`` entry of ``/server_info`` (:func:`.metrics.server_info_after`):
-        the cache's settings, its current sizes (KV in tokens, SSM in slots) and the
-        counters of ``MambaRadixCache.stats_snapshot``; plain ints, strings and bools."""
-        core = self.core
-        pool = self.req_to_token_pool
-        ckpt = core.mamba_ckpt_pool
-        host = core.mamba_host_pool
-        return {
-            "backend": BACKEND_NAME,
-            "page_size": core.page_size,
-            "mamba_track_interval": core.mamba_track_interval,
-            "checkpoint_grid": self.checkpoint_grid,
-            "ping_pong_tracking": bool(self.enable_mamba_extra_buffer),
-            "exact_prefix_checkpoints": bool(pool.prefix_checkpoint_writer and core.branch_checkpoints),
-            "finish_state": core.finish_state,
-            "eviction_policy": core.eviction_policy,
-            "max_states_per_path": core.max_states_per_path,
-            "kv_slots_total": int(getattr(self.token_to_kv_pool_allocator, "size", 0) or 0),
-            "kv_slots_free": int(self.token_to_kv_pool_allocator.available_size()),
-            "kv_evictable_tokens": core.full_evictable_size(),
-            "kv_protected_tokens": core.full_protected_size(),
-            "ssm_slots_total": pool.core_mamba_pool.size,
-            "ssm_slots_free": pool.core_mamba_pool.available_size(),
-            "ssm_evictable_states": core.mamba_evictable_size(),
-            "ssm_protected_states": core.mamba_protected_size(),
-            # --enable-linear-replayssm: decode-ring records folded before the tree took a state
-            "replayssm_records_folded": self.replayssm_records_folded,
-            "finish_states_donated_early": self.finish_states_donated_early,  # plugin/overlap_publish.py
-            **{n: int(pool.__dict__.get(n, 0)) for n in CHECKPOINT_COUNTERS},  # plugin/inchunk_checkpoints.py
-            # int8 checkpoints (--enable-int8-mamba-checkpoint): the tree's states are here,
-            # not in the SSM slots above; 0 without the flag
-            "int8_ckpt_slots_total": ckpt.size if ckpt is not None else 0,
-            "int8_ckpt_slots_free": ckpt.available_size() if ckpt is not None else 0,
-            "ssm_state_bytes": core.state_pool.slot_bytes(),
-            # host tier (--enable-hierarchical-cache): SSM states in host memory; 0 without
-            "host_ssm_slots_total": host.size if host is not None else 0,
-            "host_ssm_slots_free": host.available_size() if host is not None else 0,
-            "host_ssm_states": core.host_states(),
-            "host_backups": core.host_backups_total,
-            "host_loads": core.host_loads_total,
-            "host_demotions": core.host_demotions_total,
-            "host_evicted": core.host_evicted_total,
-            # host tier of attention KV (tokens)
-            "host_kv_tokens_total": core.kv_host_pool.size if core.kv_host_pool is not None else 0,
-            "host_kv_tokens": core.host_kv_tokens(),
-            "host_kv_demoted": core.host_kv_demoted_total,
-            "host_kv_loaded": core.host_kv_loaded_total,
-            "host_kv_evicted": core.host_kv_evicted_total,
-            # storage tier (--hicache-storage-backend): states / KV pages written, prefixes
-            # read back, values that failed their check (read as misses)
-            "storage_states_written": core.storage_states_written_total,
-            "storage_kv_pages_written": core.storage_kv_pages_written_total,
-            "storage_loads": core.storage_loads_total,
-            "storage_kv_pages_loaded": core.storage_kv_pages_loaded_total,
-            "storage_rejected": core.storage_rejected_total,
-            # --enable-session-radix-cache: states open sessions pin (evicted last)
-            "session_pins": len(core.pinned_nodes()),
-            # PD decode server: prefix held, KV tokens and bytes asked of the prefill server
-            **pd_decode.server_info_fields(self, _kv_bytes_per_token(self.token_to_kv_pool_allocator),
-                                           core.state_pool.slot_bytes()),
-            **core.stats_snapshot(),
-        }
+        """The ``mamba_radix`` entry of ``/server_info`` (:func:`.metrics.cache_server_info`)."""
+        from sglang_mamba_ext.plugin.metrics import cache_server_info
+
+        return cache_server_info(self)
 
     def available_and_evictable_str(self) -> str:
         """The pool summary SGLang prints when an allocation fails

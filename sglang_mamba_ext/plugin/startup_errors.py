@@ -74,3 +74,25 @@ def install_excepthook() -> None:
         return
     _previous_hook = sys.excepthook
     sys.excepthook = argparse_excepthook
+
+
+#: The plugin's environment switches and their values (docs/flags.md, docs/design.md)
+PLUGIN_ENV_CHOICES = {
+    "SGLANG_MAMBA_EXT_INCHUNK_IMPL": ("auto", "triton", "torch"),
+    "SGLANG_MAMBA_EXT_INCHUNK_FROM_CHUNKS": ("1", "0"),
+    "SGLANG_MAMBA_EXT_CPU_KERNELS": ("torch", "triton"),
+}
+
+
+def check_plugin_env() -> None:
+    """Refuse, at start-up, a value of the plugin's environment switches other than their
+    choices (:data:`PLUGIN_ENV_CHOICES`; unset or empty: the first, the default).
+
+    Raises:
+        FlagError: naming the variable, its value and the choices.
+    """
+    for name, choices in PLUGIN_ENV_CHOICES.items():
+        value = os.environ.get(name, "").strip().lower()
+        if value and value not in choices:
+            raise FlagError(f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)} "
+                            f"(unset: {choices[0]})")
