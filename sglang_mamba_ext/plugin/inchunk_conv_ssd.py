@@ -244,10 +244,16 @@ def ssd_scan_before(x, dt=None, A=None, *args, **kwargs) -> None:
         from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
         from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks, split_plan
 
-        lens = [int(ctx.forward_batch.extend_seq_lens_cpu[r]) for r in sorted(ctx.plan)]
-        host, tail = split_plan(*host, lens, None, int(chunk))
-        writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0]) for lo, orow, drow in zip(*host)],
-                             writes.src_slots.device)._replace(src_slots=writes.src_slots)
+        cached = ctx.backend.__dict__.get("_mamba_radix_ssd_split")
+        if cached is not None and cached[0] is ctx.forward_batch and cached[1] == chunk:
+            host, tail, writes = cached[2]  # every Mamba2 layer of a forward has the same split
+        else:
+            lens = [int(ctx.forward_batch.extend_seq_lens_cpu[r]) for r in sorted(ctx.plan)]
+            host, tail = split_plan(*host, lens, None, int(chunk))
+            writes = plan_writes([(lo, 0, [(o, d) for o, d in zip(orow, drow) if o >= 0])
+                                  for lo, orow, drow in zip(*host)],
+                                 writes.src_slots.device)._replace(src_slots=writes.src_slots)
+            ctx.backend.__dict__["_mamba_radix_ssd_split"] = (ctx.forward_batch, chunk, (host, tail, writes))
         count_checkpoints(ctx.backend.req_to_token_pool, ctx.forward_batch, total - len(tail.offsets),
                           len(tail.offsets), 0)
         if tail.offsets:

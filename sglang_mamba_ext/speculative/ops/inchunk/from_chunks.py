@@ -142,9 +142,24 @@ def gather_tail_blocks(inputs: Sequence[torch.Tensor], tail: TailWrites, conv_ke
         ValueError: a boundary not inside ``(0, offset]``, more than ``chunk - 1`` tokens after
             it, or an offset past the inputs.
     """
+    i, lay = _tail_index(tail, conv_kernel, chunk, inputs[0].shape[1], inputs[0].device)
+    return TailBlocks(tuple(x.index_select(1, i) for x in inputs), lay, list(tail.chunk_ids), conv_kernel)
+
+
+#: One entry: the last plan's block index (every linear layer of a forward gathers the same
+#: blocks from its own inputs; serving passes the same :class:`TailWrites` to each).
+_INDEX_MEMO: dict = {}
+
+
+def _tail_index(tail: TailWrites, conv_kernel: int, chunk: int, T: int, device):
+    """``(index [J*P] int64 on device, ChunkLayout)`` of :func:`gather_tail_blocks`, built once
+    per ``tail`` object (validated then)."""
+    key = (conv_kernel, chunk, T, str(device))
+    hit = _INDEX_MEMO.get("last")
+    if hit is not None and hit[0] is tail and hit[1] == key:
+        return hit[2]
     Wm1 = conv_kernel - 1
     P = Wm1 + chunk
-    T = inputs[0].shape[1]
     idx, item_off = [], []
     for lo, o, b in zip(tail.starts, tail.offsets, tail.begins):
         if not 0 < b <= o or o - b > chunk or lo + o > T:
@@ -154,11 +169,12 @@ def gather_tail_blocks(inputs: Sequence[torch.Tensor], tail: TailWrites, conv_ke
         idx.extend(min(max(first + t, 0), T - 1) for t in range(P))
         item_off.append(Wm1 + o - b)
     J = len(item_off)
-    i = torch.tensor(idx, dtype=torch.int64, device=inputs[0].device)
     rows = list(range(J))
     lay = ChunkLayout(P + 1, rows, [j * P for j in rows], list(item_off), [0] * J, rows, item_off,
                       list(tail.dst_slots), [0] * J, rows, rows, [0] * J)
-    return TailBlocks(tuple(x.index_select(1, i) for x in inputs), lay, list(tail.chunk_ids), conv_kernel)
+    out = (torch.tensor(idx, dtype=torch.int64, device=device), lay)
+    _INDEX_MEMO["last"] = (tail, key, out)
+    return out
 
 
 def block_states(blocks: TailBlocks, chunk_states: torch.Tensor) -> torch.Tensor:
@@ -224,11 +240,18 @@ def block_tables(lay: ChunkLayout, begin: int, device):
     """Device int64 per-block tables for the writers' partial-chunk kernels (``fused.
     _inchunk_recurrent_kernel``, ``mamba2._mamba2_inchunk_kernel``): block start, start slot
     (``-1``: no start window is read), offset, destination, first token stepped (``begin =
-    W - 1``), boundary state index (the block's own)."""
+    W - 1``), boundary state index (the block's own); built once per layout (every layer of a
+    forward uses the same)."""
+    key = (begin, str(device))
+    hit = _INDEX_MEMO.get("tables")
+    if hit is not None and hit[0] is lay and hit[1] == key:
+        return hit[2]
     J = len(lay.item_off)
     t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-    return (t(lay.starts), torch.full((J,), -1, dtype=torch.int64, device=device), t(lay.item_off),
-            t(lay.item_dst), torch.full((J,), begin, dtype=torch.int64, device=device), t(list(range(J))))
+    out = (t(lay.starts), torch.full((J,), -1, dtype=torch.int64, device=device), t(lay.item_off),
+           t(lay.item_dst), torch.full((J,), begin, dtype=torch.int64, device=device), t(list(range(J))))
+    _INDEX_MEMO["tables"] = (lay, key, out)
+    return out
 
 
 def write_split(writes, host, row_lengths, first_chunks, chunk: int, inputs: Sequence[torch.Tensor], conv_kernel: int,
