@@ -18,13 +18,16 @@ shapes fit on chip) there is no node-state buffer. Pure torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
 
 from sglang_mamba_ext.models.linear_attn import LinearAttnShape
 from sglang_mamba_ext.speculative.replay import ReplayWeights, replay
 from sglang_mamba_ext.speculative.stash import ActivationStash, StashDims
+
+if TYPE_CHECKING:
+    from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import Mamba2Weights
 
 __all__ = ["DeferredSpecState", "StateLayout", "LAYOUTS"]
 
@@ -48,6 +51,11 @@ class StateLayout:
         verify_rolls_conv: the backend's verify conv kernel shifts the *main* conv window by
             all draft tokens in place (SGLang's ``causal_conv1d_update`` with intermediate
             windows); the deferred glue saves and restores the batch's windows around it.
+        mamba2: the layers are Mamba2 mixers (SGLang's ``MambaMixer2``): the stash holds raw
+            ``xBC`` (as ``mixed_qkv``) and raw ``dt`` (as the per-head gate), no ``b``; the
+            :class:`LinearAttnShape` reads ``G`` groups as key heads, ``N`` (d_state) as ``K``
+            and ``P`` (head_dim) as ``V``; the pool's ``[HV, P, N]`` state is the replay
+            layout itself (:mod:`.ops.replay.mamba2`).
     """
 
     name: str
@@ -55,6 +63,7 @@ class StateLayout:
     conv_window_first: bool
     ssm_vk: bool
     verify_rolls_conv: bool
+    mamba2: bool = False
 
     def gate_dim(self, shape: LinearAttnShape) -> int:
         """Raw gate width per token (elements)."""
@@ -75,6 +84,8 @@ LAYOUTS: Dict[str, StateLayout] = {
                             verify_rolls_conv=False),
     "tiny-gdn": StateLayout("tiny-gdn", per_head_gate=True, conv_window_first=False, ssm_vk=True,
                             verify_rolls_conv=False),
+    "mamba2": StateLayout("mamba2", per_head_gate=True, conv_window_first=False, ssm_vk=False,
+                          verify_rolls_conv=True, mamba2=True),
 }
 
 
@@ -162,14 +173,14 @@ class DeferredSpecState:
     def register_layer(self, linear_idx: int, conv_weight: torch.Tensor, conv_bias: Optional[torch.Tensor],
                        A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
         """Remember linear layer ``linear_idx``'s replay weights (``conv_weight [conv_dim, W]``
-        or any shape with ``conv_dim * W`` elements, ``A_log [HV]``, ``dt_bias [gate_dim]``).
-        Idempotent."""
+        or any shape with ``conv_dim * W`` elements, ``A_log [HV]``, ``dt_bias [gate_dim]``;
+        Mamba2: ``A [HV]`` itself, ``-exp(A_log)``, in place of ``A_log``). Idempotent."""
         if linear_idx not in self._layer_weights:
             self._layer_weights[linear_idx] = (conv_weight, conv_bias, A_log, dt_bias)
             self._weights = None
 
-    def weights(self) -> ReplayWeights:
-        """Stacked replay weights of all layers.
+    def weights(self) -> "ReplayWeights | Mamba2Weights":
+        """Stacked replay weights of all layers (:class:`Mamba2Weights` for a Mamba2 layout).
 
         Raises:
             RuntimeError: some layer was never registered (no verify ran through it yet).
@@ -183,17 +194,27 @@ class DeferredSpecState:
             cb = None if ws[0][1] is None else torch.stack([w[1].detach() for w in ws]).contiguous()
             A = torch.stack([w[2].detach().reshape(-1) for w in ws]).float().contiguous()
             dtb = torch.stack([w[3].detach().reshape(-1) for w in ws]).float().contiguous()
-            self._weights = ReplayWeights(self.shape, cw, cb, A, dtb, per_head_gate=self.layout.per_head_gate)
+            if self.layout.mamba2:
+                from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import Mamba2Weights
+
+                sh = self.shape
+                self._weights = Mamba2Weights(cw, cb, A, dtb, n_groups=sh.num_k_heads, head_dim=sh.head_v_dim,
+                                              d_state=sh.head_k_dim)
+            else:
+                self._weights = ReplayWeights(self.shape, cw, cb, A, dtb, per_head_gate=self.layout.per_head_gate)
         return self._weights
 
     # -- round calls --------------------------------------------------------------------------
 
-    def capture(self, linear_idx: int, mixed_qkv: torch.Tensor, g_raw: torch.Tensor, b_raw: torch.Tensor) -> None:
-        """Copy one layer's verify inputs (``[n_tokens, width]`` each, flat verify order)."""
+    def capture(self, linear_idx: int, mixed_qkv: torch.Tensor, g_raw: torch.Tensor,
+                b_raw: Optional[torch.Tensor]) -> None:
+        """Copy one layer's verify inputs (``[n_tokens, width]`` each, flat verify order;
+        ``b_raw`` None for Mamba2, which has none)."""
         n = mixed_qkv.shape[0]
         self.pending_mixed_qkv[linear_idx, :n].copy_(mixed_qkv)
         self.pending_g_raw[linear_idx, :n].copy_(g_raw.reshape(n, -1))
-        self.pending_b_raw[linear_idx, :n].copy_(b_raw.reshape(n, -1))
+        if b_raw is not None:
+            self.pending_b_raw[linear_idx, :n].copy_(b_raw.reshape(n, -1))
 
     def commit(self, rows: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor,
                seq_lens: torch.Tensor, track_slots: Optional[torch.Tensor] = None,

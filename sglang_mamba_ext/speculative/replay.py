@@ -16,12 +16,15 @@ any strides). Torch only at import; no SGLang.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.speculative.stash import ActivationStash
+
+if TYPE_CHECKING:
+    from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import Mamba2Weights
 
 __all__ = ["ReplayPlan", "ReplayWeights", "track_steps", "replay"]
 
@@ -141,7 +144,7 @@ def replay(
     slots: torch.Tensor,
     conv_state: torch.Tensor,
     temporal_state: torch.Tensor,
-    weights: ReplayWeights,
+    weights: "ReplayWeights | Mamba2Weights",
     mamba_track_interval: Optional[int] = None,
     keep: Optional[torch.Tensor] = None,
     impl: str = "triton",
@@ -153,7 +156,10 @@ def replay(
         rows: ``[N]`` int64 stash rows to replay (rows with ``count == 0`` are skipped).
         slots: ``[N]`` int64 main-state slots of those rows (``mamba_pool_idx``); ``-1`` skips.
         conv_state, temporal_state: pools, layouts in the module docstring (written in place).
-        weights: the stacked layer weights (``impl="torch"``: built with ``from_mixers``).
+        weights: the stacked layer weights (``impl="torch"``: built with ``from_mixers``), or a
+            Mamba2 target's :class:`~.ops.inchunk.mamba2.Mamba2Weights` (then ``stash.mixed_qkv``
+            holds ``xBC``, ``stash.g_raw`` the raw ``dt``, and ``temporal_state`` is
+            ``[L, slots, HV, P, N]``: :mod:`.ops.replay.mamba2`).
         mamba_track_interval: tokens between checkpoints; None disables tracking. The
             checkpoint goes to the row's ``stash.track_slot`` (``-1`` none).
         keep: ``[N]`` optional cap on the tokens replayed per row (a request that finished
@@ -168,12 +174,18 @@ def replay(
     Raises:
         ValueError: unknown ``impl``, inconsistent shapes, or ``impl="torch"`` without mixers.
     """
-    if impl == "torch":
-        from sglang_mamba_ext.speculative.ops.replay.naive import replay_torch as run
-    elif impl == "triton":
-        from sglang_mamba_ext.speculative.ops.replay.fused import replay_triton as run
-    else:
+    if impl not in ("triton", "torch"):
         raise ValueError(f"replay: impl must be 'triton' or 'torch', got {impl!r}")
+    if isinstance(weights, ReplayWeights):
+        if impl == "torch":
+            from sglang_mamba_ext.speculative.ops.replay.naive import replay_torch as run
+        else:
+            from sglang_mamba_ext.speculative.ops.replay.fused import replay_triton as run
+    else:  # Mamba2Weights: a Mamba2 layer's conv + selective state update (ops/replay/mamba2.py)
+        from sglang_mamba_ext.speculative.ops.replay import mamba2
+
+        mamba2.check_mamba2_replay(stash, conv_state, temporal_state, weights)
+        run = mamba2.replay_mamba2_torch if impl == "torch" else mamba2.replay_mamba2_triton
     _check(stash, rows, slots, conv_state, temporal_state, weights)
     plan, tracked = _plan(stash, rows, slots, mamba_track_interval, keep)
     run(stash, plan, conv_state, temporal_state, weights)
