@@ -7,7 +7,10 @@
 # torch + Triton + a CUDA GPU (no SGLang, no network); finishes in under 400 s (BUDGET). Last
 # lines: memory_ratio=<x>, replay_overhead=<y>. Then the Mamba2/SSD in-chunk writer
 # (ops/inchunk/gpu_check_mamba2.py): correctness vs torch and a chunked SSD scan, cost per
-# checkpoint at Nemotron-H-8B shapes, per offset (63, 511, 2047); last line mamba2_inchunk_cost_ratio=<w>. Then the state
+# checkpoint at Nemotron-H-8B shapes, per offset (63, 511, 2047); last line mamba2_inchunk_cost_ratio=<w>. Then the
+# Mamba2 deferred verify (ops/gpu_check_mamba2_spec.py): on-chip tree verify and replay vs torch
+# at Nemotron-Nano-9B-v2 shapes, mamba2_onchip_vs_buffered=, mamba2_replay_overhead=,
+# mamba2_memory_ratio=. Then the state
 # tiers (benchmarks/tiers_gpu.py): a hit's copy from the int8 checkpoint pool and from the host
 # tier vs the device copy-on-write, Qwen3-Next shapes; last line int8_load_ratio=... Last, the
 # GDN / KDA in-chunk checkpoint writer (docs/design.md, "Prefix checkpoints"): correctness vs
@@ -49,6 +52,8 @@ if [ -n "${OUT:-}" ]; then : > "$OUT/gpu_check.txt"; fi
 section speculative sglang_mamba_ext.speculative.ops.gpu_check 100 "$@"
 # Mamba2 / SSD in-chunk writer (Nemotron-H, Falcon-H1, GraniteMoeHybrid)
 section "Mamba2 in-chunk" sglang_mamba_ext.speculative.ops.inchunk.gpu_check_mamba2 60 "$@"
+# deferred verify for Mamba2 targets (issue 41 item 3): on-chip tree verify vs buffered, replay
+section "Mamba2 deferred verify" sglang_mamba_ext.speculative.ops.gpu_check_mamba2_spec 40 "$@"
 # what a hit costs from each tier of the tree's states (int8 checkpoints, host tier), torch only
 section tiers sglang_mamba_ext.benchmarks.tiers_gpu 40
 # in-chunk checkpoints, GDN / KDA

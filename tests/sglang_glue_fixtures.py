@@ -92,7 +92,8 @@ def run_deferred_cow(pool, reqs):
 def small_cache_params(layout: str, layers):
     """SGLang's cache params for 2 linear-attention heads, K = V = 8, conv width 4, fp32:
     Kimi-Linear's shapes (``layout="kda"``: conv ``[W-1, dim]``) or Qwen3-Next's (``"gdn"``:
-    conv ``[dim, W-1]``), built by SGLang's own ``*StateShape.create`` (configs/mamba_utils.py)."""
+    conv ``[dim, W-1]``), built by SGLang's own ``*StateShape.create`` (configs/mamba_utils.py);
+    ``"mamba2"``: a Mamba2 mixer's (4 heads of 8, 2 groups, state 16, conv ``[dim, W-1]``)."""
     from sglang.srt.configs.mamba_utils import (
         KimiLinearCacheParams,
         KimiLinearStateShape,
@@ -105,6 +106,10 @@ def small_cache_params(layout: str, layers):
     if layout == "kda":
         shape = KimiLinearStateShape.create(tp_world_size=1, num_heads=2, head_dim=8, conv_kernel_size=4)
         return KimiLinearCacheParams(shape=shape, layers=list(layers), dtype=dtype)
+    if layout == "mamba2":  # Nemotron-H-like: HV = 4 heads of P = 8, G = 2 groups, N = 16
+        shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=2, num_heads=4, head_dim=8,
+                                        state_size=16, conv_kernel=4)
+        return Mamba2CacheParams(shape=shape, layers=list(layers), dtype=dtype)
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=2, num_heads=2, head_dim=8,
                                     state_size=8, conv_kernel=4)
     return Mamba2CacheParams(shape=shape, layers=list(layers), dtype=dtype)
