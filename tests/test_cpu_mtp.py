@@ -98,21 +98,33 @@ class TestEagleDraftBackendDefault(unittest.TestCase):
 
 
 
-class TestDeferredRefusedForNextn(unittest.TestCase):
-    def test_refused_naming_the_algorithm(self):
+class TestDeferredEarlyChecksForNextn(unittest.TestCase):
+    """Deferred mode with NEXTN / EAGLE passes the launcher's early checks although the MTP
+    draft directory carries the target's hybrid config (its loaded layers are checked
+    in-process); the same draft directory with FROZEN_KV_MTP is still refused by its config,
+    and EAGLE3 is refused."""
+
+    def _dirs(self, tmp):
+        for d in ("t", "d"):
+            os.makedirs(os.path.join(tmp, d))
+            with open(os.path.join(tmp, d, "config.json"), "w") as f:
+                json.dump({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}, f)
+        return os.path.join(tmp, "t"), os.path.join(tmp, "d")
+
+    def test_accepted_with_the_models_own_mtp_head(self):
         from sglang_mamba_ext.plugin.early_checks import early_model_checks
         from sglang_mamba_ext.plugin.startup_errors import FlagError
 
         with tempfile.TemporaryDirectory() as tmp:
-            for d in ("t", "d"):
-                os.makedirs(os.path.join(tmp, d))
-                with open(os.path.join(tmp, d, "config.json"), "w") as f:
-                    json.dump({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}, f)
-            for algo in ("NEXTN", "EAGLE"):
-                argv = ["--model-path", os.path.join(tmp, "t"), "--speculative-algorithm", algo,
-                        "--speculative-draft-model-path", os.path.join(tmp, "d"), "--mamba-spec-state-update", "deferred"]
-                with self.assertRaisesRegex(FlagError, f"FROZEN_KV_MTP only; {algo}"):
+            target, draft = self._dirs(tmp)
+            for algo in ("NEXTN", "EAGLE", "FROZEN_KV_MTP", "EAGLE3"):
+                argv = ["--model-path", target, "--speculative-algorithm", algo,
+                        "--speculative-draft-model-path", draft, "--mamba-spec-state-update", "deferred"]
+                if algo in ("NEXTN", "EAGLE"):
                     early_model_checks(argv)
+                else:
+                    with self.assertRaisesRegex(FlagError, "draft without|EAGLE3"):
+                        early_model_checks(argv)
 
 
 if __name__ == "__main__":

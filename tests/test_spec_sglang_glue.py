@@ -79,7 +79,7 @@ class TestFlags(unittest.TestCase):
     def test_refused_combinations_name_the_flags(self):
         cases = [
             (dict(speculative_algorithm=None), "--speculative-algorithm FROZEN_KV_MTP"),
-            (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm FROZEN_KV_MTP"),
+            (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm FROZEN_KV_MTP, NEXTN or EAGLE only, got NGRAM"),
             (dict(enable_linear_replayssm_spec=True), "--enable-linear-replayssm-spec"),
             (dict(enable_linear_replayssm=True), "--enable-linear-replayssm"),
             (dict(disable_overlap_schedule=False), "--disable-overlap-schedule"),
@@ -103,12 +103,51 @@ class TestFlags(unittest.TestCase):
                 hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=None, model_path="m"), is_draft_worker=False))
             with self.assertRaisesRegex(hooks.DeferredSpecConfigError, "draft model without Mamba.*--speculative-draft-model-path"):
                 hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=object()), is_draft_worker=True))
-            spec.speculative_algorithm = "EAGLE"
-            with self.assertRaisesRegex(hooks.DeferredSpecConfigError, "FROZEN_KV_MTP only"):
-                hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=object()), is_draft_worker=False))
+            # NEXTN resolves to EAGLE (SGLang's EAGLE worker has its replay point too)
+            for algo in ("EAGLE", "NEXTN"):
+                spec.speculative_algorithm = algo
+                hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=object()),
+                                                                    is_draft_worker=False))
+            for algo in ("STANDALONE", "EAGLE3"):
+                spec.speculative_algorithm = algo
+                with self.assertRaisesRegex(hooks.DeferredSpecConfigError, f"FROZEN_KV_MTP, NEXTN or EAGLE only.*{algo}"):
+                    hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=object()),
+                                                                        is_draft_worker=False))
         # snapshot: nothing is checked
         with _deferred("snapshot"):
             hooks.model_runner_init_after(None, SimpleNamespace(model_config=None, is_draft_worker=False))
+
+    def test_draft_layers_read_off_the_loaded_model(self):
+        # a model's own MTP head is loaded with the target's hybrid config (mambaish_config is
+        # not None) but builds attention layers only: the loaded modules decide
+        from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+
+        class Attn(torch.nn.Module):
+            pass
+
+        mtp = torch.nn.Sequential(torch.nn.Linear(2, 2), Attn())
+        linear = torch.nn.Sequential(Attn(), RadixLinearAttention(0, 1, 1, 1, 4, 4, 4))
+        spec = SimpleNamespace(speculative_algorithm="EAGLE")
+        with _deferred(), mock.patch("sglang.srt.runtime_context.get_spec", return_value=spec), \
+                mock.patch("sglang.srt.configs.hybrid_arch.mambaish_config", side_effect=lambda c: c.ssm):
+            hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=object()), model=mtp,
+                                                                is_draft_worker=True))
+            with self.assertRaisesRegex(hooks.DeferredSpecConfigError, "draft model without Mamba.*has 1: 1"):
+                hooks.model_runner_init_after(None, SimpleNamespace(model_config=SimpleNamespace(ssm=None), model=linear,
+                                                                    is_draft_worker=True))
+        self.assertEqual(hooks.model_state_layers(linear), ["1"])
+        self.assertEqual(hooks.model_state_layers(mtp), [])
+
+    def test_replay_point_on_every_worker_entry(self):
+        # one BEFORE hook per speculative worker's round entry, FrozenKVMTP's and EAGLE's;
+        # FrozenKVMTPWorkerV2 overrides EAGLE's method (one replay a round, not two)
+        from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+        from sglang.srt.speculative.frozen_kv_mtp_worker_v2 import FrozenKVMTPWorkerV2
+
+        hooked = {t for t, kind, name in HOOK_TARGETS if name == "worker_forward_before" and kind == "BEFORE"}
+        self.assertEqual(hooked, set(hooks.WORKER_ENTRY_POINTS))
+        self.assertIn("forward_batch_generation", FrozenKVMTPWorkerV2.__dict__)
+        self.assertTrue(issubclass(FrozenKVMTPWorkerV2, EAGLEWorkerV2))
 
     def test_hook_targets_exist_in_sglang(self):
         import importlib

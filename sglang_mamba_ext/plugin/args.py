@@ -276,9 +276,8 @@ def _map_replayssm(server_args) -> None:
 
     ``--enable-linear-replayssm-spec`` (verify without per-draft state snapshots, the
     accepted tokens' inputs folded into the state) is what the plugin's
-    ``--mamba-spec-state-update deferred`` does for the one speculative algorithm the
-    plugin's cache serves (FROZEN_KV_MTP): it is mapped to it, with deferred mode's
-    requirements.
+    ``--mamba-spec-state-update deferred`` does for the speculative algorithms it runs with
+    (FROZEN_KV_MTP, NEXTN / EAGLE): it is mapped to it, with deferred mode's requirements.
 
     Raises:
         FlagError: ``--enable-linear-replayssm`` with an explicit ``extra_buffer`` strategy

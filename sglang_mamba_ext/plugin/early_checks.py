@@ -89,17 +89,21 @@ def _check_sglang_kernels(cfg: dict, argv: Sequence[str]) -> None:
 
 def _check_deferred(argv: Sequence[str]) -> None:
     algo = (_flag_value(argv, "--speculative-algorithm") or "").upper()
-    if algo in ("NEXTN", "EAGLE", "EAGLE3"):
-        # before the draft check: a model's own MTP draft directory carries the target's config
-        raise FlagError(f"--mamba-spec-state-update deferred runs with --speculative-algorithm FROZEN_KV_MTP only; "
-                        f"{algo} (SGLang's EAGLE worker, e.g. with a model's own MTP head) runs in snapshot mode: "
-                        "drop --mamba-spec-state-update deferred")
+    if algo == "EAGLE3":
+        raise FlagError("--mamba-spec-state-update deferred runs with --speculative-algorithm FROZEN_KV_MTP, NEXTN "
+                        "or EAGLE; EAGLE3 (its draft reads several target layers' hidden states) is untried with "
+                        "it: use --mamba-spec-state-update snapshot")
     target = local_model_config(_flag_value(argv, "--model-path"))
     mt = target.get("model_type")
     if mt in MAMBA2_MODEL_TYPES:
         raise FlagError(f"--mamba-spec-state-update deferred supports KDA (Kimi-Linear) and Gated DeltaNet "
                         f"(Qwen3-Next) hybrids; {mt} (Mamba2 layers) needs its own replay kernel: use "
                         "--mamba-spec-state-update snapshot")
+    if algo in ("NEXTN", "EAGLE"):
+        # a model's own MTP draft directory carries the target's hybrid config, yet SGLang
+        # builds its MTP class from it (e.g. Qwen3NextForCausalLMMTP: one attention layer);
+        # the loaded draft's layers are checked in-process (hooks.model_runner_init_after)
+        return
     draft = local_model_config(_flag_value(argv, "--speculative-draft-model-path"))
     dt = draft.get("model_type")
     if dt == TINY_MODEL_TYPE or dt in MAMBA2_MODEL_TYPES or "linear_attention" in (draft.get("layer_types") or []):

@@ -20,8 +20,12 @@ drafts past ``max_new_tokens``), and the draft must have been accepted somewhere
 stays exact across speculative turns: a resent 150-token prompt hits 149, its next turn hits
 ``len + out - 1`` (``len + out`` when the last round accepted drafts past the stop). SGLang's strict idle checks (leaks) are on.
 
-Deferred mode (``--mamba-spec-state-update deferred``) is FROZEN_KV_MTP only: EAGLE's worker
-is not hooked, and the combination is refused at start-up (``docs/limits.md``).
+The deferred classes serve the Qwen3-Next pair with ``--mamba-spec-state-update deferred``: the
+stash is replayed at the start of each of EAGLE's rounds (a BEFORE hook on
+``EAGLEWorkerV2.forward_batch_generation``), verify runs through the GDN hook with no snapshot
+buffers; the same expected outputs (the plain server's, kept per architecture, so a deferred
+class run after a snapshot class in one process starts no second plain server), accept counts,
+cache hits and idle checks, and the server log names the verify variant it built.
 """
 
 import os
@@ -40,6 +44,9 @@ LONG = list(range(300, 450))  # 150 tokens
 TURN_TOKENS = 6
 NEXT_TAIL = list(range(10, 20))
 
+
+#: arch -> the plain server's outputs by prompt (one plain server per arch per test process)
+_WANT = {}
 
 #: arch -> (target dir, draft dir, draft stats): one build per arch per test process (the topk 1
 #: and topk 2 classes share Qwen3-Next's; a build takes about 40 s)
@@ -63,28 +70,44 @@ class _MtpSpecCase:
     TOPK, STEPS, DRAFT_TOKENS = 1, 3, 4
     PROMPTS = PROMPTS
     CAPS = ["--max-total-tokens", "4096", "--max-mamba-cache-size", "32", "--max-running-requests", "4"]
+    #: ``--mamba-spec-state-update`` (None: not given, SGLang's snapshot path)
+    MODE = None
+    #: the deferred layout the target's pool is built in (``speculative/deferred.py`` LAYOUTS)
+    LAYOUT = "gdn"
+
+    @classmethod
+    def _expected(cls, base, log_dir):
+        """The plain server's greedy outputs for every prompt the tests send (kept per arch)."""
+        key = (cls.ARCH, tuple(map(tuple, cls.PROMPTS)))
+        if key in _WANT:
+            return _WANT[key]
+        # the baseline: the same plugin server without speculation, then stopped
+        plain = Server(cls.target, base, os.path.join(log_dir, "plain.log"), env=dict(CHECKED_ENV))
+        cls.addClassCleanup(plain.stop)
+        plain.wait_healthy()
+        want = {}
+        for p in cls.PROMPTS:
+            want[tuple(p)] = plain.generate(input_ids=p, max_new_tokens=NEW_TOKENS)["output_ids"]
+        out = plain.generate(input_ids=LONG, max_new_tokens=TURN_TOKENS)["output_ids"]
+        want[tuple(LONG)] = out
+        nxt = LONG + out + NEXT_TAIL
+        want[tuple(nxt)] = plain.generate(input_ids=nxt, max_new_tokens=TURN_TOKENS)["output_ids"]
+        plain.stop()
+        _WANT[key] = want
+        return want
 
     @classmethod
     def setUpClass(cls):
+        cls._accepts = []
         tmp = tempfile.TemporaryDirectory(prefix=f"{cls.ARCH}-mtp-logs-")
         cls.addClassCleanup(tmp.cleanup)
         cls.target, cls.draft, cls.draft_stats = _built(cls.ARCH)
         base = ["--device", "cpu", "--enable-mamba-radix", *cls.CAPS]
-        # the baseline: the same plugin server without speculation, then stopped
-        plain = Server(cls.target, base, os.path.join(tmp.name, "plain.log"), env=dict(CHECKED_ENV))
-        cls.addClassCleanup(plain.stop)
-        plain.wait_healthy()
-        cls.want = {}
-        for p in cls.PROMPTS:
-            cls.want[tuple(p)] = plain.generate(input_ids=p, max_new_tokens=NEW_TOKENS)["output_ids"]
-        out = plain.generate(input_ids=LONG, max_new_tokens=TURN_TOKENS)["output_ids"]
-        cls.want[tuple(LONG)] = out
-        nxt = LONG + out + NEXT_TAIL
-        cls.want[tuple(nxt)] = plain.generate(input_ids=nxt, max_new_tokens=TURN_TOKENS)["output_ids"]
-        plain.stop()
+        cls.want = cls._expected(base, tmp.name)
         flags = [*base, "--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", cls.draft,
                  "--speculative-num-steps", str(cls.STEPS), "--speculative-eagle-topk", str(cls.TOPK),
-                 "--speculative-num-draft-tokens", str(cls.DRAFT_TOKENS)]
+                 "--speculative-num-draft-tokens", str(cls.DRAFT_TOKENS),
+                 *(["--mamba-spec-state-update", cls.MODE] if cls.MODE else [])]
         cls.server = Server(cls.target, flags, os.path.join(tmp.name, "spec.log"), env=dict(CHECKED_ENV))
         cls.addClassCleanup(cls.server.stop)
         cls.server.wait_healthy()
@@ -102,13 +125,36 @@ class _MtpSpecCase:
         overshoot = 1 + mi["spec_verify_ct"] + mi["spec_num_correct_drafts"] - n
         self.assertTrue(0 <= overshoot <= deepest, mi)
         self.assertAlmostEqual(mi["spec_accept_length"], n / mi["spec_verify_ct"], places=9)
+        type(self)._accepts.append((len(ids), n, mi["spec_accept_length"], mi["spec_num_correct_drafts"]))
         return r, overshoot
+
+    #: (prompt length, new tokens, accept length, accepted drafts) of every request, printed
+    #: as one progress line when the class ends (the figures docs/speculative.md quotes)
+    _accepts = []
+
+    @classmethod
+    def tearDownClass(cls):
+        from conftest import progress
+
+        if cls._accepts:
+            progress(f"  {cls.__name__}: (prompt len, new tokens, accept length, accepted drafts) "
+                     + " ".join(f"({a},{b},{c:.2f},{d})" for a, b, c, d in cls._accepts))
+        super().tearDownClass()
 
     def test_0_launch(self):
         log = self.server.log_text()
         # NEXTN runs as SGLang's EAGLE worker; the plugin's CPU default picked the draft backend
         self.assertIn("'speculative_algorithm': 'EAGLE'", log)
         self.assertIn("'speculative_draft_attention_backend': 'triton'", log)
+        if self.MODE == "deferred":
+            # the target's Mamba pool was built for deferred mode (no snapshot buffers), with
+            # the verify variant it names; SGLANG_MAMBA_EXT_DEFERRED_VERIFY forces one
+            forced = os.environ.get("SGLANG_MAMBA_EXT_DEFERRED_VERIFY", "auto")
+            want = "on_chip" if forced == "auto" else forced  # the tiny models' head dims fit on chip
+            self.assertIn(f"mamba-spec-state-update=deferred ({self.LAYOUT}): no intermediate SSM buffer; "
+                          f"verify_variant={want}", log)
+        else:
+            self.assertNotIn("mamba-spec-state-update=deferred", log)
 
     def test_greedy_equals_plain_server_and_accept_counts(self):
         accepted = 0
@@ -132,6 +178,14 @@ class _MtpSpecCase:
         want = len(LONG) + len(out) - 1 if overshoot == 0 else len(LONG) + len(out)
         self.assertEqual(r["meta_info"]["cached_tokens"], want, (overshoot, again["meta_info"]))
 
+    def test_z_replay_point_logged(self):
+        if self.MODE != "deferred":
+            self.skipTest("deferred mode only")
+        self._gen(self.PROMPTS[0], NEW_TOKENS)  # decode rounds in this server, whatever ran before
+        # the stash is replayed at EAGLE's per-round entry (the greedy outputs could not match
+        # otherwise: in deferred mode only the replay advances the main state)
+        self.assertIn("replay at the start of EAGLEWorkerV2's rounds", self.server.log_text())
+
     def test_zz_idle_leak_check(self):
         load = idle_and_checked(self.server)
         self.assertEqual(load["num_used_tokens"], 0)
@@ -145,6 +199,18 @@ class TestQwen3NextMtpTopk2(_MtpSpecCase, unittest.TestCase):
     """Qwen3-Next + Qwen3NextForCausalLMMTP, a tree: topk 2, 3 steps, 6 tokens verified."""
 
     TOPK, STEPS, DRAFT_TOKENS = 2, 3, 6
+
+
+class TestQwen3NextMtpDeferredTopk1(_MtpSpecCase, unittest.TestCase):
+    """Qwen3-Next + its MTP head in deferred mode, a chain of 3 drafts (4 tokens verified)."""
+
+    MODE = "deferred"
+
+
+class TestQwen3NextMtpDeferredTopk2(_MtpSpecCase, unittest.TestCase):
+    """Qwen3-Next + its MTP head in deferred mode, a tree: topk 2, 3 steps, 6 tokens verified."""
+
+    TOPK, STEPS, DRAFT_TOKENS, MODE = 2, 3, 6, "deferred"
 
 
 @unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_MTP") == "1",

@@ -6,7 +6,9 @@ argparse error (:mod:`sglang_mamba_ext.plugin.startup_errors`). Mechanism and in
 ``docs/design.md``, "SGLang wiring".
 
 ``--mamba-spec-state-update {snapshot,deferred}`` (default ``snapshot``, SGLang's own path).
-With ``deferred`` and ``--speculative-algorithm FROZEN_KV_MTP`` on a linear-attention hybrid whose
+With ``deferred`` and ``--speculative-algorithm FROZEN_KV_MTP``, ``NEXTN`` or ``EAGLE`` (SGLang's
+``FrozenKVMTPWorkerV2`` / ``EAGLEWorkerV2``; NEXTN runs as EAGLE with the model's own MTP head,
+e.g. ``Qwen3NextForCausalLMMTP``) on a linear-attention hybrid whose
 backend has an adapter — SGLang's ``KDAAttnBackend`` (Kimi-Linear), its ``GDNAttnBackend``
 (Qwen3-Next) and this project's tiny backend (KDA or GDN gate) — described to the shared code by a
 ``StateLayout`` (``speculative/deferred.py``: gate per channel or per head, state layouts, whether
@@ -34,8 +36,16 @@ the verify conv kernel rolls the main window):
 - after acceptance the accepted tokens' records are gathered into the stash and the main
   state is left alone (``spec_utils.commit_mamba_states_after_verify``);
 - the next decode round starts by replaying the stash into the main conv window and SSM
-  state, writing the ping-pong checkpoint at a ``mamba_track_interval`` crossing
-  (``FrozenKVMTPWorkerV2.forward_batch_generation``);
+  state, writing the ping-pong checkpoint at a ``mamba_track_interval`` crossing (a BEFORE
+  hook on each worker's round entry, ``hooks.WORKER_ENTRY_POINTS``:
+  ``FrozenKVMTPWorkerV2.forward_batch_generation`` and
+  ``EAGLEWorkerV2.forward_batch_generation``; FrozenKVMTP's overrides EAGLE's without calling
+  it, so a round replays once; the hook does not look at the layout). Both workers verify
+  through ``eagle_worker_common.run_eagle_verify`` (the backend hooks above, then the commit
+  hook). EAGLE's MTP draft shares the target's ``req_to_token_pool`` (no Mamba pool of its
+  own), runs attention layers only (its draft-extend pass skips the linear metadata,
+  ``HybridLinearAttnBackend.init_forward_metadata``) and so never reads or writes the SSM
+  state; its draft runs after the replay, on the target's hidden states from the verify;
 - a request whose state is about to be cached replays first, cut at ``prompt + output[:-1]``
   (also when its last round accepted drafts past the stop: the cache is told the working
   state's length, ``CacheReq.mamba_working_len``, so the whole turn is reused), and one
@@ -56,8 +66,10 @@ ReplaySSM requires a linear draft chain (``--speculative-eagle-topk 1``; GDN rin
 fold-every-commit at commit time), whereas ``deferred`` handles EAGLE trees (topk > 1) through
 ``retrieve_parent_token`` and replays at the start of the next round. They replace the same
 buffers, so combining them is refused at start-up, as are: ``deferred`` without speculative
-decoding or with an algorithm other than FROZEN_KV_MTP, a draft model that has Mamba/linear
-layers, a target without them, a Mamba2 target (it needs its own replay kernel),
+decoding or with an algorithm other than FROZEN_KV_MTP / NEXTN / EAGLE (EAGLE3, STANDALONE), a
+draft model that has Mamba/linear layers (read off the loaded draft: a model's MTP head carries
+the target's hybrid config but builds attention layers only), a target without them, a
+Mamba2 target (it needs its own replay kernel),
 ``--enable-linear-replayssm``, and the overlap scheduler (``--disable-overlap-schedule`` is
 required: the state update of round N moves to the start of round N+1, which overlap would run
 while round N's results, including cache inserts, are still being processed).
@@ -100,7 +112,10 @@ HOOK_TARGETS: List[Tuple[str, str, str]] = [
     (_KDA, "AROUND", "kda_target_verify_around"),
     (_GDN, "AROUND", "gdn_forward_extend_around"),
     ("sglang.srt.speculative.spec_utils.commit_mamba_states_after_verify", "AROUND", "commit_around"),
+    # the replay point of each speculative worker's round (hooks.WORKER_ENTRY_POINTS)
     ("sglang.srt.speculative.frozen_kv_mtp_worker_v2.FrozenKVMTPWorkerV2.forward_batch_generation", "BEFORE",
+     "worker_forward_before"),
+    ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", "BEFORE",
      "worker_forward_before"),
     ("sglang.srt.mem_cache.common.release_kv_cache", "BEFORE", "release_kv_cache_before"),
     ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows", "BEFORE", "free_rows_before"),

@@ -30,6 +30,21 @@ POOL_ATTR = "mamba_spec_deferred"  # DeferredSpecState attached to a MambaPool
 REPLAY_IMPL = "triton"
 
 
+#: ``--speculative-algorithm`` values accepted with ``deferred`` at flag level, and what SGLang
+#: resolves them to (``get_spec().speculative_algorithm`` in the model runner): FROZEN_KV_MTP's
+#: worker and EAGLE's worker (NEXTN is EAGLE with the model's own MTP head), the two per-round
+#: entry points :data:`WORKER_ENTRY_POINTS` replays at.
+FLAG_ALGORITHMS = ("FROZEN_KV_MTP", "NEXTN", "EAGLE")
+RESOLVED_ALGORITHMS = ("FROZEN_KV_MTP", "EAGLE", "NEXTN")
+#: Each speculative worker's per-round entry (a decode round = draft, verify, draft extend); a
+#: BEFORE hook on each replays the stash (:func:`worker_forward_before`). FrozenKVMTPWorkerV2
+#: subclasses EAGLEWorkerV2 but overrides the method without calling it, so one replay a round.
+WORKER_ENTRY_POINTS = (
+    "sglang.srt.speculative.frozen_kv_mtp_worker_v2.FrozenKVMTPWorkerV2.forward_batch_generation",
+    "sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation",
+)
+
+
 class DeferredSpecConfigError(FlagError):
     """An invalid combination with ``--mamba-spec-state-update deferred`` (a ``ValueError``;
     at start-up the launcher reports it like an argparse error,
@@ -75,7 +90,8 @@ def add_cli_args_after(result, parser) -> None:
             "'snapshot' (default): SGLang's own path, per-layer per-draft-token states, scattered "
             "after acceptance. 'deferred': a one-layer verify buffer, a stash of the accepted "
             "tokens' activations and replay at the start of the next round; needs "
-            "--speculative-algorithm FROZEN_KV_MTP, a KDA or Gated DeltaNet hybrid target and "
+            "--speculative-algorithm FROZEN_KV_MTP, NEXTN or EAGLE with a draft without linear "
+            "layers (e.g. the model's own MTP head), a KDA or Gated DeltaNet hybrid target and "
             "--disable-overlap-schedule."
         ),
     )
@@ -95,14 +111,14 @@ def validate_flags(server_args: Any, value: str) -> None:
     algo = getattr(server_args, "speculative_algorithm", None)
     if algo is None:
         raise DeferredSpecConfigError(
-            f"{FLAG} deferred needs speculative decoding: pass --speculative-algorithm FROZEN_KV_MTP "
-            f"(or drop {FLAG})"
+            f"{FLAG} deferred needs speculative decoding: pass --speculative-algorithm FROZEN_KV_MTP, NEXTN "
+            f"or EAGLE (or drop {FLAG})"
         )
-    if str(algo).upper() not in ("FROZEN_KV_MTP", "EAGLE", "NEXTN"):
-        # EAGLE / NEXTN may still be promoted to FROZEN_KV_MTP for frozen-KV drafts; the
-        # resolved algorithm is checked again at model-runner start.
+    if str(algo).upper() not in FLAG_ALGORITHMS:
+        # the resolved algorithm (NEXTN runs as EAGLE; EAGLE / NEXTN may be promoted to
+        # FROZEN_KV_MTP for frozen-KV drafts) is checked again at model-runner start
         raise DeferredSpecConfigError(
-            f"{FLAG} deferred works with --speculative-algorithm FROZEN_KV_MTP only, got {algo}"
+            f"{FLAG} deferred works with --speculative-algorithm FROZEN_KV_MTP, NEXTN or EAGLE only, got {algo}"
         )
     if getattr(server_args, "enable_linear_replayssm_spec", False):
         raise DeferredSpecConfigError(
@@ -144,10 +160,41 @@ def from_cli_args_after(result, cls, args) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+#: Class names of linear-attention / SSM layers (SGLang's ``RadixLinearAttention`` for GDN,
+#: KDA and the tiny model, ``MambaMixer2`` / ``MambaMixer1``, GDN / delta-rule, short-conv and
+#: lightning mixers) matched along a module's class hierarchy.
+_STATE_LAYER_NAMES = ("RadixLinearAttention", "MambaMixer", "GatedDeltaNet", "DeltaAttention", "ShortConv",
+                      "LightningMixer")
+
+
+def model_state_layers(model) -> list:
+    """Names of the modules of a loaded ``model`` that keep a Mamba / linear-attention state
+    (:data:`_STATE_LAYER_NAMES` on the class or a base class)."""
+    found = []
+    for name, mod in model.named_modules():
+        if any(k in c.__name__ for c in type(mod).__mro__ for k in _STATE_LAYER_NAMES):
+            found.append(name or type(mod).__name__)
+    return found
+
+
+def _draft_state_layers(runner) -> list:
+    """The draft's state-keeping layers: read off the loaded model, not its config (a model's
+    own MTP head, e.g. ``Qwen3NextForCausalLMMTP``, is loaded with the target's hybrid config
+    but builds one attention layer); by the config when no model is loaded."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    model = getattr(runner, "model", None)
+    if model is not None and hasattr(model, "named_modules"):
+        return model_state_layers(model)
+    mcfg = getattr(runner, "model_config", None)
+    return ["(config)"] if mcfg is not None and mambaish_config(mcfg) is not None else []
+
+
 def model_runner_init_after(result, runner, *args, **kwargs) -> None:
     """AFTER ``ModelRunner.__init__``: the target must be a linear-attention hybrid (the
-    family is checked when its pool is built, :func:`mamba_pool_init_around`), the draft must have no
-    Mamba/linear-attention layers, the resolved algorithm must be FROZEN_KV_MTP.
+    family is checked when its pool is built, :func:`mamba_pool_init_around`), the loaded draft
+    must have no Mamba/linear-attention layers (:func:`_draft_state_layers`), the resolved
+    algorithm must be FROZEN_KV_MTP or EAGLE (NEXTN).
 
     Raises:
         DeferredSpecConfigError
@@ -158,22 +205,23 @@ def model_runner_init_after(result, runner, *args, **kwargs) -> None:
     from sglang.srt.runtime_context import get_spec
 
     mcfg = getattr(runner, "model_config", None)
-    has_ssm = mcfg is not None and mambaish_config(mcfg) is not None
     if getattr(runner, "is_draft_worker", False):
-        if has_ssm:
+        layers = _draft_state_layers(runner)
+        if layers:
             raise DeferredSpecConfigError(
                 f"{FLAG} deferred requires a draft model without Mamba/linear-attention layers "
-                "(it replays only the target's state; the draft must read the target's KV only, "
-                "as FROZEN_KV_MTP drafts do): use another --speculative-draft-model-path or "
+                f"(it replays only the target's state; this draft has {len(layers)}: {', '.join(layers[:3])}): "
+                f"use another --speculative-draft-model-path (a frozen-KV draft, the model's own MTP head) or "
                 f"{FLAG} snapshot"
             )
         return None
     algo = str(get_spec().speculative_algorithm or "").upper()
-    if algo != "FROZEN_KV_MTP":
+    if algo not in RESOLVED_ALGORITHMS:
         raise DeferredSpecConfigError(
-            f"{FLAG} deferred works with --speculative-algorithm FROZEN_KV_MTP only (resolved: {algo or None})"
+            f"{FLAG} deferred works with --speculative-algorithm FROZEN_KV_MTP, NEXTN or EAGLE only "
+            f"(resolved: {algo or None})"
         )
-    if not has_ssm:
+    if mcfg is None or mambaish_config(mcfg) is None:
         raise DeferredSpecConfigError(
             f"{FLAG} deferred needs a hybrid model with Mamba/linear-attention layers; "
             f"{getattr(mcfg, 'model_path', 'this model')} has none (drop {FLAG})"
@@ -490,14 +538,26 @@ def replay_for_batch(req_to_token_pool, req_pool_indices: torch.Tensor, keep: Op
 
 
 def worker_forward_before(worker, batch, *args, **kwargs) -> None:
-    """BEFORE ``FrozenKVMTPWorkerV2.forward_batch_generation``: a decode round starts by
-    replaying the previous round's stash (eager launches, outside CUDA graphs)."""
+    """BEFORE a speculative worker's per-round entry (:data:`WORKER_ENTRY_POINTS`:
+    ``FrozenKVMTPWorkerV2`` / ``EAGLEWorkerV2.forward_batch_generation``): a decode round
+    starts by replaying the previous round's stash into the target's main state (eager
+    launches, outside CUDA graphs), before the draft and the verify read it. Layout-neutral:
+    the pool's :class:`DeferredSpecState` knows its layout; nothing happens without one."""
     if not deferred_active():
         return None
     if batch.forward_mode.is_extend() or getattr(batch, "is_extend_in_batch", False) or batch.forward_mode.is_idle():
         return None
-    replay_for_batch(worker.req_to_token_pool, batch.req_pool_indices)
+    pool = worker.req_to_token_pool
+    name = type(worker).__name__
+    if name not in _REPLAY_WORKERS and _state_of(pool) is not None:
+        _REPLAY_WORKERS.add(name)
+        logger.info("mamba-spec-state-update=deferred: replay at the start of %s's rounds", name)
+    replay_for_batch(pool, batch.req_pool_indices)
     return None
+
+
+#: worker classes whose first decode round logged the replay point (once per class)
+_REPLAY_WORKERS: set = set()
 
 
 def release_kv_cache_before(req, tree_cache, *args, checkpoint: bool = False, **kwargs) -> None:
