@@ -4,7 +4,8 @@ what it does to SGLang's pool sizes (issue 15, item 3).
 For Kimi-Linear-48B-A3B and Qwen3-Next-80B-A3B (published ``config.json`` fields, cited in
 ``sglang_mamba_ext/benchmarks/sglang_pools.py``; same shapes as
 ``speculative/reference/sizing.py``), and Qwen3.5-27B (its ``text_config``) and
-Nemotron-Nano-9B-v2 (Mamba2: deferred mode is refused, the snapshot row alone is printed) at a stated per-GPU memory budget and TP size, runs SGLang's
+Nemotron-Nano-9B-v2 (Mamba2: the deferred pool in the Mamba2 layout, ``plugin/speculative/mamba2_verify.py``)
+at a stated per-GPU memory budget and TP size, runs SGLang's
 own pool sizing and ``MambaPool`` construction in-process on CPU (device memory query simulated,
 tensors on the ``meta`` device; :func:`sglang_mamba_ext.benchmarks.sglang_pools.size_pools`)
 once with ``--mamba-spec-state-update snapshot`` (SGLang's path) and once with ``deferred``,
