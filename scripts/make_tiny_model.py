@@ -9,8 +9,11 @@ Usage: python scripts/make_tiny_model.py --out DIR [--seed N] [--draft-out DRAFT
 ``--arch`` writes a tiny checkpoint of one of SGLang's own hybrid families instead
 (``qwen3_next``, ``kimi_linear``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``,
 ``lfm2``, ``qwen3_5_text``, ``qwen3_5_moe_text`` (SGLang's ``Qwen3_5MoeForCausalLM`` of its
-``qwen3_5_text`` module), ``lfm2_moe``, ``mamba2``), served by SGLang's own model class for it; built by transformers' own class (``sglang_mamba_ext/models/hf_tiny.py``),
-float16, the same tokenizer.
+``qwen3_5_text`` module), ``lfm2_moe``, the VLMs ``qwen3_5``, ``qwen3_5_moe`` (SGLang's
+``Qwen3_5MoeForConditionalGeneration`` of its ``qwen3_5`` module) and ``lfm2_vl`` (tiny vision
+towers and the processor configs SGLang loads at start-up; served text-only), ``mamba2``),
+served by SGLang's own model class for it; built by transformers' own class
+(``sglang_mamba_ext/models/hf_tiny.py``), float16, the same tokenizer.
 
 ``--arch qwen3_next|qwen3_5_text|nemotron_h --draft-out DIR`` also writes the family's own MTP
 draft as SGLang's MTP class loads it (``Qwen3NextForCausalLMMTP``, ``Qwen3_5ForCausalLMMTP``,

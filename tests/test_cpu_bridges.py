@@ -272,6 +272,80 @@ class TestTorchNativeMLA(unittest.TestCase):
         self.assertEqual(self.registry.get_handler("torch_native")(object(), object()), AttnForwardMethod.MLA)
 
 
+@unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA, "needs SGLang on a host without CUDA")
+class TestNoAttentionHeads(unittest.TestCase):
+    """issue 40: ``configs/update_config.py::adjust_config_with_unaligned_cpu_tp`` (every CPU model
+    load) computes ``num_attention_heads % tp_size``; a pure Mamba2 model has no heads (None)."""
+
+    class _Config:
+        num_attention_heads = None
+        hf_config = hf_text_config = object()
+        quantization = None
+
+        def get_total_num_kv_heads(self):
+            return 0
+
+    def _original(self):
+        import sglang.srt.configs.update_config as uc
+
+        return getattr(uc.adjust_config_with_unaligned_cpu_tp, "__wrapped__", uc.adjust_config_with_unaligned_cpu_tp)
+
+    def test_gap_present_upstream(self):
+        from sglang.srt.configs.load_config import LoadConfig
+
+        with mock.patch("sglang.srt.configs.update_config.update_config"), \
+                mock.patch("sglang.srt.configs.update_config.may_get_weight_block_size", return_value=None):
+            with self.assertRaises(TypeError):
+                self._original()(self._Config(), LoadConfig(), 1)
+
+    def test_bridge_returns_the_config_at_one_rank_only(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        calls = []
+
+        def original(model_config, load_config, tp_size):
+            calls.append(tp_size)
+            return "padded"
+
+        cfg = self._Config()
+        with _bridges_on():
+            self.assertIs(cpu_bridges.cpu_tp_config_around(original, cfg, None, 1), cfg)
+            self.assertEqual(cpu_bridges.cpu_tp_config_around(original, cfg, None, 2), "padded")
+            with_heads = self._Config()
+            with_heads.num_attention_heads = 4
+            self.assertEqual(cpu_bridges.cpu_tp_config_around(original, with_heads, None, 1), "padded")
+        self.assertEqual(cpu_bridges.cpu_tp_config_around(original, cfg, None, 1), "padded")  # bridges off
+        self.assertEqual(calls, [2, 1, 1])
+
+
+class TestMmOutDtype(unittest.TestCase):
+    """issue 40: Nemotron-H's MoE router (``models/nemotron_h.py:389``) calls
+    ``torch.mm(..., out_dtype=torch.float32)``, which torch implements for CUDA only."""
+
+    def setUp(self):
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.randn(3, 8, generator=g).half()
+        self.b = torch.randn(5, 8, generator=g).half()
+
+    @unittest.skipUnless(NO_CUDA, "a host without CUDA")
+    def test_gap_present_in_torch(self):
+        with self.assertRaises((NotImplementedError, RuntimeError)):
+            torch.mm(self.a, self.b.t(), out_dtype=torch.float32)
+
+    def test_bridge_float32_product_scoped(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        before = torch.mm
+        with cpu_bridges.cpu_mm_out_dtype():
+            with cpu_bridges.cpu_mm_out_dtype():  # re-entrant
+                got = torch.mm(self.a, self.b.t(), out_dtype=torch.float32)
+            plain = torch.mm(self.a, self.b.t())
+        self.assertIs(torch.mm, before)
+        self.assertEqual(got.dtype, torch.float32)
+        torch.testing.assert_close(got, self.a.float() @ self.b.float().t())
+        self.assertEqual(plain.dtype, torch.float16)
+
+
 class TestRegistration(unittest.TestCase):
     @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
     def test_hooks_registered(self):
@@ -281,7 +355,8 @@ class TestRegistration(unittest.TestCase):
 
         cpu_bridges.register_cpu_bridges()
         for target in (cpu_bridges.MODEL_RUNNER_INIT, cpu_bridges.MAMBA_MIXER_FORWARD,
-                       cpu_bridges.QWEN3_NEXT_GDN_INIT, cpu_bridges.ROPE_INIT):
+                       cpu_bridges.QWEN3_NEXT_GDN_INIT, cpu_bridges.ROPE_INIT, cpu_bridges.CPU_TP_CONFIG,
+                       cpu_bridges.NEMOTRON_H_MOE_FORWARD):
             self.assertTrue(HookRegistry._hooks.get(target), target)
 
     def test_inactive_without_variable(self):

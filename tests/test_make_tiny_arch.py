@@ -30,6 +30,13 @@ EXPECTED = {
     "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", "model.layers.0.mlp.shared_expert_gate.weight", (1, 64)),
     "lfm2_moe": ("Lfm2MoeForCausalLM", "model.layers.1.feed_forward.expert_bias", (4,)),
     "mamba2": ("Mamba2ForCausalLM", "backbone.layers.0.mixer.in_proj.weight", (164, 64)),
+    # the VLMs: the text model under model.language_model, the tiny vision tower beside it
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "model.visual.merger.linear_fc2.weight", (64, 128)),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration",
+                    "model.language_model.layers.0.mlp.shared_expert_gate.weight", (1, 64)),
+    "lfm2_vl": ("Lfm2VlForConditionalGeneration", "model.multi_modal_projector.linear_2.weight", (64, 64)),
+    # Nemotron-H's weights (transformers has no Puzzle class), its MoE block last
+    "nemotron_h_puzzle": ("NemotronHPuzzleForCausalLM", "backbone.layers.3.mixer.gate.weight", (4, 64)),
 }
 
 # The layer kinds each family must mix (keys of its config.json in the released format).
@@ -50,7 +57,22 @@ LINEAR_AND_FULL = {
     "lfm2_moe": lambda c: set(c["layer_types"]) == {"conv", "full_attention"} and c["num_dense_layers"] == 1,
     # no attention layer at all: every layer a Mamba2 mixer
     "mamba2": lambda c: c["num_heads"] * c["head_dim"] == c["intermediate_size"] and "layer_types" not in c,
+    # a VLM: its text model's layer kinds in text_config, with the tokenizer's vocabulary there too
+    "qwen3_5": lambda c: c["text_config"]["layer_types"] == ["linear_attention", "full_attention"] * 2
+    and c["text_config"]["vocab_size"] == 768 and c["vision_config"]["depth"] == 1,
+    "qwen3_5_moe": lambda c: c["text_config"]["layer_types"] == ["linear_attention", "full_attention"] * 2
+    and c["text_config"]["num_experts"] == 4 and c["text_config"]["model_type"] == "qwen3_5_moe_text",
+    "lfm2_vl": lambda c: set(c["text_config"]["layer_types"]) == {"conv", "full_attention"}
+    and c["text_config"]["vocab_size"] == 768 and c["vision_config"]["num_hidden_layers"] == 1,
 }
+
+LINEAR_AND_FULL["nemotron_h_puzzle"] = lambda c: c["hybrid_override_pattern"] == "M*ME" and [
+    b["block_type"] for b in c["block_configs"]] == ["mamba", "attention", "mamba", "moe"] and "layers_block_type" not in c
+
+# The VLMs' processor configs, which SGLang's tokenizer manager loads at start-up.
+VLM_PROCESSOR_FILES = {"qwen3_5": ("preprocessor_config.json", "video_preprocessor_config.json"),
+                       "qwen3_5_moe": ("preprocessor_config.json", "video_preprocessor_config.json"),
+                       "lfm2_vl": ("preprocessor_config.json",)}
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
@@ -100,6 +122,8 @@ class TestMakeTinyArch(unittest.TestCase):
                 self.assertTrue(LINEAR_AND_FULL[arch](cfg), cfg)
                 with open(os.path.join(self.dirs[arch], "tokenizer_config.json")) as f:
                     self.assertIn("<|im_start|>", json.load(f)["chat_template"])
+                for name in VLM_PROCESSOR_FILES.get(arch, ()):
+                    self.assertTrue(os.path.exists(os.path.join(self.dirs[arch], name)), name)
 
     def test_weights_released_names_float16(self):
         for arch in ARCHS:
@@ -128,7 +152,7 @@ class TestMakeTinyArch(unittest.TestCase):
         a = list(range(10, 90))
         b = list(a)
         b[60] = 700
-        for arch in ("nemotron_h", "qwen3_next", "qwen3_5_text"):
+        for arch in ("nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5", "mamba2"):
             with self.subTest(arch=arch):
                 ra, rb = reference_greedy(self.dirs[arch], [a, b], 2)
                 self.assertEqual(len(ra["tokens"]), 2)

@@ -27,6 +27,7 @@ This module imports torch and transformers only (not ``sglang``; the scan reads 
 from __future__ import annotations
 
 import ast
+import copy
 import importlib.util
 import json
 import os
@@ -44,11 +45,10 @@ __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CL
 #: Families served by SGLang's own classes with the plugin, checked end to end
 #: (``tests/e2e/test_sglang_families_serving.py``), by ``--arch`` name (SGLang's module name).
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
-                "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe")
-#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those the plugin does
-#: not serve yet (``mamba2``: SGLang keeps its hybrid cache path off for a model without
-#: attention layers; docs/families.md names the lines).
-ARCHS = SERVED_ARCHS + ("mamba2",)
+                "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2")
+#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those not served yet
+#: (status ``build only``).
+ARCHS = SERVED_ARCHS + ("nemotron_h_puzzle",)
 #: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
 MARKER_KEY = "sglang_mamba_ext_tiny"
 #: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
@@ -198,8 +198,81 @@ _FAMILIES: Dict[str, Dict] = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0), rope_theta=10000.0,
         ),
     ),
+    # Nemotron-H Puzzle (SGLang's NemotronHPuzzleForCausalLM of its nemotron_h module): the
+    # Nemotron-H stack with per-block configs (block_configs, one dict per layer, each
+    # overriding the top-level fields for its layer). transformers has no Puzzle class: the
+    # weights are its NemotronHForCausalLM's at the same sizes (hf_cls / hf_model_type), a MoE
+    # block included (SGLang's loader sizes its expert mapping by the largest MoE block).
+    "nemotron_h_puzzle": dict(
+        cls="NemotronHPuzzleForCausalLM", module="nemotron_h", hf_cls="NemotronHForCausalLM",
+        hf_model_type="nemotron_h",
+        config=dict(
+            model_type="nemotron_h_puzzle", hidden_size=_HIDDEN, intermediate_size=128,
+            num_hidden_layers=_LAYERS, hybrid_override_pattern="M*ME", num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+            n_groups=2, mamba_n_groups=2, conv_kernel=4, expand=1, use_conv_bias=True, chunk_size=64,
+            mlp_hidden_act="relu2", mamba_hidden_act="silu", layer_norm_epsilon=1e-5, attention_bias=False,
+            mlp_bias=False, use_bias=False, residual_in_fp32=False, rescale_prenorm_residual=True,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32, n_shared_experts=1, routed_scaling_factor=1.0,
+            n_group=1, topk_group=1, norm_topk_prob=True,
+            block_configs=[{"block_type": "mamba"}, {"block_type": "attention"}, {"block_type": "mamba"},
+                           {"block_type": "moe", "n_routed_experts": 4}],
+        ),
+        drop=("layers_block_type", "mtp_layers_block_type"),
+    ),
+    # The VLM classes (issue 40): the text model of a served family inside its released
+    # multimodal wrapper, with a tiny vision tower (one block, width 32); served text-only.
+    # ``sub`` names the text sub-config: the tokenizer ids, vocabulary size and context length
+    # go there as well as at the top level. Vision token ids sit at the vocabulary's end
+    # (760-763), outside the random prompts' range.
+    "qwen3_5": dict(
+        cls="Qwen3_5ForConditionalGeneration", sub="text_config",
+        config=dict(
+            model_type="qwen3_5", image_token_id=760, video_token_id=761, vision_start_token_id=762,
+            vision_end_token_id=763,
+            text_config=None,  # filled below: Qwen3.5 dense text's, with an M-RoPE section
+            vision_config=dict(
+                model_type="qwen3_5", depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                out_hidden_size=_HIDDEN, num_position_embeddings=16, hidden_act="gelu_pytorch_tanh",
+                deepstack_visual_indexes=[],
+            ),
+        ),
+    ),
+    "qwen3_5_moe": dict(
+        cls="Qwen3_5MoeForConditionalGeneration", module="qwen3_5", sub="text_config",
+        config=dict(
+            model_type="qwen3_5_moe", image_token_id=760, video_token_id=761, vision_start_token_id=762,
+            vision_end_token_id=763,
+            text_config=None,  # filled below: Qwen3.5 MoE text's, with an M-RoPE section
+            vision_config=dict(
+                model_type="qwen3_5_moe", depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                out_hidden_size=_HIDDEN, num_position_embeddings=16, hidden_act="gelu_pytorch_tanh",
+                deepstack_visual_indexes=[],
+            ),
+        ),
+    ),
+    # LFM2-VL: LFM2's text model behind a SigLIP2 (NaFlex) vision tower and a pixel-unshuffle
+    # projector (downsample factor 2).
+    "lfm2_vl": dict(
+        cls="Lfm2VlForConditionalGeneration", sub="text_config",
+        config=dict(
+            model_type="lfm2_vl", image_token_id=760, downsample_factor=2, projector_hidden_size=64,
+            projector_hidden_act="gelu", projector_bias=True, projector_use_layernorm=True,
+            text_config=None,  # filled below: LFM2's
+            vision_config=dict(
+                model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_channels=3, patch_size=16, num_patches=16,
+                hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+            ),
+        ),
+    ),
     # Pure Mamba2 (Mamba-Codestral's format: backbone.*, one gated RMSNorm per mixer): every
-    # layer is a Mamba2 mixer, there is no attention layer at all. One B/C group.
+    # layer is a Mamba2 mixer, there is no attention layer at all. One B/C group. Served under
+    # --enable-mamba-radix through the plugin's declaration (plugin/hybrid_declare.py) and the
+    # no-attention CPU bridge (plugin/cpu_bridges.py).
     # intermediate_size (= expand * hidden_size) is written out: SGLang's mamba2 module and
     # its Mamba2Config's state shapes read it, transformers derives it.
     "mamba2": dict(
@@ -214,6 +287,22 @@ _FAMILIES: Dict[str, Dict] = {
     ),
 }
 
+def _vlm_text(arch: str, **extra) -> Dict:
+    cfg = dict(_FAMILIES[arch]["config"])
+    cfg.update(extra)
+    return cfg
+
+
+# Qwen3.5's VLMs place rotary positions by M-RoPE (three sections of the rotary half, 4 / 2 =
+# 2 frequencies here, interleaved as released); on text-only prompts the three position rows
+# are equal, so it is the text model's 1D rotary embedding.
+_MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[1, 1, 0],
+              mrope_interleaved=True)
+_FAMILIES["qwen3_5"]["config"]["text_config"] = _vlm_text("qwen3_5_text", rope_parameters=dict(_MROPE))
+_FAMILIES["qwen3_5_moe"]["config"]["text_config"] = _vlm_text("qwen3_5_moe_text", rope_parameters=dict(_MROPE))
+_FAMILIES["lfm2_vl"]["config"]["text_config"] = _vlm_text("lfm2")
+
+
 #: A fixed prompt (token ids) for sizing the LM head.
 _PROBE_IDS = list(range(5, 133))
 
@@ -225,7 +314,7 @@ def family_config(arch: str) -> Dict:
         ValueError: ``arch`` not in :data:`ARCHS`."""
     if arch not in _FAMILIES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    return dict(_FAMILIES[arch]["config"])
+    return copy.deepcopy(_FAMILIES[arch]["config"])
 
 
 def arch_module(arch: str) -> str:
@@ -433,10 +522,10 @@ def _transformers_model(arch: str, config_json: Dict, seed: int):
     import transformers
 
     fam = _FAMILIES[arch]
-    cfg_cls = transformers.AutoConfig.for_model(arch).__class__
+    cfg_cls = transformers.AutoConfig.for_model(fam.get("hf_model_type", arch)).__class__
     config = cfg_cls(**{k: v for k, v in config_json.items() if k != "model_type"})
     torch.manual_seed(seed)
-    model = getattr(transformers, fam["cls"])(config).float().eval()
+    model = getattr(transformers, fam.get("hf_cls", fam["cls"]))(config).float().eval()
     return model
 
 
@@ -506,10 +595,13 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
     os.makedirs(out_dir, exist_ok=True)
     tok = build_tokenizer()
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    config_json.update(
-        vocab_size=tok.get_vocab_size(), bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD],
-        max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.02,
-    )
+    common = dict(vocab_size=tok.get_vocab_size(), bos_token_id=ids[BOS], eos_token_id=ids[EOS],
+                  pad_token_id=ids[PAD], max_position_embeddings=4096, tie_word_embeddings=False,
+                  initializer_range=0.02)
+    config_json.update(common)
+    sub = _FAMILIES[arch].get("sub")
+    if sub:  # a VLM: its text model reads these from its own sub-config
+        config_json[sub].update(common)
     model = _transformers_model(arch, config_json, seed)
     _spread_weights(model, seed)
     _scale_lm_head(model)
@@ -520,13 +612,38 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
     # The released format first (what SGLang's config classes read), then transformers' own
     # derived keys where they do not clash.
     merged = {k: v for k, v in saved.items() if k not in _FAMILIES[arch].get("drop", ())}
-    merged.update(config_json)
+    for k, v in config_json.items():  # sub-configs (a VLM's text / vision) merged key by key
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = {**merged[k], **v}
+        else:
+            merged[k] = v
     merged.update(architectures=[_FAMILIES[arch]["cls"]], torch_dtype="float16", dtype="float16")
     merged[MARKER_KEY] = arch
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(merged, f, indent=2, sort_keys=True)
         f.write("\n")
     write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
+    if _FAMILIES[arch].get("sub"):
+        _write_processor_configs(arch, out_dir)
+
+
+def _write_processor_configs(arch: str, out_dir: str) -> None:
+    """A VLM's image (and video) processor configs, which SGLang's tokenizer manager loads at
+    start-up for a multimodal class (``AutoProcessor``) even when only text is sent: the family's
+    transformers processors at the tiny vision tower's patch and merge sizes."""
+    if arch == "lfm2_vl":
+        from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
+
+        Lfm2VlImageProcessor(downsample_factor=2, encoder_patch_size=16, tile_size=64, min_image_tokens=4,
+                             max_image_tokens=16, max_num_patches=64, do_image_splitting=False,
+                             use_thumbnail=False).save_pretrained(out_dir)
+        return
+    from transformers import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    pixels = dict(size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
+    Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, **pixels).save_pretrained(out_dir)
+    Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, **pixels).save_pretrained(out_dir)
 
 
 def reference_greedy(model_dir: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -557,7 +674,16 @@ def _reference_main() -> None:
     import transformers
 
     job = json.loads(sys.stdin.read())
-    model = transformers.AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    with open(os.path.join(job["model_dir"], "config.json"), encoding="utf-8") as f:
+        saved = json.load(f)
+    # the checkpoint's own class (a VLM's ForConditionalGeneration runs text-only input ids);
+    # for a class transformers lacks, the one that built the weights (hf_cls)
+    fam = _FAMILIES.get(saved.get(MARKER_KEY), {})
+    cls = getattr(transformers, fam.get("hf_cls", saved["architectures"][0]))
+    kw = {}
+    if "hf_model_type" in fam:
+        kw["config"] = cls.config_class.from_pretrained(job["model_dir"])
+    model = cls.from_pretrained(job["model_dir"], dtype=torch.float32, **kw).eval()
     out = []
     for prompt in job["prompts"]:
         ids = list(prompt)

@@ -22,7 +22,8 @@ as SGLang makes it (no field written, no extra attribute).
   device. Any other refusal is re-raised naming the flags.
 - AROUND ``arg_groups.model_hook.handle_mamba_radix_cache``: a model without SSM state under
   ``--enable-mamba-radix`` fails with a message naming the flag (instead of SGLang's message
-  about ``--mamba-radix-cache-strategy``, which the user did not pass).
+  about ``--mamba-radix-cache-strategy``, which the user did not pass); hybrid classes SGLang's
+  list leaves out are declared first (:mod:`.hybrid_declare`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import pkgutil
 from typing import Any, Dict
 
 from sglang_mamba_ext.plugin import settings as S
+from sglang_mamba_ext.plugin.hybrid_declare import declare_missing_hybrid
 from sglang_mamba_ext.plugin.startup_errors import FlagError, check_plugin_env, remember_parser
 
 logger = logging.getLogger(__name__)
@@ -584,6 +586,7 @@ def handle_mamba_radix_cache_around(original, server_args, hf_config, *args, **k
         f"{ENABLE_FLAG} needs a hybrid model with linear-attention / SSM layers; {arch} has "
         f"none (drop {ENABLE_FLAG})"
     )
+    declare_missing_hybrid(server_args, hf_config)  # classes SGLang's list leaves out
     try:
         result = original(server_args, hf_config, *args, **kwargs)
     except ValueError as exc:

@@ -52,6 +52,15 @@ with line numbers is in ``docs/sglang-hooks.md``):
   gate). A CUDA tensor, an inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls
   SGLang's kernel unchanged. Registered before the plugin's own BEFORE hooks on the same
   functions (``plugin/inchunk_conv_ssd.py``), so those still see every call.
+- **no attention heads** (AROUND ``srt/configs/update_config.py::
+  adjust_config_with_unaligned_cpu_tp``, issue 40): on CPU every model load pads attention
+  heads for the TP size, starting with ``num_attention_heads % tp_size``, a ``TypeError`` for a
+  model without attention (``Mamba2ForCausalLM``); at one rank with no heads the config is
+  returned as it is.
+- **mm with out_dtype** (AROUND ``srt/models/nemotron_h.py::NemotronHMoE.forward``, issue 40):
+  Nemotron-H's MoE router computes ``torch.mm(x, gate.t(), out_dtype=torch.float32)``, an
+  overload torch has only for CUDA (``NotImplementedError: aten::mm.dtype`` on CPU); for the
+  call, such a product of CPU tensors is the float32 product of the operands cast to float32.
 """
 
 from __future__ import annotations
@@ -74,6 +83,8 @@ QWEN3_NEXT_GDN_INIT = "sglang.srt.models.qwen3_next.Qwen3GatedDeltaNet.__init__"
 ROPE_INIT = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.__init__"
 GATED_NORM_SM_COUNT = "sglang.kernels.ops.attention.fla.layernorm_gated._get_sm_count"
 GATED_NORM_FWD = "sglang.kernels.ops.attention.fla.layernorm_gated._layer_norm_fwd"
+CPU_TP_CONFIG = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp"
+NEMOTRON_H_MOE_FORWARD = "sglang.srt.models.nemotron_h.NemotronHMoE.forward"
 
 MAMBA_MODULE = "sglang.srt.layers.attention.mamba.mamba"
 ROPE_MODULE = "sglang.srt.layers.rotary_embedding.base"
@@ -300,6 +311,68 @@ def sm_count_around(original, device, *args, **kwargs):
     return original(device, *args, **kwargs)
 
 
+# ---------------------------------------------------------------- a model without attention (gap 6)
+
+def cpu_tp_config_around(original, model_config, load_config, tp_size, *args, **kwargs):
+    """AROUND ``configs/update_config.py::adjust_config_with_unaligned_cpu_tp`` (called on every
+    CPU model load, ``model_executor/model_runner.py``): it pads attention heads for a TP size
+    that does not divide them, computing ``num_attention_heads % tp_size`` first
+    (``update_config.py:245``), a ``TypeError`` for a model without attention layers
+    (``Mamba2ForCausalLM``: ``num_attention_heads`` None). With no attention heads and one rank
+    there is nothing to pad: the config is returned unchanged; anything else calls SGLang."""
+    if active() and getattr(model_config, "num_attention_heads", 0) is None and tp_size == 1:
+        return model_config
+    return original(model_config, load_config, tp_size, *args, **kwargs)
+
+
+# ---------------------------------------------------------------- mm with out_dtype (gap 7)
+
+_mm_lock = threading.Lock()
+_mm_depth = 0
+
+
+@contextlib.contextmanager
+def cpu_mm_out_dtype():
+    """For the duration of the block, ``torch.mm(a, b, out_dtype=d)`` on CPU tensors (an
+    overload torch implements for CUDA only: ``aten::mm.dtype``) runs as ``torch.mm`` of the
+    operands cast to ``d`` (the float32 product with float32 accumulation it asks for); any
+    other call is torch's. Re-entrant."""
+    global _mm_depth
+    import torch
+
+    with _mm_lock:
+        if _mm_depth == 0:
+            original = torch.mm
+
+            @functools.wraps(original)
+            def mm(a, b, *args, out_dtype=None, **kwargs):
+                if out_dtype is not None and a.device.type == "cpu" and not args and not kwargs:
+                    return original(a.to(out_dtype), b.to(out_dtype))
+                if out_dtype is None:
+                    return original(a, b, *args, **kwargs)
+                return original(a, b, *args, out_dtype=out_dtype, **kwargs)
+
+            mm._mamba_ext_original = original
+            torch.mm = mm
+        _mm_depth += 1
+    try:
+        yield
+    finally:
+        with _mm_lock:
+            _mm_depth -= 1
+            if _mm_depth == 0:
+                torch.mm = torch.mm._mamba_ext_original
+
+
+def mm_out_dtype_around(original, *args, **kwargs):
+    """AROUND ``NemotronHMoE.forward``: its router runs ``torch.mm(..., out_dtype=torch.float32)``
+    (``models/nemotron_h.py:389-391``, also ``:421-423``, ``:446-448``)."""
+    if not active():
+        return original(*args, **kwargs)
+    with cpu_mm_out_dtype():
+        return original(*args, **kwargs)
+
+
 # ---------------------------------------------------------------- MLA under torch_native (gap 5)
 
 MLA_HANDLERS = "sglang.srt.models.deepseek_common.attention_backend_handler"
@@ -364,6 +437,8 @@ def register_cpu_bridges() -> None:
     HookRegistry.register(ROPE_INIT, rope_init_around, HookType.AROUND)
     HookRegistry.register(GATED_NORM_SM_COUNT, sm_count_around, HookType.AROUND)
     HookRegistry.register(GATED_NORM_FWD, device_module_around, HookType.AROUND)
+    HookRegistry.register(CPU_TP_CONFIG, cpu_tp_config_around, HookType.AROUND)
+    HookRegistry.register(NEMOTRON_H_MOE_FORWARD, mm_out_dtype_around, HookType.AROUND)
     for target in KERNEL_BRIDGES:  # before install_mamba_radix's BEFORE hooks: theirs wrap these
         HookRegistry.register(target, make_kernel_around(target), HookType.AROUND)
     _installed = True

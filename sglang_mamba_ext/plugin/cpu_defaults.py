@@ -26,8 +26,10 @@ default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serv
 - with the tiny model served by SGLang's own GDN / KDA backends (``--linear-kernels sglang`` of
   ``scripts/make_tiny_model.py``) on a host without CUDA: ``TRITON_INTERPRET=1``, so that their
   Triton kernels run under Triton's interpreter (``plugin/triton_interpret.py``).
-- with one of SGLang's own hybrid classes (Qwen3-Next, Kimi-Linear, Nemotron-H, Falcon-H1,
-  GraniteMoeHybrid, LFM2) on a host without CUDA, when it is the project's tiny checkpoint
+- with one of SGLang's own hybrid classes (:data:`SGLANG_HYBRID_ARCHITECTURES`: Qwen3-Next,
+  Kimi-Linear, Nemotron-H, Falcon-H1, GraniteMoeHybrid, LFM2, and since issue 40 the Qwen3.5
+  text and VLM classes, LFM2 MoE, LFM2-VL, Mamba2, Nemotron-H Puzzle) on a host without CUDA,
+  when it is the project's tiny checkpoint
   (``config.json`` key ``sglang_mamba_ext_tiny``, :func:`tiny_hf_arch`) or
   ``--enable-mamba-radix`` is given: ``TRITON_INTERPRET=1``, the checkpoint's half dtype for
   the conv window, ``--mamba-radix-cache-strategy no_buffer`` (SGLang refuses extra_buffer
@@ -67,6 +69,8 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "KimiLinearForCausalLM", "NemotronHForCausalLM",
     "FalconH1ForCausalLM", "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM",
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Lfm2MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Lfm2VlForConditionalGeneration",
+    "Mamba2ForCausalLM", "NemotronHPuzzleForCausalLM",
 )
 
 #: KV tokens: a few thousand-token conversations at once.

@@ -231,6 +231,57 @@ class TestLfm2MoeServing(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "lfm2_moe", "ShortConvAttnBackend", "Lfm2MoeForCausalLM"
 
 
+class TestQwen35VlServing(FamilyServing, unittest.TestCase):
+    """Qwen3.5 VLM (``Qwen3_5ForConditionalGeneration``, ``--arch qwen3_5``; issue 40): the
+    Qwen3.5 dense text model behind a tiny vision tower (one block), M-RoPE, served text-only
+    (input ids) on SGLang's ``GDNAttnBackend``; launched, resent, next turn, abort (the branch
+    point is Qwen3-Next's: the suite's time budget)."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "qwen3_5", "GDNAttnBackend", "Qwen3_5ForConditionalGeneration"
+
+
+@unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
+                     "the Qwen3.5 MoE VLM runs the same plugin paths as the Qwen3.5 VLM (wrapper) and the "
+                     "Qwen3.5 MoE text class (GDN + MoE); SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestQwen35MoeVlServing(FamilyServing, unittest.TestCase):
+    """Qwen3.5 MoE VLM (``Qwen3_5MoeForConditionalGeneration``, ``--arch qwen3_5_moe``; issue 40);
+    opt-in (``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``)."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "qwen3_5_moe", "GDNAttnBackend", "Qwen3_5MoeForConditionalGeneration"
+
+
+class DeclaredHybrid:
+    """A class SGLang leaves off its hybrid radix-cache path (``overrides.py:369``), declared by
+    the plugin (``plugin/hybrid_declare.py``): the start-up log says so."""
+
+    def test_0b_declared_by_the_plugin(self):
+        self.assertIn(f"mamba-radix: {self.MODEL_CLASS} declared hybrid-cached", self.server.log_text())
+
+
+class TestLfm2VlServing(DeclaredHybrid, FamilyServing, unittest.TestCase):
+    """LFM2-VL (``Lfm2VlForConditionalGeneration``; issue 40): LFM2's short conv behind a tiny
+    SigLIP2 tower, served text-only on ``ShortConvAttnBackend``; launched, resent, next turn,
+    abort (the branch point is LFM2's backend's: the suite's time budget)."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "lfm2_vl", "ShortConvAttnBackend", "Lfm2VlForConditionalGeneration"
+
+
+class TestMamba2Serving(DeclaredHybrid, FamilyServing, unittest.TestCase):
+    """Pure Mamba2 (``Mamba2ForCausalLM``; issue 40): no attention layer at all, so the plugin's
+    tree, request pool and KV allocator run with zero full-attention layers; the Mamba2 writer's
+    hooks on ``Mamba2AttnBackend``; all five tests (the branch point too: no other class has
+    this shape)."""
+
+    STOCK = False
+    ARCH, BACKEND, MODEL_CLASS = "mamba2", "Mamba2AttnBackend", "Mamba2ForCausalLM"
+
+
 class LongExtendServing(FamilyServing):
     """Issue 39: with prompts in one extend (``--chunked-prefill-size 512``), checkpoints past a
     row's first 64-token chunk start from the prefill kernel's own chunk states (GDN / KDA ``h``,
