@@ -255,7 +255,25 @@ class TestPoolConstruction(unittest.TestCase):
                 self.assertRaisesRegex(hooks.DeferredSpecConfigError, "SGLANG_MAMBA_EXT_DEFERRED_VERIFY"):
             _make_pool(True, verify="bogus")
 
-    def test_mamba2_refused(self):
+    def test_mamba2_pool(self):
+        """A Mamba2 target (issue 41, item 3): stash of raw xBC (HV*P + 2*G*N = 96) and dt (HV
+        = 4), no b; the on-chip rule reads d_state as K and head_dim as V (here on chip: no
+        node-state buffer); forced one_layer, SGLang's verify kernel fills a one-layer node-state
+        buffer [R, T, HV, P, N]."""
+        onchip = _make_pool(True, layout="mamba2").mamba_spec_deferred
+        self.assertEqual((onchip.layout.name, onchip.verify, onchip.one_layer_ssm), ("mamba2", "on_chip", None))
+        d = _make_pool(True, layout="mamba2", verify="one_layer")
+        state = d.mamba_spec_deferred
+        self.assertEqual((state.layout.name, state.verify), ("mamba2", "one_layer"))
+        self.assertEqual(tuple(state.stash.mixed_qkv.shape), (2, 4, 3, 96))
+        self.assertEqual(tuple(state.stash.g_raw.shape), (2, 4, 3, 4))
+        self.assertEqual(state.dims.beta_dim, 0)
+        self.assertEqual((state.shape.num_k_heads, state.shape.head_k_dim, state.shape.head_v_dim), (2, 16, 8))
+        self.assertEqual(tuple(state.one_layer_ssm.shape), (4, 5, 4, 8, 16))
+        self.assertEqual(d.mamba_cache.intermediate_ssm.stride(0), 0)
+        self.assertEqual(tuple(state.one_layer_conv.shape[-2:]), (96, 3))
+
+    def test_unknown_layout_refused(self):
         pool = MambaPool.__new__(MambaPool)
         with _deferred(), self.assertRaisesRegex(hooks.DeferredSpecConfigError, "own replay kernel"):
             hooks.mamba_pool_init_around(MambaPool.__init__, pool, cache_params=SimpleNamespace(is_kda=False),
@@ -281,6 +299,14 @@ class TestPoolConstruction(unittest.TestCase):
             self.assertEqual(hooks.layout_name_for(mk(model_config=cfg)), f"tiny-{gate}")
         self.assertTrue(hooks.layout_name_for(mk(model_config=SimpleNamespace(hf_config=object()))).startswith("unsupported"))
         self.assertIsNone(hooks.layout_name_for(mk(mambaish_config=None)))  # the draft
+        from sglang.srt.configs import FalconH1Config, NemotronHConfig
+        from transformers import Lfm2Config
+
+        for cfg in (NemotronHConfig(), FalconH1Config()):  # Mamba2 mixers
+            self.assertEqual(hooks.layout_name_for(mk(model_config=SimpleNamespace(hf_config=cfg, is_draft_model=False))),
+                             "mamba2")
+        lfm2 = SimpleNamespace(hf_config=Lfm2Config(), is_draft_model=False)  # a short conv: no replay kernel
+        self.assertTrue(hooks.layout_name_for(mk(model_config=lfm2)).startswith("unsupported"))
 
 
 @requires_sglang

@@ -21,6 +21,9 @@ from sglang_mamba_ext.plugin.startup_errors import FlagError
 MAMBA2_MODEL_TYPES = frozenset({
     "nemotron_h", "falcon_h1", "mamba2", "mamba", "falcon_mamba", "granitemoehybrid", "lfm2", "lfm2_moe", "zaya",
 })
+#: Those among them whose linear layers are SGLang's ``MambaMixer2`` (deferred verify:
+#: ``plugin/speculative/mamba2_verify.py``).
+MAMBA2_MIXER_MODEL_TYPES = frozenset({"nemotron_h", "falcon_h1", "granitemoehybrid", "mamba2"})
 _HEADS = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads")
 
 
@@ -95,9 +98,10 @@ def _check_deferred(argv: Sequence[str]) -> None:
                         "it: use --mamba-spec-state-update snapshot")
     target = local_model_config(_flag_value(argv, "--model-path"))
     mt = target.get("model_type")
-    if mt in MAMBA2_MODEL_TYPES:
-        raise FlagError(f"--mamba-spec-state-update deferred supports KDA (Kimi-Linear) and Gated DeltaNet "
-                        f"(Qwen3-Next) hybrids; {mt} (Mamba2 layers) needs its own replay kernel: use "
+    if mt in MAMBA2_MODEL_TYPES - MAMBA2_MIXER_MODEL_TYPES:
+        raise FlagError(f"--mamba-spec-state-update deferred supports KDA (Kimi-Linear), Gated DeltaNet "
+                        f"(Qwen3-Next) and Mamba2 (Nemotron-H, Falcon-H1, GraniteMoeHybrid) hybrids; {mt} (short "
+                        "conv, Mamba1 or CCA layers) needs its own replay kernel: use "
                         "--mamba-spec-state-update snapshot")
     if algo in ("NEXTN", "EAGLE"):
         # a model's own MTP draft directory carries the target's hybrid config, yet SGLang

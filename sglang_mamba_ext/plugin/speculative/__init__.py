@@ -10,7 +10,8 @@ With ``deferred`` and ``--speculative-algorithm FROZEN_KV_MTP``, ``NEXTN`` or ``
 ``FrozenKVMTPWorkerV2`` / ``EAGLEWorkerV2``; NEXTN runs as EAGLE with the model's own MTP head,
 e.g. ``Qwen3NextForCausalLMMTP``) on a linear-attention hybrid whose
 backend has an adapter — SGLang's ``KDAAttnBackend`` (Kimi-Linear), its ``GDNAttnBackend``
-(Qwen3-Next) and this project's tiny backend (KDA or GDN gate) — described to the shared code by a
+(Qwen3-Next), its ``Mamba2AttnBackend`` (Nemotron-H, Falcon-H1, GraniteMoeHybrid: :mod:`.mamba2_verify`)
+and this project's tiny backend (KDA or GDN gate) — described to the shared code by a
 ``StateLayout`` (``speculative/deferred.py``: gate per channel or per head, state layouts, whether
 the verify conv kernel rolls the main window):
 
@@ -69,7 +70,7 @@ buffers, so combining them is refused at start-up, as are: ``deferred`` without 
 decoding or with an algorithm other than FROZEN_KV_MTP / NEXTN / EAGLE (EAGLE3, STANDALONE), a
 draft model that has Mamba/linear layers (read off the loaded draft: a model's MTP head carries
 the target's hybrid config but builds attention layers only), a target without them, a
-Mamba2 target (it needs its own replay kernel),
+short-conv, Mamba1 or CCA target (no replay kernel for them),
 ``--enable-linear-replayssm``, and the overlap scheduler (``--disable-overlap-schedule`` is
 required: the state update of round N moves to the start of round N+1, which overlap would run
 while round N's results, including cache inserts, are still being processed).
@@ -80,7 +81,7 @@ given, read by an AFTER hook on ``ServerArgs.from_cli_args`` into
 scheduler/worker processes with the pickled ServerArgs and read there through
 ``runtime_context.get_server_args()``).
 
-Not covered here: Mamba2 targets, the KDA safe gate (``lower_bound``), ragged verify
+Not covered here: the KDA safe gate (``lower_bound``), ragged verify
 layouts, overlap scheduling, tensor parallelism of the stash (per-rank shapes work,
 untested), SGLang's ReplaySSM ring or fused-accept verify together with the on-chip variant
 (refused at the verify call). The pending workspace and the verify buffers are preallocated
@@ -117,6 +118,10 @@ HOOK_TARGETS: List[Tuple[str, str, str]] = [
      "worker_forward_before"),
     ("sglang.srt.speculative.eagle_worker_v2.EAGLEWorkerV2.forward_batch_generation", "BEFORE",
      "worker_forward_before"),
+    # Mamba2 targets: capture of xBC / dt and the main conv windows kept (mamba2_verify.py)
+    ("sglang.srt.layers.attention.hybrid_linear_attn_backend.Mamba2AttnBackend.forward", "AROUND",
+     "mamba2_verify.mamba2_forward_around"),
+    ("sglang.kernels.ops.mamba.triton_ops.ssu_dispatch.selective_state_update", "AROUND", "mamba2_verify.ssu_around"),
     ("sglang.srt.mem_cache.common.release_kv_cache", "BEFORE", "release_kv_cache_before"),
     ("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free_rows", "BEFORE", "free_rows_before"),
     # SGLang's memory budget: the deferred state's bytes replace the snapshot buffers' (budget.py)

@@ -249,6 +249,10 @@ def layout_name_for(configurator) -> Optional[str]:
         return "kda"
     if getattr(configurator, "hybrid_gdn_config", None) is not None:
         return "gdn"
+    from sglang_mamba_ext.plugin.speculative.mamba2_verify import layout_for
+
+    if layout_for(configurator) is not None:  # Mamba2 mixers (Nemotron-H, Falcon-H1, GraniteMoeHybrid)
+        return "mamba2"
     cfg = configurator.model_config.hf_config
     from sglang_mamba_ext.models.tiny_hybrid import TinyHybridConfig
 
@@ -277,9 +281,9 @@ def _layout_for_pool(cache_params):
         name = "kda" if getattr(cache_params, "is_kda", False) else f"unsupported:{type(cache_params).__name__}"
     if name not in LAYOUTS:
         raise DeferredSpecConfigError(
-            f"{FLAG} deferred supports KDA (Kimi-Linear), Gated DeltaNet (Qwen3-Next) and the tiny hybrid "
-            f"model; this model's linear layers ({name.split(':', 1)[-1]}, e.g. Mamba2) need their own "
-            f"replay kernel: use {FLAG} snapshot"
+            f"{FLAG} deferred supports KDA (Kimi-Linear), Gated DeltaNet (Qwen3-Next), Mamba2 (Nemotron-H, "
+            f"Falcon-H1, GraniteMoeHybrid) and the tiny hybrid model; this model's linear layers "
+            f"({name.split(':', 1)[-1]}, e.g. short conv or Mamba1) need their own replay kernel: use {FLAG} snapshot"
         )
     return LAYOUTS[name]
 
@@ -320,11 +324,13 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
     window = conv_shape[0] if layout.conv_window_first else conv_shape[1]
     if len(shape_p.conv) != 1 or window != W - 1:
         raise DeferredSpecConfigError(f"{FLAG} deferred: unsupported conv state layout {shape_p.conv} ({layout.name})")
-    if layout.ssm_vk:
+    if layout.ssm_vk or layout.mamba2:  # Mamba2's [HV, P, N]: P plays V, N plays K (StateLayout)
         hv, v_dim, k_dim = shape_p.temporal
     else:
         hv, k_dim, v_dim = shape_p.temporal
     h_k = getattr(shape_p, "num_k_heads_per_tp", hv)
+    if layout.mamba2:  # B / C groups of this rank: conv_dim = HV*P + 2*G*N
+        h_k = (conv_dim - hv * v_dim) // (2 * k_dim)
     shape = LinearAttnShape(h_k, hv, k_dim, v_dim, W)
     if shape.conv_dim != conv_dim:
         raise DeferredSpecConfigError(f"{FLAG} deferred: conv_dim {conv_dim} != 2*H*K + HV*V of {shape}")
@@ -337,7 +343,8 @@ def mamba_pool_init_around(original, pool, *args, **kwargs) -> None:
         raise DeferredSpecConfigError(f"{FLAG} deferred: {e}") from None
     state = DeferredSpecState(
         num_layers=L, num_rows=R, draft_token_num=T, max_accept=steps + 1, shape=shape,
-        dims=StashDims(conv_dim, layout.gate_dim(shape), hv), ssm_state_shape=tuple(shape_p.temporal),
+        dims=StashDims(conv_dim, layout.gate_dim(shape), 0 if layout.mamba2 else hv),
+        ssm_state_shape=tuple(shape_p.temporal),
         conv_state_shape=conv_shape, ssm_dtype=cache_params.dtype.temporal,
         conv_dtype=cache_params.dtype.conv, act_dtype=cache_params.dtype.conv, device=kwargs["device"],
         layout=layout, verify=verify,
