@@ -59,6 +59,22 @@ def conv_at(conv_base, s_cd, s_cw, in_ptr, tok0, cw_base, cb_base, ch, mask, t, 
     return y
 
 
+# One token of a Mamba2 layer on a [BP, N] state tile S (head i_h's x channels cx, its group's
+# B channels cB, masks mp / mn), from raw inputs at row tok0 of in_ptr and token t: conv + bias
+# (conv_at), SiLU rounded to act_ty as served, dt = clamp(softplus(dt_raw + dtb)), then
+# S = exp(dt * a) * S + (dt * x) (outer) B. Shared by the Mamba2 in-chunk writer and replay.
+@triton.jit
+def mamba2_token_step(S, conv_base, s_cd, s_cw, in_ptr, tok0, cw_base, cb_base, cx, cB, mp, mn, t, has_src,
+                      dt_tok_ptr, a, dtb, DT_MIN, DT_MAX, act_ty: tl.constexpr,
+                      D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    yx = conv_at(conv_base, s_cd, s_cw, in_ptr, tok0, cw_base, cb_base, cx, mp, t, has_src, D, W, HAS_BIAS)
+    yb = conv_at(conv_base, s_cd, s_cw, in_ptr, tok0, cw_base, cb_base, cB, mn, t, has_src, D, W, HAS_BIAS)
+    yx = (yx / (1.0 + tl.exp(-yx))).to(act_ty).to(tl.float32)
+    yb = (yb / (1.0 + tl.exp(-yb))).to(act_ty).to(tl.float32)
+    dt = tl.minimum(tl.maximum(softplus(tl.load(dt_tok_ptr).to(tl.float32) + dtb), DT_MIN), DT_MAX)
+    return S * tl.exp(dt * a) + (dt * yx)[:, None] * yb[None, :]
+
+
 # In-chunk writers (ops/inchunk): the deepest of request i_n's C planned offsets (-1: none).
 @triton.jit
 def deepest_offset(offs_ptr, i_n, C: tl.constexpr):

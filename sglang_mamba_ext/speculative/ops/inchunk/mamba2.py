@@ -259,7 +259,7 @@ try:  # Triton is optional for the torch reference
     import triton
     import triton.language as tl
 
-    from sglang_mamba_ext.speculative.ops.triton_utils import conv_at, softplus
+    from sglang_mamba_ext.speculative.ops.triton_utils import mamba2_token_step
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -307,13 +307,9 @@ if triton is not None:
         dtb = tl.load(dtb_ptr + i_l * HV + i_h).to(tl.float32)
         act_ty = xbc_ptr.dtype.element_ty
         for t in range(b, o):
-            yx = conv_at(conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cx, mp, t, has_src, D, W, HAS_BIAS)
-            yb = conv_at(conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cb_ch, ms, t, has_src, D, W, HAS_BIAS)
-            yx = (yx / (1.0 + tl.exp(-yx))).to(act_ty).to(tl.float32)  # silu, rounded as served
-            yb = (yb / (1.0 + tl.exp(-yb))).to(act_ty).to(tl.float32)
-            dt = tl.load(dt_ptr + (tok0 + t) * HV + i_h).to(tl.float32) + dtb
-            dt = tl.minimum(tl.maximum(softplus(dt), DT_MIN), DT_MAX)
-            S = S * tl.exp(dt * a) + (dt * yx)[:, None] * yb[None, :]
+            S = mamba2_token_step(S, conv_base, s_cd, s_cw, xbc_ptr, tok0, cw_base, cbias, cx, cb_ch, mp, ms, t,
+                                  has_src, dt_ptr + (tok0 + t) * HV + i_h, a, dtb, DT_MIN, DT_MAX, act_ty, D, W,
+                                  HAS_BIAS)
         tile = offs_p[:, None] * s_sp + offs_s[None, :] * s_sn
         tl.store(state_ptr + i_l * s_sl + d * s_ss + i_h * s_sh + tile, S.to(state_ptr.dtype.element_ty), mask=mps)
 

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_mamba_ext.speculative.ops.triton_utils import conv_at, launch_scope, softplus
+from sglang_mamba_ext.speculative.ops.replay.fused import _replay_conv_window_kernel, _request
+from sglang_mamba_ext.speculative.ops.triton_utils import launch_scope, mamba2_token_step
 
 if TYPE_CHECKING:
     from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import Mamba2Weights
@@ -94,12 +95,7 @@ def _replay_mamba2_kernel(
     i_h = tl.program_id(1)
     i_p = tl.program_id(2)
     i_l = i_nl % L
-    i_n = i_nl // L
-    r = tl.load(rows_ptr + i_n).to(tl.int64)
-    s = tl.load(slots_ptr + i_n).to(tl.int64)
-    c = tl.load(counts_ptr + i_n).to(tl.int32)
-    tstep = tl.load(tstep_ptr + i_n).to(tl.int32)
-    tslot = tl.load(tslot_ptr + i_n).to(tl.int64)
+    r, s, c, tstep, tslot = _request(rows_ptr, slots_ptr, counts_ptr, tstep_ptr, tslot_ptr, i_nl // L)
     if (c > 0) & (s >= 0):
         offs_p = i_p * BP + tl.arange(0, BP)
         offs_n = tl.arange(0, BN)
@@ -120,13 +116,8 @@ def _replay_mamba2_kernel(
         act_ty = xbc_ptr.dtype.element_ty
         for t in tl.static_range(A):
             if t < c:
-                yx = conv_at(conv_base, s_cd, s_cw, xbc_ptr, row, cw_base, cbias, cx, mp, t, True, D, W, HAS_BIAS)
-                yb = conv_at(conv_base, s_cd, s_cw, xbc_ptr, row, cw_base, cbias, cB, mn, t, True, D, W, HAS_BIAS)
-                yx = (yx / (1.0 + tl.exp(-yx))).to(act_ty).to(tl.float32)  # SiLU, rounded as served
-                yb = (yb / (1.0 + tl.exp(-yb))).to(act_ty).to(tl.float32)
-                dt = tl.load(dt_ptr + (row + t) * HV + i_h).to(tl.float32) + dtb
-                dt = tl.minimum(tl.maximum(softplus(dt), DT_MIN), DT_MAX)
-                S = S * tl.exp(dt * a) + (dt * yx)[:, None] * yb[None, :]
+                S = mamba2_token_step(S, conv_base, s_cd, s_cw, xbc_ptr, row, cw_base, cbias, cx, cB, mp, mn, t, True,
+                                      dt_ptr + (row + t) * HV + i_h, a, dtb, DT_MIN, DT_MAX, act_ty, D, W, HAS_BIAS)
                 if t == tstep:
                     tl.store(st_base + tslot * s_ss + tile, S.to(state_ptr.dtype.element_ty), mask=m2)
         tl.store(st_base + s * s_ss + tile, S.to(state_ptr.dtype.element_ty), mask=m2)
@@ -141,8 +132,6 @@ def replay_mamba2_triton(stash: "ActivationStash", plan: "ReplayPlan", conv_stat
     Raises:
         ValueError: non-contiguous records or weights.
     """
-    from sglang_mamba_ext.speculative.ops.replay.fused import _replay_conv_window_kernel
-
     xbc, dt = stash.mixed_qkv, stash.g_raw
     for t in (xbc, dt, weights.conv_weight, weights.A, weights.dt_bias):
         if not t.is_contiguous():
