@@ -313,9 +313,9 @@ class TestStorageFlags(unittest.TestCase):
             (("--hicache-storage-backend", "file"),
              "--enable-mamba-radix cannot be combined with --hicache-storage-backend file without "
              "--enable-hierarchical-cache"),
-            (("--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"),
-             "--enable-mamba-radix cannot be combined with --hicache-storage-backend mooncake (its storage "
-             "tier serves SGLang's file backend"),
+            (("--enable-hierarchical-cache", "--hicache-storage-backend", "nixl"),
+             "--enable-mamba-radix cannot be combined with --hicache-storage-backend nixl (its storage "
+             "tier serves SGLang's file and mooncake backends"),
             (("--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--tp", "2"),
              "--enable-mamba-radix cannot be combined with --hicache-storage-backend file at --tp 2"),
         ):

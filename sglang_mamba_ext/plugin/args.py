@@ -241,8 +241,9 @@ def _take_storage_backend(server_args, settings, refuse) -> None:
     """``--hicache-storage-backend file`` (``docs/design.md``, "Storage tier"): the plugin's
     tree writes states and KV through SGLang's backend itself, so the backend's name moves to
     the plugin's settings and SGLang's field is cleared (its scheduler would otherwise run
-    its own storage prefetch against the plugin's cache). Needs the host tier; only SGLang's
-    ``file`` backend is served (the others take SGLang's host KV pool object at
+    its own storage prefetch against the plugin's cache). Needs the host tier; SGLang's
+    ``file`` and ``mooncake`` backends are served (mooncake through a staging buffer,
+    ``plugin/storage_mooncake.py``; the others take SGLang's host KV pool object at
     construction, which the plugin's host tier is not)."""
     storage = getattr(server_args, "hicache_storage_backend", None)
     if not storage:
@@ -250,15 +251,15 @@ def _take_storage_backend(server_args, settings, refuse) -> None:
     if not getattr(server_args, "enable_hierarchical_cache", False):
         refuse(f"--hicache-storage-backend {storage} without --enable-hierarchical-cache",
                " (its storage tier sits below the host tier and reads back through it)")
-    if storage != "file":
+    if storage not in ("file", "mooncake"):
         refuse(f"--hicache-storage-backend {storage}",
-               " (its storage tier serves SGLang's file backend; the others are built on SGLang's "
-               "host KV pool object, mem_cache/storage/backend_factory.py, which the plugin's host "
-               "tier is not)")
+               " (its storage tier serves SGLang's file and mooncake backends; the others are built "
+               "on SGLang's host KV pool object, mem_cache/storage/backend_factory.py, which the "
+               "plugin's host tier is not)")
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     if tp > 1 or int(getattr(server_args, "dp_size", 1) or 1) > 1:
         refuse(f"--hicache-storage-backend {storage} at --tp {tp} / --dp {getattr(server_args, 'dp_size', 1)}",
-               " (each rank would read its own files, and a file missing on one rank would make the "
+               " (each rank would read its own values, and a value missing on one rank would make the "
                "ranks' trees differ; served on one rank only)")
     if getattr(server_args, "hicache_host_memory_mode", "cache") not in (None, "cache"):
         return  # refused below with SGLang's reason

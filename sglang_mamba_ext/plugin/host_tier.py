@@ -106,13 +106,18 @@ def _kv_buffers(kv_allocator):
 
 
 def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_rank: int = 0, tp_size: int = 1):
-    """``--hicache-storage-backend file`` (``docs/design.md``, "Storage tier"): give the tree
-    (``core``, with its host tier attached) SGLang's own storage backend, built by SGLang's
-    ``StorageBackendFactory`` from a ``HiCacheStorageConfig`` as its cache controller builds
-    it, keyed by SGLang's ``get_storage_hash_str`` (page hashes chained from the sequence
-    start, seeded by ``extra_key`` / ``cache_salt``). ``extra_config``: SGLang's
-    ``--hicache-storage-backend-extra-config`` (JSON or ``@file``), parsed by SGLang.
-    Returns the backend."""
+    """``--hicache-storage-backend file`` or ``mooncake`` (``docs/design.md``, "Storage
+    tier"): give the tree (``core``, with its host tier attached) SGLang's own storage
+    backend, built by SGLang's ``StorageBackendFactory`` from a ``HiCacheStorageConfig`` as
+    its cache controller builds it, keyed by SGLang's ``get_storage_hash_str`` (page hashes
+    chained from the sequence start, seeded by ``extra_key`` / ``cache_salt``).
+    ``extra_config``: SGLang's ``--hicache-storage-backend-extra-config`` (JSON or
+    ``@file``), parsed by SGLang. SGLang's ``MooncakeStore`` is reached through
+    :class:`~.storage_mooncake.MooncakeValues` (one object per key, through a registered
+    staging buffer). Returns the tier's backend.
+
+    Raises:
+        ValueError: a mooncake setting the tier cannot serve (:func:`_check_mooncake_config`)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.radix_cache import RadixKey
@@ -126,7 +131,18 @@ def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_ra
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
         model_name=model_name, extra_config=extra or None,
     )
+    if backend_name == "mooncake":
+        _check_mooncake_config(config)
     backend = StorageBackendFactory.create_backend(backend_name, config, None)
+    discard = _file_discard(backend)
+    where = getattr(getattr(backend, "_backend", backend), "file_path", "?")
+    if backend_name == "mooncake":  # one object per key through a staging buffer
+        from sglang_mamba_ext.plugin.storage_mooncake import MooncakeValues
+
+        backend = MooncakeValues(backend)
+        discard = backend.discard
+        cfg = backend.store.config
+        where = f"master {cfg.master_server_address}, {cfg.protocol}, {cfg.global_segment_size} bytes mounted here"
     page = core.page_size
 
     def page_keys(tokens, namespace):
@@ -135,13 +151,31 @@ def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_ra
 
     page_keys([0] * page, None)  # SGLang builds its native hasher on first use: at start-up, not at a spill
     core.attach_storage(backend, page_keys, layout_tag=storage_layout_tag(core),
-                        discard=_file_discard(backend), state_suffix=f".{PoolName.MAMBA.value}")
+                        discard=discard, state_suffix=f".{PoolName.MAMBA.value}")
     logger.info(
         "sglang-mamba-ext: storage tier %s (%s) under the host tier: %d-byte states, %d-byte KV pages",
-        backend_name, getattr(getattr(backend, "_backend", backend), "file_path", "?"),
-        core.mamba_host_pool.slot_bytes(), core.kv_host_pool.token_bytes() * page,
+        backend_name, where, core.mamba_host_pool.slot_bytes(), core.kv_host_pool.token_bytes() * page,
     )
     return backend
+
+
+def _check_mooncake_config(config) -> None:
+    """Refuse, before a mooncake client is set up, the setting the plugin's storage tier
+    cannot serve: ``standalone_storage`` (a dummy client whose real client maps SGLang's host
+    KV pool, allocated by mooncake's allocator; the plugin's host tier and staging buffer are
+    its own).
+
+    Raises:
+        ValueError: naming the setting."""
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeBaseStore
+
+    cfg = MooncakeBaseStore()._load_config(config)  # extra config, config file or MOONCAKE_* env
+    if cfg.standalone_storage:
+        raise ValueError(
+            "--enable-mamba-radix with --hicache-storage-backend mooncake: standalone_storage "
+            "(MOONCAKE_STANDALONE_STORAGE) is not served (its dummy client maps SGLang's host KV "
+            "pool allocated by mooncake; the plugin's host tier is its own); use a regular client"
+        )
 
 
 def storage_layout_tag(core) -> bytes:

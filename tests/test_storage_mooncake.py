@@ -1,0 +1,323 @@
+"""The storage tier over SGLang's mooncake backend (issue 42 item 1, ``docs/design.md``,
+"Storage tier"): ``--enable-hierarchical-cache --hicache-storage-backend mooncake`` with
+``--enable-mamba-radix``, the cache built as the scheduler builds it (as in
+``test_storage_tier.py``) against a real ``mooncake_master`` started on localhost for each
+test (tcp; skipped, with the reason, where the master cannot start). SGLang's
+``MooncakeStore`` is set up from ``--hicache-storage-backend-extra-config``; the tier reaches
+it through ``plugin/storage_mooncake.py::MooncakeValues``.
+
+The tier's tests of ``test_storage_tier.py`` that need no files run unchanged here (exact
+read-back, int8 states, a state alone under KV kept in the tree, tenants, a foreign layout);
+those that damage files are redone with mooncake objects (a bit flipped, a value cut short,
+another page's value, a removed value); plus the adapter's own semantics (``set`` keeps a
+stored key, ``get`` of a missing / shorter / longer value, ``batch_exists`` counting from
+the first key, a forced discard) and what a restart means for mooncake: the values live in
+the segment the writing process mounts, so a client that goes takes them along."""
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+import unittest
+from unittest import mock
+
+import torch
+
+import sglang_glue_fixtures as F
+import test_storage_tier as base
+from mooncake_master import MooncakeMaster
+from sglang_mamba_ext.mem_cache import RadixKey
+
+KV_SIZE, MAMBA_SIZE = base.KV_SIZE, base.MAMBA_SIZE
+
+
+class TestMooncakeStorageTier(base.TestStorageTier):
+    """One master per class; the caches' storage tiers share one mooncake client (a client's
+    ``close`` takes about 2 s), emptied before each test; ``build(fresh=True)`` sets up a
+    client of its own."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.master_dir = tempfile.mkdtemp(prefix="smx-mooncake-")
+        cls.addClassCleanup(shutil.rmtree, cls.master_dir, True)
+        cls.master = MooncakeMaster(os.path.join(cls.master_dir, "master.log"))
+        cls.addClassCleanup(cls.master.stop)  # after the shared client's close below
+        why = cls.master.start()
+        if why is not None:
+            raise unittest.SkipTest(f"no local mooncake master: {why}")
+        cls.shared = None
+        cls.addClassCleanup(cls.drop_shared)
+
+    @classmethod
+    def drop_shared(cls):
+        if cls.shared is not None:
+            cls.shared.store.close()
+            cls.shared = None
+
+    def setUp(self):
+        super().setUp()
+        if self.shared is not None:
+            self.shared.store.remove_all(True)
+
+    def build(self, *flags, fresh=False):
+        """A fresh cache whose storage tier is a client of the class's master (the shared
+        one, or one of its own with ``fresh``)."""
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        ctx, _ = F.scheduler_context(F.base_argv(
+            "--enable-mamba-radix", "--enable-hierarchical-cache", "--hicache-ratio", "1",
+            "--max-mamba-cache-size", str(MAMBA_SIZE), "--hicache-storage-backend", "mooncake",
+            "--hicache-storage-backend-extra-config", self.master.extra_config_json(), *flags))
+        stack = contextlib.ExitStack()
+        stack.enter_context(F.in_context(ctx))
+        self.addCleanup(stack.close)
+        kv_pool = MHATokenToKVPool(KV_SIZE, page_size=1, dtype=torch.float32, head_num=2, head_dim=4, layer_num=2,
+                                   device="cpu", enable_memory_saver=False)
+        create = StorageBackendFactory.create_backend
+        cls = type(self)
+
+        def shared(name, config, pool):
+            if cls.shared is None:
+                cls.shared = create(name, config, pool)
+            return cls.shared
+
+        with mock.patch.object(StorageBackendFactory, "create_backend", create if fresh else shared):
+            cache, _ = F.build_tree_cache(F.build_req_pool(), KV_SIZE, hierarchical=True, kv_pool=kv_pool)
+        self.adapter = cache
+        # its staging buffer (and its own client): unregistered before the client closes
+        if fresh:
+            self.addCleanup(self.close_client, cache.core.storage)
+        else:
+            self.addCleanup(cache.core.storage.close)
+        return cache.core, kv_pool
+
+    @staticmethod
+    def close_client(storage):
+        """Unregister the staging buffer, then close the client, once (mooncake crashes on
+        a buffer unregistered from a closed client)."""
+        storage.close()
+        if not getattr(storage, "client_closed", False):
+            storage.client_closed = True
+            storage.client.close()
+
+    # -- mooncake objects --------------------------------------------------------------------
+    def stored(self, core, key):
+        return bytes(core.storage.client.get(core.storage.name(key)))
+
+    def replace(self, core, key, data: bytes):
+        client, name = core.storage.client, core.storage.name(key)
+        client.remove(name, True)
+        self.assertEqual(client.put(name, data), 0)
+
+    def count_stored(self, core, tokens, ns=None):
+        keys = core._page_hasher(tokens, ns)
+        states = sum(core.storage.exists(k + core.state_suffix) for k in keys)
+        return states, core.storage.batch_exists(keys)
+
+    # -- the adapter's semantics -------------------------------------------------------------
+    def test_set_get_exists_batch_exists(self):
+        core, _ = self.build()
+        st = core.storage
+        a = torch.arange(100, dtype=torch.uint8)
+        self.assertTrue(st.set("a", a))
+        self.assertTrue(st.set("b", torch.full((7,), 3, dtype=torch.uint8)))
+        self.assertTrue(st.set("c", torch.ones(5, dtype=torch.uint8)))
+        self.assertTrue(st.set("a", torch.zeros(100, dtype=torch.uint8)))  # stored already: kept
+        target = torch.empty(100, dtype=torch.uint8)
+        got = st.get("a", target)
+        self.assertIs(got, target)
+        self.assertTrue(torch.equal(got, a))
+        self.assertIsNone(st.get("missing", torch.empty(4, dtype=torch.uint8)))
+        self.assertEqual(st.get("b", torch.empty(100, dtype=torch.uint8)).tolist(), [3] * 7)  # shorter: its length
+        self.assertEqual((st.exists("a"), st.exists("missing")), (True, False))
+        self.assertEqual(st.batch_exists(["a", "b", "missing", "c"]), 2)
+        self.assertEqual(st.batch_exists(["a", "b", "c"]), 3)
+        self.assertEqual(st.batch_exists(["missing", "a"]), 0)
+        self.assertEqual(st.batch_exists([]), 0)
+        # a value longer than the staging buffer holds: mooncake refuses the read
+        big = torch.ones(4 * st._staging.numel(), dtype=torch.uint8)
+        client = st.client
+        staging = torch.empty(big.numel(), dtype=torch.uint8)
+        staging.copy_(big)
+        self.assertEqual(client.register_buffer(staging.data_ptr(), staging.numel()), 0)
+        self.assertEqual(client.batch_put_from([st.name("big")], [staging.data_ptr()], [staging.numel()]), [0])
+        client.unregister_buffer(staging.data_ptr())
+        with self.assertRaises(RuntimeError):
+            st.get("big", torch.empty(10, dtype=torch.uint8))
+        # a discard right after a read (mooncake leases what it served) still removes the key
+        st.discard("a")
+        self.assertFalse(st.exists("a"))
+        self.assertTrue(st.set("a", torch.zeros(100, dtype=torch.uint8)))
+        self.assertEqual(st.get("a", target).sum().item(), 0)
+        # SGLang's model prefix names the objects
+        self.assertTrue(st.name("a").endswith("_a") and st.name("a") != "a")
+
+    def test_the_tier_rejects_a_longer_or_foreign_value_and_discards_it(self):
+        core, kv_pool = self.build()
+        tokens = list(range(140, 148))
+        kv, state = self.put(core, kv_pool, tokens, seed=12)
+        self.push_out(core)
+        keys = core._page_hasher(tokens, None)
+        n = core._state_bytes()
+        state_key = keys[-1] + core.state_suffix
+        good = self.stored(core, state_key)
+        self.assertEqual(len(good), n + 32)
+        for how, data in (("longer", good + b"\0" * 9), ("foreign", self.stored(core, keys[0]))):
+            with self.subTest(how=how):
+                rejected = core.storage_rejected_total
+                self.replace(core, state_key, data)
+                self.assertIsNone(core._read(state_key, n))
+                self.assertEqual(core.storage_rejected_total, rejected + 1)
+                self.assertFalse(core.storage.exists(state_key))  # discarded
+        self.replace(core, state_key, good)
+        self.clobber(core, kv_pool)
+        m, req = self.hit(core, tokens)
+        self.assertEqual(m.prefix_len, 8)
+        self.assert_exact(core, kv_pool, m, req, kv, state)
+        self.release(core, req)
+
+    # -- the file tests, with mooncake objects -------------------------------------------------
+    def test_evicted_state_and_kv_come_back_from_storage_exactly(self):
+        core, kv_pool = self.build()
+        self.assertIsNotNone(core.storage)
+        tokens = list(range(10, 22))
+        kv, state = self.put(core, kv_pool, tokens, seed=1)
+        self.assertEqual(core.storage_states_written_total, 0)  # still in the tiers
+        self.push_out(core)
+        self.assertEqual(core.total_size(), 0)
+        self.assertEqual((core.storage_states_written_total, core.storage_kv_pages_written_total), (1, 12))
+        self.assertEqual(self.count_stored(core, tokens), (1, 12))
+        self.clobber(core, kv_pool)
+        m, req = self.hit(core, tokens)
+        self.assertEqual(m.prefix_len, 12)
+        self.assertEqual((core.storage_loads_total, core.storage_kv_pages_loaded_total), (1, 12))
+        self.assertEqual(core.storage_rejected_total, 0)
+        self.assert_exact(core, kv_pool, m, req, kv, state)
+        self.release(core, req)
+
+    def test_a_new_cache_on_the_same_directory_hits_from_storage(self):
+        """Mooncake's values live in the segments its clients mount: a second client of the
+        same master reads what the first wrote while the first is up; once the first client
+        goes (a server stopped), so do the values it holds: a restarted server misses."""
+        self.drop_shared()  # (mooncake places a value in any client's segment)
+        core, kv_pool = self.build(fresh=True)
+        tokens = list(range(30, 46))
+        kv, state = self.put(core, kv_pool, tokens, seed=2)
+        self.push_out(core)
+        core2, kv_pool2 = self.build()  # the shared client, set up anew
+        self.assertEqual(core2.total_size(), 0)
+        m, req = self.hit(core2, tokens)
+        self.assertEqual(m.prefix_len, 16)
+        self.assert_exact(core2, kv_pool2, m, req, kv, state)
+        self.release(core2, req)
+        self.close_client(core.storage)  # the writer's segment goes (a stopped server)
+        keys = core2._page_hasher(tokens, None)
+        deadline = time.monotonic() + 10
+        while core2.storage.exists(keys[-1] + core2.state_suffix) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        core3, _ = self.build()  # a new tree (a restarted server) on a client that stayed
+        m, req = self.hit(core3, tokens)
+        self.assertEqual((m.prefix_len, core3.storage_loads_total), (0, 0))
+        if req.mamba_pool_idx is not None:
+            self.release(core3, req)
+
+    def test_clear_storage_backend_empties_the_directory(self):
+        """SGLang's ``/clear_hicache_storage_backend`` reaches the adapter's
+        ``clear_storage_backend``: the store's values go, and the next match misses."""
+        core, kv_pool = self.build()
+        tokens = list(range(120, 128))
+        self.put(core, kv_pool, tokens, seed=10)
+        self.push_out(core)
+        self.assertEqual(self.count_stored(core, tokens), (1, 8))
+        self.assertTrue(self.adapter.clear_storage_backend())
+        self.assertEqual(self.count_stored(core, tokens), (0, 0))
+        m, req = self.hit(core, tokens)
+        self.assertEqual((m.prefix_len, core.storage_loads_total), (0, 0))
+        if req.mamba_pool_idx is not None:
+            self.release(core, req)
+
+    def test_corrupted_state_file_falls_back_to_the_shorter_stored_prefix(self):
+        core, kv_pool, tokens, kv6, state6 = self._two_states_in_storage()
+        keys = core._page_hasher(tokens, None)
+        deep = keys[-1] + core.state_suffix
+        data = bytearray(self.stored(core, deep))
+        data[len(data) // 2] ^= 0x01  # one bit of the state
+        self.replace(core, deep, bytes(data))
+        m, req = self.hit(core, tokens)
+        self.assertEqual(m.prefix_len, 6)
+        self.assertEqual(core.storage_rejected_total, 1)
+        self.assertFalse(core.storage.exists(deep))  # discarded: a later write can replace it
+        self.assert_exact(core, kv_pool, m, req, kv6, state6)
+        self.release(core, req)
+
+    def test_truncated_or_missing_kv_page_falls_back(self):
+        for how in ("truncate", "remove", "swap"):
+            with self.subTest(how=how):
+                core, kv_pool, tokens, kv6, state6 = self._two_states_in_storage()
+                keys = core._page_hasher(tokens, None)
+                if how == "truncate":
+                    self.replace(core, keys[8], self.stored(core, keys[8])[:-5])
+                elif how == "remove":
+                    core.storage.discard(keys[8])
+                else:  # another page's (valid) value under this key
+                    self.replace(core, keys[8], self.stored(core, keys[9]))
+                m, req = self.hit(core, tokens)
+                self.assertEqual(m.prefix_len, 6)
+                self.assertEqual(core.storage_rejected_total, 0 if how == "remove" else 1)
+                self.assert_exact(core, kv_pool, m, req, kv6, state6)
+                self.release(core, req)
+                self.adapter.clear_storage_backend()
+
+    def test_a_later_spill_writes_a_lost_page_again(self):
+        """A KV page lost (evicted by mooncake, a failed check) while its state is stored: the
+        prefix misses until the same prefix leaves the tiers again, whose spill writes the
+        page back (the state is already there)."""
+        core, kv_pool = self.build()
+        tokens = list(range(130, 140))
+        kv, state = self.put(core, kv_pool, tokens, seed=11)
+        self.push_out(core)
+        keys = core._page_hasher(tokens, None)
+        core.storage.discard(keys[4])
+        m, req = self.hit(core, tokens)
+        self.assertEqual(m.prefix_len, 0)
+        if req.mamba_pool_idx is not None:
+            self.release(core, req)
+        kv, state = self.put(core, kv_pool, tokens, seed=11)  # the same prefix computed again
+        self.push_out(core)
+        self.assertEqual((core.storage_states_written_total, core.storage_kv_pages_written_total), (1, 11))
+        self.clobber(core, kv_pool)
+        m, req = self.hit(core, tokens)
+        self.assertEqual(m.prefix_len, 10)
+        self.assert_exact(core, kv_pool, m, req, kv, state)
+        self.release(core, req)
+
+
+class TestMooncakeStorageFlags(unittest.TestCase):
+    def test_mooncake_accepted_standalone_refused(self):
+        from sglang_mamba_ext.plugin.host_tier import _check_mooncake_config
+        from sglang_mamba_ext.plugin.settings import settings_of
+
+        args = F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-hierarchical-cache",
+                                        "--hicache-storage-backend", "mooncake"))
+        self.assertIsNone(args.hicache_storage_backend)  # SGLang's own prefetch protocol stays off
+        self.assertEqual(settings_of(args)["storage_backend"], "mooncake")
+        with self.assertRaises(ValueError) as cm:
+            F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-hierarchical-cache",
+                                     "--hicache-storage-backend", "mooncake", "--tp", "2"))
+        self.assertIn("--hicache-storage-backend mooncake at --tp 2", str(cm.exception))
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+        config = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+            enable_storage_metrics=False, is_page_first_layout=False, model_name=None,
+            extra_config={"master_server_address": "127.0.0.1:1", "standalone_storage": True})
+        with self.assertRaises(ValueError) as cm:
+            _check_mooncake_config(config)
+        self.assertIn("standalone_storage", str(cm.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()
