@@ -346,6 +346,44 @@ class TestMmOutDtype(unittest.TestCase):
         self.assertEqual(plain.dtype, torch.float16)
 
 
+class TestRelu2Experts(unittest.TestCase):
+    """issue 40: SGLang's CPU MoE path (``layers/moe/fused_moe_native.py:97``) has no non-gated
+    ReLU² experts (Nemotron-H's MoE blocks)."""
+
+    def _case(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(7, 16, generator=g)
+        w13, w2 = torch.randn(4, 8, 16, generator=g), torch.randn(4, 16, 8, generator=g)
+        ids = torch.tensor([[0, 2], [1, 3], [2, 0], [3, 3], [1, 0], [2, 1], [0, 3]])
+        weights = torch.rand(7, 2, generator=g)
+        return x, w13, w2, weights, ids
+
+    @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
+    def test_gap_present_upstream(self):
+        from types import SimpleNamespace
+
+        from sglang.srt.layers.moe.fused_moe_native import moe_forward_native
+
+        x, w13, w2, weights, ids = self._case()
+        layer = SimpleNamespace(num_experts=4, w13_weight=w13, w2_weight=w2)
+        cfg = SimpleNamespace(activation="relu2", is_gated=False, apply_router_weight_on_input=False,
+                              gemm1_alpha=None, gemm1_clamp_limit=None)
+        fn = getattr(moe_forward_native, "__wrapped__", moe_forward_native)
+        with self.assertRaisesRegex(ValueError, "Unsupported activation"):
+            fn(layer, x, (weights, ids, None), cfg)
+
+    def test_matches_a_per_token_loop(self):
+        from sglang_mamba_ext.plugin.cpu_bridges import relu2_experts
+
+        x, w13, w2, weights, ids = self._case()
+        want = torch.zeros(7, 16)
+        for t in range(7):
+            for k in range(2):
+                e = int(ids[t, k])
+                want[t] += weights[t, k] * (w2[e] @ torch.relu(w13[e] @ x[t]) ** 2)
+        torch.testing.assert_close(relu2_experts(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-4)
+
+
 class TestRegistration(unittest.TestCase):
     @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
     def test_hooks_registered(self):
@@ -356,7 +394,7 @@ class TestRegistration(unittest.TestCase):
         cpu_bridges.register_cpu_bridges()
         for target in (cpu_bridges.MODEL_RUNNER_INIT, cpu_bridges.MAMBA_MIXER_FORWARD,
                        cpu_bridges.QWEN3_NEXT_GDN_INIT, cpu_bridges.ROPE_INIT, cpu_bridges.CPU_TP_CONFIG,
-                       cpu_bridges.NEMOTRON_H_MOE_FORWARD):
+                       cpu_bridges.NEMOTRON_H_MOE_FORWARD, cpu_bridges.MOE_FORWARD_NATIVE):
             self.assertTrue(HookRegistry._hooks.get(target), target)
 
     def test_inactive_without_variable(self):

@@ -96,12 +96,13 @@ class TestListArchs(unittest.TestCase):
         served = {**SIX, "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                   "lfm2_moe": "Lfm2MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "lfm2_vl": "Lfm2VlForConditionalGeneration",
-                  "mamba2": "Mamba2ForCausalLM"}
+                  "mamba2": "Mamba2ForCausalLM", "nemotron_h_puzzle": "NemotronHPuzzleForCausalLM"}
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)
             self.assertEqual(arch_class(name), arch)
         self.assertEqual(arch_module("qwen3_5_moe_text"), "qwen3_5_text")
         self.assertEqual(arch_module("qwen3_5_moe"), "qwen3_5")
+        self.assertEqual(arch_module("nemotron_h_puzzle"), "nemotron_h")
         self.assertEqual(set(SERVED_ARCHS), set(served))
         build_only = {c.arch for c in SGLANG_HYBRID_CLASSES if arch_status(c) == "build only"}
         self.assertEqual(build_only, {arch_class(a) for a in set(ARCHS) - set(SERVED_ARCHS)})

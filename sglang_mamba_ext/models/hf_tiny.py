@@ -45,10 +45,11 @@ __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CL
 #: Families served by SGLang's own classes with the plugin, checked end to end
 #: (``tests/e2e/test_sglang_families_serving.py``), by ``--arch`` name (SGLang's module name).
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
-                "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2")
-#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those not served yet
-#: (status ``build only``).
-ARCHS = SERVED_ARCHS + ("nemotron_h_puzzle",)
+                "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2",
+                "nemotron_h_puzzle")
+#: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
+#: served yet would follow the served ones, status ``build only``).
+ARCHS = SERVED_ARCHS
 #: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
 MARKER_KEY = "sglang_mamba_ext_tiny"
 #: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
@@ -205,7 +206,7 @@ _FAMILIES: Dict[str, Dict] = {
     # block included (SGLang's loader sizes its expert mapping by the largest MoE block).
     "nemotron_h_puzzle": dict(
         cls="NemotronHPuzzleForCausalLM", module="nemotron_h", hf_cls="NemotronHForCausalLM",
-        hf_model_type="nemotron_h",
+        hf_model_type="nemotron_h", spread_experts=True,
         config=dict(
             model_type="nemotron_h_puzzle", hidden_size=_HIDDEN, intermediate_size=128,
             num_hidden_layers=_LAYERS, hybrid_override_pattern="M*ME", num_attention_heads=4,
@@ -530,7 +531,7 @@ def _transformers_model(arch: str, config_json: Dict, seed: int):
 
 
 @torch.no_grad()
-def _spread_weights(model, seed: int) -> None:
+def _spread_weights(model, seed: int, experts: bool = False) -> None:
     """Re-draw the projection weights as ``N(0, 1/fan_in)`` and the embeddings as ``N(0, 1)``
     (as ``tiny_builder`` does): with transformers' 0.02 init every block barely moves the
     residual stream, so a 4-layer model's greedy output hardly depends on anything but the last
@@ -541,6 +542,10 @@ def _spread_weights(model, seed: int) -> None:
         if name.endswith("embed_tokens.weight") or name.endswith("embeddings.weight"):
             p.copy_(torch.randn(p.shape, generator=gen))
         elif name.endswith("weight") and p.dim() in (2, 3) and "conv" not in name and "lm_head" not in name:
+            p.copy_(torch.randn(p.shape, generator=gen) / (p.shape[-1] ** 0.5))
+        elif experts and p.dim() == 3 and ".experts." in name + ".":
+            # transformers' fused expert tensors ([E, out, in], no ".weight" suffix); only for
+            # families that ask (spread_experts), so the others' checkpoints stay as they were
             p.copy_(torch.randn(p.shape, generator=gen) / (p.shape[-1] ** 0.5))
 
 
@@ -603,7 +608,7 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
     if sub:  # a VLM: its text model reads these from its own sub-config
         config_json[sub].update(common)
     model = _transformers_model(arch, config_json, seed)
-    _spread_weights(model, seed)
+    _spread_weights(model, seed, experts=_FAMILIES[arch].get("spread_experts", False))
     _scale_lm_head(model)
     model.half()
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -683,6 +688,8 @@ def _reference_main() -> None:
     kw = {}
     if "hf_model_type" in fam:
         kw["config"] = cls.config_class.from_pretrained(job["model_dir"])
+        # transformers picks its checkpoint conversions (per-expert to fused weights) by model_type
+        kw["config"].model_type = fam["hf_model_type"]
     model = cls.from_pretrained(job["model_dir"], dtype=torch.float32, **kw).eval()
     out = []
     for prompt in job["prompts"]:

@@ -282,6 +282,17 @@ class TestMamba2Serving(DeclaredHybrid, FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "mamba2", "Mamba2AttnBackend", "Mamba2ForCausalLM"
 
 
+class TestNemotronHPuzzleServing(FamilyServing, unittest.TestCase):
+    """Nemotron-H Puzzle (``NemotronHPuzzleForCausalLM``, ``--arch nemotron_h_puzzle``; issue
+    40): Nemotron-H's Mamba2 / attention layers with per-block configs and a MoE block, which
+    on CPU needs the plugin's bridges for its router's ``mm`` and its ReLU² experts; launched,
+    resent, next turn, abort (the branch point is Nemotron-H's: the same Mamba2 hooks)."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "nemotron_h_puzzle", "Mamba2AttnBackend", "NemotronHPuzzleForCausalLM"
+
+
 class LongExtendServing(FamilyServing):
     """Issue 39: with prompts in one extend (``--chunked-prefill-size 512``), checkpoints past a
     row's first 64-token chunk start from the prefill kernel's own chunk states (GDN / KDA ``h``,
