@@ -1,5 +1,6 @@
-"""Hybrid classes SGLang 0.5.23 keeps off its hybrid (Mamba) radix-cache path, declared onto it
-under ``--enable-mamba-radix`` (issue 40).
+"""Hybrid classes for which SGLang 0.5.23 never declares ``uses_mamba_radix_cache``, declared by
+the plugin under ``--enable-mamba-radix`` (issue 40). (SGLang's own cache still keeps their
+states, a ``UnifiedRadixCache`` with a Mamba component; the plugin's flag builds on that field.)
 
 SGLang decides whether a model's prefix cache keeps SSM states in one resolution pass,
 ``_mamba_radix_cache_resolution`` (``sglang/srt/arg_groups/overrides.py:459``): it declares
