@@ -117,7 +117,7 @@ class TestStartupErrorsLikeArgparse(unittest.TestCase):
         self._assert_argparse_error(
             out, elapsed,
             "--mamba-spec-state-update deferred needs speculative decoding: pass --speculative-algorithm "
-            "FROZEN_KV_MTP (or drop --mamba-spec-state-update)",
+            "FROZEN_KV_MTP, NEXTN or EAGLE (or drop --mamba-spec-state-update)",
         )
 
 
