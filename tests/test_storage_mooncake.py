@@ -6,10 +6,9 @@ test (tcp; skipped, with the reason, where the master cannot start). SGLang's
 ``MooncakeStore`` is set up from ``--hicache-storage-backend-extra-config``; the tier reaches
 it through ``plugin/storage_mooncake.py::MooncakeValues``.
 
-The tier's tests of ``test_storage_tier.py`` that need no files run unchanged here (exact
-read-back, int8 states, a state alone under KV kept in the tree, tenants, a foreign layout);
-those that damage files are redone with mooncake objects (a bit flipped, a value cut short,
-another page's value, a removed value); plus the adapter's own semantics (``set`` keeps a
+The tier's tests of ``test_storage_tier.py`` run here unchanged, the ones that damage stored
+values through this class's ``stored`` / ``replace`` / ``remove`` on mooncake objects (a bit
+flipped, a value cut short, another page's value, a removed value); plus the adapter's own semantics (``set`` keeps a
 stored key, ``get`` of a missing / shorter / longer value, ``batch_exists`` counting from
 the first key, a forced discard) and what a restart means for mooncake: the values live in
 the segment the writing process mounts, so a client that goes takes them along."""
@@ -27,7 +26,6 @@ import torch
 import sglang_glue_fixtures as F
 import test_storage_tier as base
 from mooncake_master import MooncakeMaster
-from sglang_mamba_ext.mem_cache import RadixKey
 
 KV_SIZE, MAMBA_SIZE = base.KV_SIZE, base.MAMBA_SIZE
 
@@ -112,10 +110,11 @@ class TestMooncakeStorageTier(base.TestStorageTier):
         client.remove(name, True)
         self.assertEqual(client.put(name, data), 0)
 
-    def count_stored(self, core, tokens, ns=None):
-        keys = core._page_hasher(tokens, ns)
-        states = sum(core.storage.exists(k + core.state_suffix) for k in keys)
-        return states, core.storage.batch_exists(keys)
+    def remove(self, core, key):
+        core.storage.discard(key)
+
+    def reset_store(self):
+        self.adapter.clear_storage_backend()
 
     # -- the adapter's semantics -------------------------------------------------------------
     def test_set_get_exists_batch_exists(self):
@@ -179,25 +178,7 @@ class TestMooncakeStorageTier(base.TestStorageTier):
         self.assert_exact(core, kv_pool, m, req, kv, state)
         self.release(core, req)
 
-    # -- the file tests, with mooncake objects -------------------------------------------------
-    def test_evicted_state_and_kv_come_back_from_storage_exactly(self):
-        core, kv_pool = self.build()
-        self.assertIsNotNone(core.storage)
-        tokens = list(range(10, 22))
-        kv, state = self.put(core, kv_pool, tokens, seed=1)
-        self.assertEqual(core.storage_states_written_total, 0)  # still in the tiers
-        self.push_out(core)
-        self.assertEqual(core.total_size(), 0)
-        self.assertEqual((core.storage_states_written_total, core.storage_kv_pages_written_total), (1, 12))
-        self.assertEqual(self.count_stored(core, tokens), (1, 12))
-        self.clobber(core, kv_pool)
-        m, req = self.hit(core, tokens)
-        self.assertEqual(m.prefix_len, 12)
-        self.assertEqual((core.storage_loads_total, core.storage_kv_pages_loaded_total), (1, 12))
-        self.assertEqual(core.storage_rejected_total, 0)
-        self.assert_exact(core, kv_pool, m, req, kv, state)
-        self.release(core, req)
-
+    # -- where mooncake differs from files: values do not outlive their client -----------------
     def test_a_new_cache_on_the_same_directory_hits_from_storage(self):
         """Mooncake's values live in the segments its clients mount: a second client of the
         same master reads what the first wrote while the first is up; once the first client
@@ -223,76 +204,6 @@ class TestMooncakeStorageTier(base.TestStorageTier):
         self.assertEqual((m.prefix_len, core3.storage_loads_total), (0, 0))
         if req.mamba_pool_idx is not None:
             self.release(core3, req)
-
-    def test_clear_storage_backend_empties_the_directory(self):
-        """SGLang's ``/clear_hicache_storage_backend`` reaches the adapter's
-        ``clear_storage_backend``: the store's values go, and the next match misses."""
-        core, kv_pool = self.build()
-        tokens = list(range(120, 128))
-        self.put(core, kv_pool, tokens, seed=10)
-        self.push_out(core)
-        self.assertEqual(self.count_stored(core, tokens), (1, 8))
-        self.assertTrue(self.adapter.clear_storage_backend())
-        self.assertEqual(self.count_stored(core, tokens), (0, 0))
-        m, req = self.hit(core, tokens)
-        self.assertEqual((m.prefix_len, core.storage_loads_total), (0, 0))
-        if req.mamba_pool_idx is not None:
-            self.release(core, req)
-
-    def test_corrupted_state_file_falls_back_to_the_shorter_stored_prefix(self):
-        core, kv_pool, tokens, kv6, state6 = self._two_states_in_storage()
-        keys = core._page_hasher(tokens, None)
-        deep = keys[-1] + core.state_suffix
-        data = bytearray(self.stored(core, deep))
-        data[len(data) // 2] ^= 0x01  # one bit of the state
-        self.replace(core, deep, bytes(data))
-        m, req = self.hit(core, tokens)
-        self.assertEqual(m.prefix_len, 6)
-        self.assertEqual(core.storage_rejected_total, 1)
-        self.assertFalse(core.storage.exists(deep))  # discarded: a later write can replace it
-        self.assert_exact(core, kv_pool, m, req, kv6, state6)
-        self.release(core, req)
-
-    def test_truncated_or_missing_kv_page_falls_back(self):
-        for how in ("truncate", "remove", "swap"):
-            with self.subTest(how=how):
-                core, kv_pool, tokens, kv6, state6 = self._two_states_in_storage()
-                keys = core._page_hasher(tokens, None)
-                if how == "truncate":
-                    self.replace(core, keys[8], self.stored(core, keys[8])[:-5])
-                elif how == "remove":
-                    core.storage.discard(keys[8])
-                else:  # another page's (valid) value under this key
-                    self.replace(core, keys[8], self.stored(core, keys[9]))
-                m, req = self.hit(core, tokens)
-                self.assertEqual(m.prefix_len, 6)
-                self.assertEqual(core.storage_rejected_total, 0 if how == "remove" else 1)
-                self.assert_exact(core, kv_pool, m, req, kv6, state6)
-                self.release(core, req)
-                self.adapter.clear_storage_backend()
-
-    def test_a_later_spill_writes_a_lost_page_again(self):
-        """A KV page lost (evicted by mooncake, a failed check) while its state is stored: the
-        prefix misses until the same prefix leaves the tiers again, whose spill writes the
-        page back (the state is already there)."""
-        core, kv_pool = self.build()
-        tokens = list(range(130, 140))
-        kv, state = self.put(core, kv_pool, tokens, seed=11)
-        self.push_out(core)
-        keys = core._page_hasher(tokens, None)
-        core.storage.discard(keys[4])
-        m, req = self.hit(core, tokens)
-        self.assertEqual(m.prefix_len, 0)
-        if req.mamba_pool_idx is not None:
-            self.release(core, req)
-        kv, state = self.put(core, kv_pool, tokens, seed=11)  # the same prefix computed again
-        self.push_out(core)
-        self.assertEqual((core.storage_states_written_total, core.storage_kv_pages_written_total), (1, 11))
-        self.clobber(core, kv_pool)
-        m, req = self.hit(core, tokens)
-        self.assertEqual(m.prefix_len, 10)
-        self.assert_exact(core, kv_pool, m, req, kv, state)
-        self.release(core, req)
 
 
 class TestMooncakeStorageFlags(unittest.TestCase):

@@ -104,6 +104,37 @@ class TestStorageTier(unittest.TestCase):
     def files(self, suffix):
         return sorted(f for f in os.listdir(self.dir) if f.endswith(".bin") and (suffix in f))
 
+    # -- what is stored, backend by backend (the mooncake tests override these) ------------
+    def _path(self, key):
+        found = [f for f in self.files("") if f.startswith(key + "_")]
+        self.assertEqual(len(found), 1, (key, found))
+        return os.path.join(self.dir, found[0])
+
+    def stored(self, core, key) -> bytes:
+        """The raw value stored under ``key`` (payload and trailer)."""
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def replace(self, core, key, data: bytes):
+        """Store ``data`` under ``key`` in place of its value, behind the tier's back."""
+        with open(self._path(key), "wb") as f:
+            f.write(data)
+
+    def remove(self, core, key):
+        """Lose the value under ``key`` (a size cap, a deleted file)."""
+        os.remove(self._path(key))
+
+    def reset_store(self):
+        """Empty the store between subtests."""
+        shutil.rmtree(self.dir)
+        os.makedirs(self.dir)
+
+    def count_stored(self, core, tokens, ns=None):
+        """``(states, KV pages from the first)`` the store holds for ``tokens``."""
+        keys = core._page_hasher(tokens, ns)
+        states = sum(core.storage.exists(k + core.state_suffix) for k in keys)
+        return states, core.storage.batch_exists(keys)
+
     # -- tests -----------------------------------------------------------------------------
     def test_evicted_state_and_kv_come_back_from_storage_exactly(self):
         core, kv_pool = self.build()
@@ -114,11 +145,12 @@ class TestStorageTier(unittest.TestCase):
         self.push_out(core)
         self.assertEqual(core.total_size(), 0)
         self.assertEqual((core.storage_states_written_total, core.storage_kv_pages_written_total), (1, 12))
-        self.assertEqual(len(self.files(".mamba")), 1)
+        self.assertEqual(self.count_stored(core, tokens), (1, 12))
         self.clobber(core, kv_pool)
         m, req = self.hit(core, tokens)
         self.assertEqual(m.prefix_len, 12)
         self.assertEqual((core.storage_loads_total, core.storage_kv_pages_loaded_total), (1, 12))
+        self.assertEqual(core.storage_rejected_total, 0)
         self.assert_exact(core, kv_pool, m, req, kv, state)
         self.release(core, req)
 
@@ -159,14 +191,14 @@ class TestStorageTier(unittest.TestCase):
 
     def test_clear_storage_backend_empties_the_directory(self):
         """SGLang's ``/clear_hicache_storage_backend`` reaches the adapter's
-        ``clear_storage_backend``: the files go, and the next match misses."""
+        ``clear_storage_backend``: the stored values go, and the next match misses."""
         core, kv_pool = self.build()
         tokens = list(range(120, 128))
         self.put(core, kv_pool, tokens, seed=10)
         self.push_out(core)
-        self.assertTrue(self.files(".mamba"))
+        self.assertEqual(self.count_stored(core, tokens), (1, 8))
         self.assertTrue(self.adapter.clear_storage_backend())
-        self.assertEqual(self.files(""), [])
+        self.assertEqual(self.count_stored(core, tokens), (0, 0))
         m, req = self.hit(core, tokens)
         self.assertEqual((m.prefix_len, core.storage_loads_total), (0, 0))
         if req.mamba_pool_idx is not None:
@@ -226,16 +258,14 @@ class TestStorageTier(unittest.TestCase):
     def test_corrupted_state_file_falls_back_to_the_shorter_stored_prefix(self):
         core, kv_pool, tokens, kv6, state6 = self._two_states_in_storage()
         keys = core._page_hasher(tokens, None)
-        deep = [f for f in self.files(".mamba") if f.startswith(keys[-1])]
-        self.assertEqual(len(deep), 1)
-        path = os.path.join(self.dir, deep[0])
-        data = bytearray(open(path, "rb").read())
+        deep = keys[-1] + core.state_suffix
+        data = bytearray(self.stored(core, deep))
         data[len(data) // 2] ^= 0x01  # one bit of the state
-        open(path, "wb").write(bytes(data))
+        self.replace(core, deep, bytes(data))
         m, req = self.hit(core, tokens)
         self.assertEqual(m.prefix_len, 6)
         self.assertEqual(core.storage_rejected_total, 1)
-        self.assertFalse(os.path.exists(path))  # discarded: a later write can replace it
+        self.assertFalse(core.storage.exists(deep))  # discarded: a later write can replace it
         self.assert_exact(core, kv_pool, m, req, kv6, state6)
         self.release(core, req)
 
@@ -244,24 +274,18 @@ class TestStorageTier(unittest.TestCase):
             with self.subTest(how=how):
                 core, kv_pool, tokens, kv6, state6 = self._two_states_in_storage()
                 keys = core._page_hasher(tokens, None)
-                page8 = [f for f in self.files("") if f.startswith(keys[8] + "_")]
-                self.assertEqual(len(page8), 1)
-                path = os.path.join(self.dir, page8[0])
                 if how == "truncate":
-                    data = open(path, "rb").read()
-                    open(path, "wb").write(data[:-5])
+                    self.replace(core, keys[8], self.stored(core, keys[8])[:-5])
                 elif how == "remove":
-                    os.remove(path)
+                    self.remove(core, keys[8])
                 else:  # another page's (valid) value under this key
-                    other = [f for f in self.files("") if f.startswith(keys[9] + "_")][0]
-                    shutil.copy(os.path.join(self.dir, other), path)
+                    self.replace(core, keys[8], self.stored(core, keys[9]))
                 m, req = self.hit(core, tokens)
                 self.assertEqual(m.prefix_len, 6)
                 self.assertEqual(core.storage_rejected_total, 0 if how == "remove" else 1)
                 self.assert_exact(core, kv_pool, m, req, kv6, state6)
                 self.release(core, req)
-                shutil.rmtree(self.dir)
-                os.makedirs(self.dir)
+                self.reset_store()
 
     def test_a_later_spill_writes_a_lost_page_again(self):
         """A KV page file lost (a size cap, a failed check) while its state is stored: the
@@ -271,9 +295,7 @@ class TestStorageTier(unittest.TestCase):
         tokens = list(range(130, 140))
         kv, state = self.put(core, kv_pool, tokens, seed=11)
         self.push_out(core)
-        keys = core._page_hasher(tokens, None)
-        lost = [f for f in self.files("") if f.startswith(keys[4] + "_")]
-        os.remove(os.path.join(self.dir, lost[0]))
+        self.remove(core, core._page_hasher(tokens, None)[4])
         m, req = self.hit(core, tokens)
         self.assertEqual(m.prefix_len, 0)
         if req.mamba_pool_idx is not None:
