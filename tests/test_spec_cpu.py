@@ -172,6 +172,26 @@ class TestCpuRouting(unittest.TestCase):
             sentinel = object()
             self.assertIs(cpu_routing.build_tree_around(lambda *a, **k: sentinel, 1, x=2), sentinel)
 
+    def test_sampled_verify_is_greedy_on_cpu(self):
+        """A verify batch with a sampled request (``temperature > 0``): SGLang takes its sampling
+        path unless ``is_cpu`` (``SGLANG_USE_CPU_ENGINE=1``), and on this host that path's
+        kernels are None (the gap a fresh user hit: the scheduler died on a TypeError); the hook
+        gives SGLang's own CPU answer, the argmax path."""
+        import torch as _torch
+        from sglang.srt.speculative import eagle_utils
+
+        if _torch.cuda.is_available():
+            self.skipTest("the gap is on hosts without CUDA")
+        self.assertIsNone(eagle_utils.tree_speculative_sampling_target_only)
+        kw = dict(is_all_greedy=False, is_cpu=False, is_hip=False, is_xpu=False, use_rejection_sampling=False)
+        self.assertFalse(eagle_utils._verify_uses_greedy(**kw))
+        with mock.patch.dict(os.environ, {cpu_routing.CPU_SPEC_ENV: "1"}):
+            self.assertTrue(cpu_routing.verify_uses_greedy_around(eagle_utils._verify_uses_greedy, **kw))
+        with mock.patch.dict(os.environ, {cpu_routing.CPU_SPEC_ENV: "0"}):
+            self.assertFalse(cpu_routing.verify_uses_greedy_around(eagle_utils._verify_uses_greedy, **kw))
+        self.assertIn(("sglang.srt.speculative.eagle_utils._verify_uses_greedy", "AROUND", "verify_uses_greedy_around"),
+                      cpu_routing.CPU_HOOK_TARGETS)
+
     def test_assign_extend_cache_locs(self):
         from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func as orig
 

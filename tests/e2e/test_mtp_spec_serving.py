@@ -179,6 +179,18 @@ class _MtpSpecCase:
         want = len(LONG) + len(out) - 1 if overshoot == 0 else len(LONG) + len(out)
         self.assertEqual(r["meta_info"]["cached_tokens"], want, (overshoot, again["meta_info"]))
 
+    def test_sampled_request_is_served(self):
+        """A sampled request (``temperature 0.8, top_p 0.9``) is served: on CPU the verify commits
+        the target's argmax, as SGLang's own CPU engine does (``plugin/speculative/cpu_routing.py``;
+        its CUDA-only sampling kernels stopped the scheduler before), and the server stays up."""
+        r = self.server.generate(input_ids=list(range(200, 230)), sampling_params={
+            "temperature": 0.8, "top_p": 0.9, "max_new_tokens": TURN_TOKENS, "ignore_eos": True})
+        self.assertEqual(r["meta_info"]["completion_tokens"], TURN_TOKENS)
+        self.assertEqual(len(r["output_ids"]), TURN_TOKENS)
+        self.assertGreaterEqual(r["meta_info"]["spec_verify_ct"], 1)
+        self.assertEqual(self.server.generate(input_ids=self.PROMPTS[0], max_new_tokens=NEW_TOKENS)["output_ids"],
+                         self.want[tuple(self.PROMPTS[0])])
+
     def test_zz_idle_leak_check(self):
         # runs last in the class (alphabetical), after the speculative requests above
         load = idle_and_checked(self.server)

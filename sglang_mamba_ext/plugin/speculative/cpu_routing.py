@@ -21,6 +21,10 @@ CPU ops, which PyPI's CUDA-only ``sglang-kernel`` lacks; without them the "other
   ``verify_tree_greedy_func``: the CPU wrappers need ``sgl_kernel`` (build raises, greedy
   verify would leave its outputs untouched); here SGLang's Triton versions (the ones its XPU
   path calls) under Triton's interpreter.
+- ``speculative/eagle_utils._verify_uses_greedy``: False for a batch with a sampled request
+  (``temperature > 0``) unless SGLang's ``is_cpu`` (``SGLANG_USE_CPU_ENGINE=1``), and then its
+  sampling kernels (CUDA-only, None here) stop the scheduler; here True, SGLang's own CPU answer:
+  verify commits the target's argmax.
 - ``layers/attention/torch_native_backend.TorchNativeAttnBackend.forward_extend``: no tree
   mask; in target verify each row attends over its prefix K/V plus its draft nodes with
   ``spec_info.custom_mask`` (EAGLE's full mask, ``[T, prefix + T]`` per row).
@@ -52,6 +56,7 @@ CPU_HOOK_TARGETS = [
      "scatter_after_verify_around"),
     ("sglang.kernels.ops.speculative.spec_tree.build_tree_kernel_efficient_func", "AROUND", "build_tree_around"),
     ("sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func", "AROUND", "verify_tree_greedy_around"),
+    ("sglang.srt.speculative.eagle_utils._verify_uses_greedy", "AROUND", "verify_uses_greedy_around"),
     ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend", "AROUND",
      "torch_native_forward_extend_around"),
     (f"{_FKV}.FrozenKVMTPDraftWorker._init_draft_attn_backend", "AROUND", "init_draft_attn_backend_around"),
@@ -157,6 +162,18 @@ def verify_tree_greedy_around(original, *args, **kwargs):
         target_predict=a["target_predict"],
     )
     return a["predicts"], a["accept_index"], a["accept_token_num"]
+
+
+def verify_uses_greedy_around(original, *args, **kwargs):
+    """AROUND ``speculative/eagle_utils.py::_verify_uses_greedy``: on CPU, True, as SGLang's
+    own CPU engine answers (its ``is_cpu`` term, which needs ``SGLANG_USE_CPU_ENGINE=1``): a
+    verify batch with sampled requests commits the target's argmax instead of calling the
+    CUDA-only sampling kernels (``top_p_renorm_prob``, ``tree_speculative_sampling_target_only``:
+    None on this host, so a ``temperature > 0`` request stopped the scheduler with a TypeError).
+    Speculative rounds on CPU are therefore greedy (``docs/speculative.md``)."""
+    if cpu_spec_active():
+        return True
+    return original(*args, **kwargs)
 
 
 def tree_verify_attention(q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, out_cache_loc,
