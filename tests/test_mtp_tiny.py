@@ -88,6 +88,9 @@ class TestQwen3NextMtp(_MtpDraft, unittest.TestCase):
     ARCH, CLASS, PORT = "qwen3_next", "Qwen3NextForCausalLMMTP", 29541
 
 
+@unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_MTP") == "1",
+                     "the suite's time budget (docs/testing.md): Qwen3.5's MTP head is built and loaded by the same "
+                     "code as Qwen3-Next's (models/mtp_tiny.py), like its e2e class; SGLANG_MAMBA_EXT_ALL_MTP=1 runs it")
 class TestQwen35Mtp(_MtpDraft, unittest.TestCase):
     ARCH, CLASS, PORT = "qwen3_5_text", "Qwen3_5ForCausalLMMTP", 29542
 

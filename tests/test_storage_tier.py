@@ -177,7 +177,7 @@ class TestStorageTier(unittest.TestCase):
 
     def test_a_new_cache_on_the_same_directory_hits_from_storage(self):
         """HiCacheFile keeps its files (no clear at start-up; SGLang clears them only on
-        /clear_hicache_storage_backend): a restarted server reads them back."""
+        POST /hicache/storage-backend/clear): a restarted server reads them back."""
         core, kv_pool = self.build()
         tokens = list(range(30, 46))
         kv, state = self.put(core, kv_pool, tokens, seed=2)
@@ -190,7 +190,7 @@ class TestStorageTier(unittest.TestCase):
         self.release(core2, req)
 
     def test_clear_storage_backend_empties_the_directory(self):
-        """SGLang's ``/clear_hicache_storage_backend`` reaches the adapter's
+        """SGLang's ``POST /hicache/storage-backend/clear`` reaches the adapter's
         ``clear_storage_backend``: the stored values go, and the next match misses."""
         core, kv_pool = self.build()
         tokens = list(range(120, 128))

@@ -181,7 +181,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
 
     def clear_storage_backend(self) -> bool:
         """Empty the storage tier (``--hicache-storage-backend``; SGLang's
-        ``/clear_hicache_storage_backend``); False without one."""
+        ``POST /hicache/storage-backend/clear``); False without one."""
         storage = self.core.storage
         return bool(storage.clear()) if storage is not None else False
 

@@ -118,7 +118,7 @@ class MooncakeValues:
         self.client.remove(self.name(key), True)
 
     def clear(self) -> bool:
-        """Remove every value of the store (SGLang's ``/clear_hicache_storage_backend``)."""
+        """Remove every value of the store (SGLang's ``POST /hicache/storage-backend/clear``)."""
         self.client.remove_all(True)
         return True
 

@@ -8,7 +8,7 @@ and KV out of both tiers (they are written to storage); sent again, it hits exac
 ``len - 1`` tokens read back from storage, and its output equals a cold run's (a fresh
 ``cache_salt``) and the reference's greedy tokens. The server is then stopped and a new one
 started on the same directory (``HiCacheFile`` keeps its files; SGLang clears them only on
-``/clear_hicache_storage_backend``): the prompt hits ``len - 1`` from storage again, with the
+``POST /hicache/storage-backend/clear``): the prompt hits ``len - 1`` from storage again, with the
 same output. SGLang's strict idle checks run on both servers.
 """
 
