@@ -41,6 +41,13 @@ class TestMooncakeStorageTier(base.TestStorageTier):
         return ["--hicache-storage-backend", "mooncake",
                 "--hicache-storage-backend-extra-config", cls.master.extra_config_json()]
 
+    def test_a_storage_tier_is_mooncake(self):
+        """The inherited tests read back through mooncake, not some other tier: the server set
+        up the plugin's storage tier over SGLang's mooncake backend, at this class's master."""
+        log = self.server.log_text()
+        self.assertIn("sglang-mamba-ext: storage tier mooncake (", log)
+        self.assertIn(self.master.extra_config()["master_server_address"], log)
+
 
 if __name__ == "__main__":
     unittest.main()
