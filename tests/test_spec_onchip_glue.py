@@ -124,7 +124,9 @@ class TestOnChipGlue(unittest.TestCase):
         launches = []
         real = verify_onchip.onchip_tree_verify
         outs = []
-        with mock.patch.object(hooks, "onchip_tree_verify", side_effect=lambda *a, **k: launches.append(1) or real(*a, **k)):
+        from sglang_mamba_ext.plugin.speculative import onchip_dispatch
+
+        with mock.patch.object(onchip_dispatch, "onchip_tree_verify", side_effect=lambda *a, **k: launches.append(1) or real(*a, **k)):
             for layer_id, (w, mq, a, b) in zip((10, 12), inputs):
                 layer = SimpleNamespace(layer_id=layer_id, conv_weights=w["conv"], bias=w["bias"], A_log=w["A_log"],
                                         dt_bias=w["dt_bias"], lower_bound=None, activation="silu",

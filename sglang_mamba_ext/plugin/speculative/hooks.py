@@ -17,7 +17,7 @@ import torch
 from sglang_mamba_ext.plugin.startup_errors import FlagError
 from sglang_mamba_ext.speculative.deferred import DeferredSpecState
 from sglang_mamba_ext.speculative.stash import StashDims
-from sglang_mamba_ext.speculative.verify_onchip import choose_verify, onchip_tree_verify
+from sglang_mamba_ext.speculative.verify_onchip import choose_verify
 
 logger = logging.getLogger(__name__)
 
@@ -398,55 +398,6 @@ def capture_verify_inputs(req_to_token_pool, layer_id: int, conv_weight, conv_bi
     return True
 
 
-class _OnChipDispatcher:
-    """Stands in for a KDA / GDN backend's ``kernel_dispatcher`` during one on-chip verify
-    call: ``target_verify`` (the backend's recurrent verify, after SGLang's own conv kernel
-    filled the one-layer conv buffer and ``retrieve_parent_token``) runs
-    :func:`~sglang_mamba_ext.speculative.verify_onchip.onchip_tree_verify`; any other attribute
-    is the real dispatcher's. ``calls`` counts the on-chip launches."""
-
-    def __init__(self, real, state: DeferredSpecState):
-        self._real, self._state, self.calls = real, state, 0
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, cache_steps,
-                      retrieve_parent_token=None, **kwargs):
-        if kwargs.get("cache_ring") or kwargs.get("fused_accept_state_indices") is not None:
-            raise DeferredSpecConfigError(
-                f"{FLAG} deferred: the on-chip verify does not support SGLang's ReplaySSM ring or fused-accept "
-                "verify; set SGLANG_MAMBA_EXT_DEFERRED_VERIFY=one_layer"
-            )
-        st = self._state
-        self.calls += 1
-        return onchip_tree_verify(q, k, v, a, b, A_log, dt_bias, ssm_states, cache_indices, cache_steps,
-                                  retrieve_parent_token, st.max_depth, st.layout.per_head_gate, ssm_vk=st.layout.ssm_vk)
-
-
-def _run_onchip(backend, state: DeferredSpecState, run):
-    """``run()`` SGLang's verify with :class:`_OnChipDispatcher` as the backend's dispatcher
-    (and KDA's fused chain-verify kernel, which writes node states itself, off for the call).
-
-    Raises:
-        RuntimeError: SGLang's verify took a path that did not call ``target_verify`` once."""
-    real = backend.kernel_dispatcher
-    fused = getattr(backend, "_fused_chain_verify_fn", None)
-    proxy = _OnChipDispatcher(real, state)
-    backend.kernel_dispatcher = proxy
-    if fused is not None:
-        backend._fused_chain_verify_fn = None
-    try:
-        out = run()
-    finally:
-        backend.kernel_dispatcher = real
-        if fused is not None:
-            backend._fused_chain_verify_fn = fused
-    if proxy.calls != 1:
-        raise RuntimeError(f"{FLAG} deferred: on-chip verify expected one target_verify call, SGLang made {proxy.calls}")
-    return out
-
-
 def onchip_state(req_to_token_pool) -> Optional[DeferredSpecState]:
     """The pool's DeferredSpecState if its verify runs on chip (the tiny backend asks)."""
     state = _state_of(req_to_token_pool)
@@ -455,7 +406,7 @@ def onchip_state(req_to_token_pool) -> Optional[DeferredSpecState]:
 
 def _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b, run):
     """Capture, then ``run()`` the backend's own verify — on chip through
-    :func:`_run_onchip` when the pool has no node-state buffer; if the layout's verify kernel rolls
+    :func:`.onchip_dispatch.run_onchip` when the pool has no node-state buffer; if the layout's verify kernel rolls
     the main conv windows in place (SGLang's ``causal_conv1d_update``, which snapshot mode
     undoes in its commit scatter), the batch's windows of this layer are saved before and
     restored after, so the main conv state stays at the last committed token until replay."""
@@ -471,7 +422,9 @@ def _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b, run):
                           mixed_qkv, a, b)
     state = _state_of(rtp)
     if state.on_chip:
-        run = (lambda inner: lambda: _run_onchip(backend, state, inner))(run)
+        from sglang_mamba_ext.plugin.speculative.onchip_dispatch import run_onchip
+
+        run = (lambda inner: lambda: run_onchip(backend, state, inner))(run)
     if not state.layout.verify_rolls_conv:
         return run()
     bs = mixed_qkv.shape[0] // spec_info.draft_token_num
