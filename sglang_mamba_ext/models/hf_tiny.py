@@ -223,34 +223,8 @@ _FAMILIES: Dict[str, Dict] = {
     # ``sub`` names the text sub-config: the tokenizer ids, vocabulary size and context length
     # go there as well as at the top level. Vision token ids sit at the vocabulary's end
     # (760-763), outside the random prompts' range.
-    "qwen3_5": dict(
-        cls="Qwen3_5ForConditionalGeneration", sub="text_config",
-        config=dict(
-            model_type="qwen3_5", image_token_id=760, video_token_id=761, vision_start_token_id=762,
-            vision_end_token_id=763,
-            text_config=None,  # filled below: Qwen3.5 dense text's, with an M-RoPE section
-            vision_config=dict(
-                model_type="qwen3_5", depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
-                in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                out_hidden_size=_HIDDEN, num_position_embeddings=16, hidden_act="gelu_pytorch_tanh",
-                deepstack_visual_indexes=[],
-            ),
-        ),
-    ),
-    "qwen3_5_moe": dict(
-        cls="Qwen3_5MoeForConditionalGeneration", module="qwen3_5", sub="text_config",
-        config=dict(
-            model_type="qwen3_5_moe", image_token_id=760, video_token_id=761, vision_start_token_id=762,
-            vision_end_token_id=763,
-            text_config=None,  # filled below: Qwen3.5 MoE text's, with an M-RoPE section
-            vision_config=dict(
-                model_type="qwen3_5_moe", depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
-                in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
-                out_hidden_size=_HIDDEN, num_position_embeddings=16, hidden_act="gelu_pytorch_tanh",
-                deepstack_visual_indexes=[],
-            ),
-        ),
-    ),
+    "qwen3_5": None,  # _qwen35_vlm below (dense)
+    "qwen3_5_moe": None,  # _qwen35_vlm below (MoE)
     # LFM2-VL: LFM2's text model behind a SigLIP2 (NaFlex) vision tower and a pixel-unshuffle
     # projector (downsample factor 2).
     "lfm2_vl": dict(
@@ -283,6 +257,26 @@ _FAMILIES: Dict[str, Dict] = {
         ),
     ),
 }
+
+def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:
+    """A Qwen3.5 VLM family entry (dense or MoE): a one-block vision tower in front of the text
+    model (filled below), vision token ids at the vocabulary's end (760-763)."""
+    return dict(cls=cls, sub="text_config", **entry, config=dict(
+        model_type=model_type, image_token_id=760, video_token_id=761, vision_start_token_id=762,
+        vision_end_token_id=763,
+        text_config=None,  # filled below: the text model's, with an M-RoPE section
+        vision_config=dict(
+            model_type=model_type, depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+            in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+            out_hidden_size=_HIDDEN, num_position_embeddings=16, hidden_act="gelu_pytorch_tanh",
+            deepstack_visual_indexes=[],
+        ),
+    ))
+
+
+_FAMILIES["qwen3_5"] = _qwen35_vlm("qwen3_5", "Qwen3_5ForConditionalGeneration")
+_FAMILIES["qwen3_5_moe"] = _qwen35_vlm("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", module="qwen3_5")
+
 
 def _vlm_text(arch: str, **extra) -> Dict:
     cfg = dict(_FAMILIES[arch]["config"])
