@@ -183,12 +183,16 @@ class TestCpuRouting(unittest.TestCase):
         if _torch.cuda.is_available():
             self.skipTest("the gap is on hosts without CUDA")
         self.assertIsNone(eagle_utils.tree_speculative_sampling_target_only)
+        import inspect
+
+        # SGLang's own function (unwrapped: another test in this process may have applied the hooks)
+        sglang_rule = inspect.unwrap(eagle_utils._verify_uses_greedy)
         kw = dict(is_all_greedy=False, is_cpu=False, is_hip=False, is_xpu=False, use_rejection_sampling=False)
-        self.assertFalse(eagle_utils._verify_uses_greedy(**kw))
+        self.assertFalse(sglang_rule(**kw))
         with mock.patch.dict(os.environ, {cpu_routing.CPU_SPEC_ENV: "1"}):
-            self.assertTrue(cpu_routing.verify_uses_greedy_around(eagle_utils._verify_uses_greedy, **kw))
+            self.assertTrue(cpu_routing.verify_uses_greedy_around(sglang_rule, **kw))
         with mock.patch.dict(os.environ, {cpu_routing.CPU_SPEC_ENV: "0"}):
-            self.assertFalse(cpu_routing.verify_uses_greedy_around(eagle_utils._verify_uses_greedy, **kw))
+            self.assertFalse(cpu_routing.verify_uses_greedy_around(sglang_rule, **kw))
         self.assertIn(("sglang.srt.speculative.eagle_utils._verify_uses_greedy", "AROUND", "verify_uses_greedy_around"),
                       cpu_routing.CPU_HOOK_TARGETS)
 
