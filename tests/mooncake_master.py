@@ -58,15 +58,17 @@ class MooncakeMaster:
     def extra_config_json(self, **more) -> str:
         return json.dumps(self.extra_config(**more))
 
-    def start(self, timeout: float = 20.0) -> Optional[str]:
+    def start(self, timeout: float = 20.0, same_ports: bool = False) -> Optional[str]:
+        """``same_ports``: on the ports of the previous start (a master that comes back)."""
         binary = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
         if not os.path.exists(binary):
             return f"no {binary} (the mooncake-transfer-engine-non-cuda package)"
         probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True)
         if probe.returncode != 0:  # e.g. the system libraries scripts/setup_env.sh names
             return f"mooncake.store does not import: {probe.stderr.strip().splitlines()[-1:]}"
-        self.rpc_port, self.metrics_port = _free_port(), _free_port()
-        log = open(self.log_path, "w")
+        if not (same_ports and self.rpc_port):
+            self.rpc_port, self.metrics_port = _free_port(), _free_port()
+        log = open(self.log_path, "a" if same_ports else "w")
         self.proc = subprocess.Popen(
             [binary, f"--rpc_port={self.rpc_port}", f"--metrics_port={self.metrics_port}",
              "--rpc_address=127.0.0.1", "--metrics_host=127.0.0.1", "--enable_metric_reporting=false"],

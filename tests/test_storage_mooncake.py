@@ -35,6 +35,9 @@ class TestMooncakeStorageTier(base.TestStorageTier):
     ``close`` takes about 2 s), emptied before each test; ``build(fresh=True)`` sets up a
     client of its own."""
 
+    #: more keys for the extra config (the guard's, below)
+    EXTRA_CONFIG = {}
+
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
@@ -68,7 +71,7 @@ class TestMooncakeStorageTier(base.TestStorageTier):
         ctx, _ = F.scheduler_context(F.base_argv(
             "--enable-mamba-radix", "--enable-hierarchical-cache", "--hicache-ratio", "1",
             "--max-mamba-cache-size", str(MAMBA_SIZE), "--hicache-storage-backend", "mooncake",
-            "--hicache-storage-backend-extra-config", self.master.extra_config_json(), *flags))
+            "--hicache-storage-backend-extra-config", self.master.extra_config_json(**self.EXTRA_CONFIG), *flags))
         stack = contextlib.ExitStack()
         stack.enter_context(F.in_context(ctx))
         self.addCleanup(stack.close)
@@ -204,6 +207,95 @@ class TestMooncakeStorageTier(base.TestStorageTier):
         self.assertEqual((m.prefix_len, core3.storage_loads_total), (0, 0))
         if req.mamba_pool_idx is not None:
             self.release(core3, req)
+
+
+class TestMooncakeMasterGone(TestMooncakeStorageTier):
+    """A master that goes away (``docs/flags.md``): without the guard each mooncake call then
+    waits about 4.3 s on its client's retries (measured), and a request's spill of a hundred
+    pages held the scheduler for minutes. With it, the tier's calls are misses and dropped
+    writes within ``storage_call_timeout_s``, and hits come back once the master does. The
+    class's own master (killed and restarted on its ports); the inherited tests do not run
+    here."""
+
+    TIMEOUT_S, RETRY_S = 0.5, 0.3
+    EXTRA_CONFIG = {"storage_call_timeout_s": TIMEOUT_S, "storage_retry_interval_s": RETRY_S}
+
+    def test_misses_within_the_bound_then_hits_after_the_master_returns(self):
+        from sglang_mamba_ext.mem_cache.storage_guard import GuardedStore
+
+        core, kv_pool = self.build()
+        st = core.storage
+        self.assertIsInstance(st, GuardedStore)
+        self.assertEqual((st.timeout_s, st.retry_s), (self.TIMEOUT_S, self.RETRY_S))
+        stored = list(range(60, 72))
+        kv, state = self.put(core, kv_pool, stored, seed=5)
+        self.push_out(core)
+        self.assertEqual(self.count_stored(core, stored), (1, 12))
+        kept = list(range(80, 90))  # in the tree when the master goes: its spill is dropped
+        self.put(core, kv_pool, kept, seed=6)
+
+        self.master.stop()
+        keys = core._page_hasher(stored, None)
+        t0 = time.monotonic()
+        calls = [
+            ("exists", lambda: st.exists(keys[0] + core.state_suffix), False),
+            ("batch_exists", lambda: st.batch_exists(keys), 0),
+            ("get", lambda: st.get(keys[0], torch.empty(8, dtype=torch.uint8)), None),
+            ("set", lambda: st.set("gone", torch.ones(8, dtype=torch.uint8)), False),
+        ]
+        for what, call, miss in calls:
+            t = time.monotonic()
+            self.assertEqual(call(), miss, what)
+            self.assertLess(time.monotonic() - t, self.TIMEOUT_S + 0.5, what)
+        self.assertFalse(st.available)
+        self.assertEqual(st.outages_total, 1)
+        # the tier through its own paths: a spill of 10 pages and a match that would read back
+        # 12 are dropped / missed, all calls answered at once now
+        written = (core.storage_states_written_total, core.storage_kv_pages_written_total)
+        t = time.monotonic()
+        self.push_out(core)
+        self.clobber(core, kv_pool)
+        m, req = self.hit(core, stored)
+        elapsed = time.monotonic() - t
+        self.assertEqual((m.prefix_len, core.storage_loads_total), (0, 0))
+        self.assertEqual((core.storage_states_written_total, core.storage_kv_pages_written_total), written)
+        self.assertEqual(core.storage_rejected_total, 0)
+        self.assertLess(elapsed, 0.5)
+        self.assertLess(time.monotonic() - t0, 4 * (self.TIMEOUT_S + 0.5))
+        self.assertGreater(st.unavailable_total, len(calls))
+        if req.mamba_pool_idx is not None:
+            self.release(core, req)
+
+        # the master comes back (empty: its objects were in its memory): within a probe or
+        # two the tier's calls go through again, and a value written now hits exactly
+        self.assertIsNone(self.master.start(same_ports=True))
+        deadline = time.monotonic() + 30
+        while not st.available and time.monotonic() < deadline:
+            st.exists("probe")  # a call while down starts a probe every RETRY_S
+            time.sleep(0.1)
+        self.assertTrue(st.available, "the master came back, the tier did not")
+        self.assertEqual(st.recoveries_total, 1)
+        again = list(range(100, 116))
+        deadline = time.monotonic() + 30  # the client mounts its segment again after its reconnect
+        while True:
+            kv, state = self.put(core, kv_pool, again, seed=7)
+            self.push_out(core)
+            if self.count_stored(core, again) == (1, 16) or time.monotonic() > deadline:
+                break
+            again = [t + 100 for t in again]
+        self.assertEqual(self.count_stored(core, again), (1, 16))
+        self.clobber(core, kv_pool)
+        loads = core.storage_loads_total
+        m, req = self.hit(core, again)
+        self.assertEqual((m.prefix_len, core.storage_loads_total - loads), (16, 1))
+        self.assert_exact(core, kv_pool, m, req, kv, state)
+        self.release(core, req)
+        self.assertEqual(core.storage_rejected_total, 0)
+
+
+for _name in dir(TestMooncakeStorageTier):  # only the class's own test runs on its master
+    if _name.startswith("test_") and _name not in TestMooncakeMasterGone.__dict__:
+        setattr(TestMooncakeMasterGone, _name, None)
 
 
 class TestMooncakeStorageFlags(unittest.TestCase):

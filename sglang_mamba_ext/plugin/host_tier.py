@@ -133,16 +133,21 @@ def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_ra
     )
     if backend_name == "mooncake":
         _check_mooncake_config(config)
+        timeout_s, retry_s = _guard_settings(extra or {})
     backend = StorageBackendFactory.create_backend(backend_name, config, None)
     discard = _file_discard(backend)
     where = getattr(getattr(backend, "_backend", backend), "file_path", "?")
     if backend_name == "mooncake":  # one object per key through a staging buffer
+        from sglang_mamba_ext.mem_cache.storage_guard import GuardedStore
         from sglang_mamba_ext.plugin.storage_mooncake import MooncakeValues
 
-        backend = MooncakeValues(backend)
+        values = MooncakeValues(backend)
+        cfg = values.store.config
+        # a master that goes away: misses and dropped writes within timeout_s (docs/flags.md)
+        backend = GuardedStore(values, timeout_s, retry_s, what=f"mooncake master {cfg.master_server_address}")
         discard = backend.discard
-        cfg = backend.store.config
-        where = f"master {cfg.master_server_address}, {cfg.protocol}, {cfg.global_segment_size} bytes mounted here"
+        where = (f"master {cfg.master_server_address}, {cfg.protocol}, {cfg.global_segment_size} bytes mounted "
+                 f"here; calls bounded at {timeout_s:g} s, retried every {retry_s:g} s while unreachable")
     page = core.page_size
 
     def page_keys(tokens, namespace):
@@ -157,6 +162,33 @@ def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_ra
         backend_name, where, core.mamba_host_pool.slot_bytes(), core.kv_host_pool.token_bytes() * page,
     )
     return backend
+
+
+#: The plugin's own keys in ``--hicache-storage-backend-extra-config`` (SGLang's mooncake
+#: config ignores them): the longest one storage call may hold the scheduler, and the
+#: seconds between probes of an unreachable store.
+GUARD_KEYS = ("storage_call_timeout_s", "storage_retry_interval_s")
+
+
+def _guard_settings(extra: dict):
+    """``(timeout_s, retry_s)`` from the extra config (:data:`GUARD_KEYS`), else the defaults.
+
+    Raises:
+        ValueError: a value that is not a positive number."""
+    from sglang_mamba_ext.mem_cache.storage_guard import DEFAULT_RETRY_S, DEFAULT_TIMEOUT_S
+
+    out = []
+    for key, default in zip(GUARD_KEYS, (DEFAULT_TIMEOUT_S, DEFAULT_RETRY_S)):
+        value = extra.get(key, default)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"--hicache-storage-backend-extra-config: {key} must be a positive number of "
+                             f"seconds (got {extra.get(key)!r})")
+        out.append(value)
+    return tuple(out)
 
 
 def _check_mooncake_config(config) -> None:

@@ -252,6 +252,11 @@ def cache_server_info(cache) -> dict:
         "storage_loads": core.storage_loads_total,
         "storage_kv_pages_loaded": core.storage_kv_pages_loaded_total,
         "storage_rejected": core.storage_rejected_total,
+        # ... and, behind the guard of a store that can become unreachable (mooncake): calls
+        # answered as a miss or a dropped write while it was, times it went and came back
+        "storage_unavailable": getattr(core.storage, "unavailable_total", 0),
+        "storage_outages": getattr(core.storage, "outages_total", 0),
+        "storage_recoveries": getattr(core.storage, "recoveries_total", 0),
         # --enable-session-radix-cache: states open sessions pin (evicted last)
         "session_pins": len(core.pinned_nodes()),
         # PD decode server: prefix held, KV tokens and bytes asked of the prefill server

@@ -13,11 +13,14 @@ per key.
 What comes from SGLang: the store's construction (its ``MooncakeStoreConfig`` from
 ``--hicache-storage-backend-extra-config``, ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or the
 ``MOONCAKE_*`` environment variables; the client's ``setup`` against the master and its
-warm-up), the key prefix that keeps models (and ``extra_backend_tag``) apart, ``set``
-(skips a key that is stored already, as ``HiCacheFile`` does), ``exists`` and ``clear``.
-Reads go through mooncake's client (``batch_get_into``) because SGLang's ``get`` returns
-only whether a read succeeded, not how many bytes it read (a shorter stored value must read
-as a miss, so the length is needed).
+warm-up) and the key prefix that keeps models (and ``extra_backend_tag``) apart. Calls go
+to mooncake's client as SGLang's store makes them (``batch_is_exist``, ``batch_put_from``,
+``batch_get_into``, ``remove_all``), not through SGLang's ``set`` / ``get`` / ``exists``:
+those return a bool, and the tier needs the status (how many bytes a read got, since a
+shorter stored value must read as a miss; ``RPC_FAIL`` when the master is gone, raised as
+:class:`~sglang_mamba_ext.mem_cache.storage_guard.StoreUnavailable` so the tier's guard
+answers misses at once instead of waiting on mooncake's retries, ``docs/flags.md``). A
+stored key is not written again (as SGLang's ``set`` and ``HiCacheFile`` do).
 
 Where the values live: in the ``global_segment_size`` bytes that the server process itself
 mounts into the store (mooncake's client hosts its share of the store in its own memory),
@@ -35,8 +38,18 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+from sglang_mamba_ext.mem_cache.storage_guard import StoreUnavailable
+
 #: mooncake's status for a key it does not hold.
 _NOT_FOUND = -704
+#: mooncake's status when the master cannot be reached (``RPC_FAIL``).
+_RPC_FAIL = -900
+
+
+def _check(status: int, what: str) -> int:
+    if status == _RPC_FAIL:
+        raise StoreUnavailable(f"mooncake {what}: RPC_FAIL (master unreachable)")
+    return status
 
 
 class MooncakeValues:
@@ -77,8 +90,11 @@ class MooncakeValues:
         data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         n = data.numel()
         buf = self._buffer(n)
+        name = self.name(key)
+        if _check(self.client.batch_is_exist([name])[0], "exists") == 1:
+            return True
         buf[:n].copy_(data)
-        return bool(self.backend.set(self.name(key), target_location=buf.data_ptr(), target_sizes=n))
+        return _check(self.client.batch_put_from([name], [buf.data_ptr()], [n])[0], "put") == 0
 
     def get(self, key: str, target: torch.Tensor) -> Optional[torch.Tensor]:
         """The bytes stored under ``key``: ``target`` filled when they are as many as
@@ -86,10 +102,11 @@ class MooncakeValues:
         it), ``None`` when nothing is stored.
 
         Raises:
-            RuntimeError: mooncake failed the read (e.g. a value longer than the staging
-                buffer, or the master gone); the tier reads it as a miss."""
+            StoreUnavailable: the master is unreachable (the guard answers a miss).
+            RuntimeError: mooncake failed the read otherwise (e.g. a value longer than the
+                staging buffer); the tier reads it as a miss."""
         buf = self._buffer(target.numel())
-        got = self.client.batch_get_into([self.name(key)], [buf.data_ptr()], [buf.numel()])[0]
+        got = _check(self.client.batch_get_into([self.name(key)], [buf.data_ptr()], [buf.numel()])[0], "get")
         if got == _NOT_FOUND:
             return None
         if got < 0:
@@ -100,7 +117,7 @@ class MooncakeValues:
         return buf[:got].clone()
 
     def exists(self, key: str) -> bool:
-        return bool(self.backend.exists(self.name(key)))
+        return _check(self.client.batch_is_exist([self.name(key)])[0], "exists") == 1
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, are stored (one round trip)."""
@@ -108,19 +125,22 @@ class MooncakeValues:
             return 0
         flags: List[int] = self.client.batch_is_exist([self.name(k) for k in keys])
         for i, f in enumerate(flags):
-            if f != 1:
+            if _check(f, "exists") != 1:
                 return i
         return len(keys)
 
     def discard(self, key: str) -> None:
         """Remove ``key``'s value (one that failed its check), so a later write replaces it;
         forced past the lease mooncake gives a value it has just served."""
-        self.client.remove(self.name(key), True)
+        _check(self.client.remove(self.name(key), True), "remove")
 
     def clear(self) -> bool:
         """Remove every value of the store (SGLang's ``POST /hicache/storage-backend/clear``)."""
-        self.client.remove_all(True)
-        return True
+        return _check(self.client.remove_all(True), "remove_all") >= 0
+
+    def ping(self) -> bool:
+        """True once the master answers (the guard's probe while it is unreachable)."""
+        return _check(self.client.batch_is_exist([self.name("sglang-mamba-ext-ping")])[0], "ping") >= 0
 
     def close(self) -> None:
         if self._staging is not None:

@@ -1,0 +1,149 @@
+"""The storage tier's guard (``mem_cache/storage_guard.py``): a store that hangs or reports
+itself unreachable costs a caller at most the timeout once, then misses and dropped writes
+at once, probed off the caller's thread until it answers again. A fake store, no SGLang, no
+mooncake (``tests/test_storage_mooncake.py`` kills and restarts a real master)."""
+
+import threading
+import time
+import unittest
+
+from sglang_mamba_ext.mem_cache.storage_guard import GuardedStore, StoreUnavailable
+
+
+class FakeStore:
+    def __init__(self):
+        self.values = {}
+        self.mode = "up"  # "up", "hang" (calls block until released), "refuse" (StoreUnavailable)
+        self.release = threading.Event()
+        self.calls = 0
+        self.pings = 0
+
+    def _gate(self):
+        self.calls += 1
+        if self.mode == "hang":
+            self.release.wait(10)
+        if self.mode == "refuse":
+            raise StoreUnavailable("gone")
+
+    def get(self, key, target):
+        self._gate()
+        return self.values.get(key)
+
+    def set(self, key, value):
+        self._gate()
+        self.values[key] = value
+        return True
+
+    def exists(self, key):
+        self._gate()
+        return key in self.values
+
+    def batch_exists(self, keys):
+        self._gate()
+        n = 0
+        for k in keys:
+            if k not in self.values:
+                break
+            n += 1
+        return n
+
+    def clear(self):
+        self._gate()
+        self.values.clear()
+        return True
+
+    def ping(self):
+        self.pings += 1
+        self._gate()
+        return True
+
+
+class TestGuardedStore(unittest.TestCase):
+    def make(self, timeout=0.2, retry=0.2):
+        inner = FakeStore()
+        guard = GuardedStore(inner, timeout, retry)
+        self.addCleanup(guard.close)
+        self.addCleanup(inner.release.set)
+        return inner, guard
+
+    def wait_available(self, guard, limit=5.0):
+        deadline = time.monotonic() + limit
+        while not guard.available and time.monotonic() < deadline:
+            guard.exists("x")
+            time.sleep(0.02)
+        return guard.available
+
+    def test_passes_calls_through_while_up(self):
+        inner, g = self.make()
+        self.assertTrue(g.set("a", 1))
+        self.assertEqual((g.get("a", None), g.exists("a"), g.exists("b"), g.batch_exists(["a", "b"])), (1, True, False, 1))
+        self.assertTrue(g.clear())
+        self.assertEqual(g.unavailable_total, 0)
+        self.assertTrue(g.available)
+
+    def test_a_hanging_store_costs_one_timeout_then_nothing(self):
+        inner, g = self.make(timeout=0.2, retry=0.2)
+        g.set("a", 1)
+        inner.mode = "hang"
+        t = time.monotonic()
+        self.assertIsNone(g.get("a", None))  # waits the timeout, then a miss
+        self.assertLess(time.monotonic() - t, 0.6)
+        self.assertFalse(g.available)
+        t = time.monotonic()
+        for _ in range(50):  # the hung call keeps the worker: answered at once, nothing reaches the store
+            self.assertEqual((g.exists("a"), g.batch_exists(["a"]), g.set("b", 2), g.get("a", None)), (False, 0, False, None))
+        self.assertLess(time.monotonic() - t, 0.2)
+        self.assertEqual(inner.calls, 2)  # the set above and the hung get
+        self.assertEqual((g.outages_total, g.unavailable_total), (1, 201))
+        inner.mode = "up"
+        inner.release.set()  # the hung call returns; the next call after the retry time probes
+        self.assertTrue(self.wait_available(g))
+        self.assertEqual((g.recoveries_total, g.get("a", None), g.set("b", 2)), (1, 1, True))
+
+    def test_an_unreachable_store_is_probed_every_retry_interval_off_the_caller(self):
+        inner, g = self.make(timeout=1.0, retry=0.3)
+        inner.mode = "refuse"
+        t = time.monotonic()
+        self.assertFalse(g.exists("a"))  # answered "unreachable": tripped without waiting
+        self.assertLess(time.monotonic() - t, 0.2)
+        t = time.monotonic()
+        while time.monotonic() - t < 1.0:
+            self.assertEqual(g.batch_exists(["a"]), 0)
+            time.sleep(0.01)
+        self.assertGreaterEqual(inner.pings, 2)
+        self.assertLessEqual(inner.pings, 4)  # about one per 0.3 s, not one per call
+        inner.mode = "hang"  # a probe that hangs does not hold the caller either
+        time.sleep(0.35)
+        t = time.monotonic()
+        for _ in range(20):
+            self.assertFalse(g.exists("a"))
+        self.assertLess(time.monotonic() - t, 0.2)
+        inner.mode = "up"
+        inner.release.set()
+        self.assertTrue(self.wait_available(g))
+        self.assertEqual((g.outages_total, g.recoveries_total), (1, 1))
+
+    def test_other_errors_reach_the_tier_and_do_not_trip(self):
+        inner, g = self.make()
+
+        def boom(key, target):
+            raise RuntimeError("short read")
+
+        inner.get = boom
+        with self.assertRaises(RuntimeError):
+            g.get("a", None)
+        self.assertTrue(g.available)
+
+    def test_settings_must_be_positive(self):
+        with self.assertRaises(ValueError):
+            GuardedStore(FakeStore(), 0, 1)
+        from sglang_mamba_ext.plugin.host_tier import _guard_settings
+
+        self.assertEqual(_guard_settings({}), (2.0, 5.0))
+        self.assertEqual(_guard_settings({"storage_call_timeout_s": "0.5", "storage_retry_interval_s": 1}), (0.5, 1.0))
+        with self.assertRaisesRegex(ValueError, "storage_call_timeout_s must be a positive"):
+            _guard_settings({"storage_call_timeout_s": -1})
+
+
+if __name__ == "__main__":
+    unittest.main()
