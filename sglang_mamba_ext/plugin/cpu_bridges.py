@@ -49,7 +49,9 @@ with line numbers is in ``docs/sglang-hooks.md``):
   row) and ``mamba/causal_conv1d_triton.py::causal_conv1d_fn`` / ``causal_conv1d_update``
   (plain decode only); :mod:`.cpu_kernels_elementwise` for the small kernels that dominated
   once the scans were fast (Qwen3-Next's qkvz split, the GDN gating, Qwen2-MoE's shared-expert
-  gate). A CUDA tensor, an inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls
+  gate); :mod:`.cpu_kernels_verify` for the speculative path: the GDN / KDA target verify
+  (``linear/fused_sigmoid_gating_recurrent.py``) and the Triton attention backend's decode
+  (``decode_attention.py``, EAGLE's draft decode). A CUDA tensor, an inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls
   SGLang's kernel unchanged. Registered before the plugin's own BEFORE hooks on the same
   functions (``plugin/inchunk_conv_ssd.py``), so those still see every call.
 - **no attention heads** (AROUND ``srt/configs/update_config.py::
@@ -107,6 +109,12 @@ MAMBA_KERNEL_MODULES = (
 #: ``torch`` (default) or ``triton``: which linear-layer kernels SGLang's classes run on CPU.
 KERNELS_ENV = "SGLANG_MAMBA_EXT_CPU_KERNELS"
 
+#: the GDN / KDA decode and target-verify kernel (``TritonGDNKernel.target_verify``)
+VERIFY_KERNEL = ("sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent."
+                 "fused_sigmoid_gating_delta_rule_update")
+#: SGLang's Triton attention backend's decode (EAGLE's draft decode on CPU)
+DECODE_ATTENTION = "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd"
+
 #: SGLang kernel -> (module of the torch version, its name); AROUND hooks (:func:`kernel_around`).
 KERNEL_BRIDGES = {
     "sglang.kernels.ops.attention.fla.chunk.chunk_gated_delta_rule": ("cpu_kernels", "chunk_gated_delta_rule"),
@@ -130,6 +138,17 @@ KERNEL_BRIDGES = {
         ("cpu_kernels_elementwise", "fused_gate_sigmoid_mul_add"),
     "sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul":
         ("cpu_kernels_elementwise", "fused_gate_sigmoid_mul"),
+    # the speculative path (cpu_kernels_verify.py): target verify and the draft's decode attention
+    VERIFY_KERNEL: ("cpu_kernels_verify", "fused_sigmoid_gating_delta_rule_update"),
+    DECODE_ATTENTION: ("cpu_kernels_verify", "decode_attention_fwd"),
+}
+#: KERNEL_BRIDGES target -> (module, name of the predicate saying whether the torch version
+#: covers a call); a call it does not cover goes to SGLang's kernel
+KERNEL_COVERS = {
+    CAUSAL_CONV_TRITON + ".causal_conv1d_update": ("cpu_kernels_ssd", "update_supported"),
+    "sglang.kernels.ops.mamba.triton_ops.mamba_ssm.selective_state_update": ("cpu_kernels_ssd", "ssu_supported"),
+    VERIFY_KERNEL: ("cpu_kernels_verify", "verify_supported"),
+    DECODE_ATTENTION: ("cpu_kernels_verify", "decode_attention_supported"),
 }
 
 _installed = False
@@ -167,25 +186,19 @@ def _torch_version(target: str):
 def make_kernel_around(target: str):
     """The AROUND hook for ``target`` (a key of :data:`KERNEL_BRIDGES`): its torch version for
     a CPU tensor when :func:`torch_kernels`, SGLang's kernel otherwise."""
-    conv_update = target.endswith("causal_conv1d_update")
     conv_fn = target.endswith("causal_conv1d_fn")
-    ssu = target.endswith("selective_state_update")
+    covers = KERNEL_COVERS.get(target)
 
     def kernel_around(original, *args, **kwargs):
         first = _first_tensor(args, kwargs)
         if first is None or first.device.type != "cpu" or not torch_kernels():
             return original(*args, **kwargs)
-        if conv_update:
-            from sglang_mamba_ext.plugin.cpu_kernels_ssd import update_supported
-
-            if not update_supported(*args, **kwargs):
-                return original(*args, **kwargs)
         if conv_fn and kwargs.get("block_table") is not None:
             return original(*args, **kwargs)
-        if ssu:
-            from sglang_mamba_ext.plugin.cpu_kernels_ssd import ssu_supported
-
-            if not ssu_supported(*args, **kwargs):
+        if covers is not None:
+            module, name = covers
+            check = getattr(importlib.import_module(f"sglang_mamba_ext.plugin.{module}"), name)
+            if not check(*args, **kwargs):
                 return original(*args, **kwargs)
         return _torch_version(target)(*args, **kwargs)
 
