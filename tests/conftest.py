@@ -68,7 +68,8 @@ _PROGRESS = {"t0": time.time(), "cls": None, "reporter": None, "capture": None, 
 #: under ``-n 2`` they form one work unit, run one after another on one worker, so two of
 #: them never hold their servers at once (about 9 GB each) and the largest unit of work is
 #: handed out first.
-HEAVY_MODULES = ("test_multi_rank_serving.py", "test_pd_decode_cache.py", "test_pd_faults.py", "test_pd_serving.py",
+HEAVY_MODULES = ("test_multi_rank_serving.py", "test_pd_decode_cache.py", "test_pd_faults.py", "test_pd_role_switch.py",
+                 "test_pd_serving.py",
                  "test_router_replicas.py")
 
 

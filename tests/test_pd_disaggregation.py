@@ -3,8 +3,9 @@ the served path is ``tests/e2e/test_pd_serving.py``):
 
 - ``--disaggregation-mode prefill`` parses with ``--enable-mamba-radix`` and reaches the
   scheduler side; ``decode`` without ``--disaggregation-decode-enable-radix-cache`` or with
-  ``--enable-hierarchical-cache``, and ``--enable-pd-role-switch``, are refused naming the
-  flags (the served decode side: ``tests/test_pd_decode.py``);
+  ``--enable-hierarchical-cache``, and ``--enable-pd-role-switch`` without the decode-side
+  tree, are refused naming the flags (the served decode side: ``tests/test_pd_decode.py``;
+  the role switch: ``tests/e2e/test_pd_role_switch.py``);
 - the ``_send_kv_chunk`` hook (``plugin/disaggregation.py``) makes the request's sender take
   SGLang's host-copy branch on a host without CUDA under the flag, and nothing else: with CUDA
   or without the flag the sender is untouched;
@@ -45,8 +46,12 @@ class TestPdFlags(unittest.TestCase):
             (["--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache",
               "--enable-hierarchical-cache"],
              "--enable-mamba-radix on a decode server cannot be combined with --enable-hierarchical-cache"),
+            # a role-switch server may become the decode side: it must be one the plugin serves
             ([*PREFILL, "--enable-pd-role-switch"],
-             "--enable-mamba-radix cannot be combined with --enable-pd-role-switch"),
+             "--enable-mamba-radix with --enable-pd-role-switch needs --disaggregation-decode-enable-radix-cache"),
+            ([*PREFILL, "--enable-pd-role-switch", "--disaggregation-decode-enable-radix-cache",
+              "--enable-hierarchical-cache"],
+             "--enable-mamba-radix with --enable-pd-role-switch cannot be combined with --enable-hierarchical-cache"),
         ]
         for extra, needle in cases:
             with self.subTest(extra=extra):
@@ -54,6 +59,17 @@ class TestPdFlags(unittest.TestCase):
                     F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
                 self.assertIn(needle, str(cm.exception))
                 self.assertIn("drop", str(cm.exception))
+
+    def test_role_switch_accepted_with_the_decode_tree(self):
+        """Served (``tests/e2e/test_pd_role_switch.py``): either role, with the decode-side tree;
+        on CPU without overlap scheduling, as a PD prefill server runs there."""
+        for mode in ("prefill", "decode"):
+            with self.subTest(mode=mode):
+                sa = F.parse_args(F.base_argv("--enable-mamba-radix", "--disaggregation-mode", mode,
+                                              "--disaggregation-decode-enable-radix-cache", "--enable-pd-role-switch"))
+                self.assertTrue(sa.enable_pd_role_switch)
+                self.assertEqual(sa.radix_cache_backend, "mamba_radix_ext")
+                self.assertTrue(sa.disable_overlap_schedule)
 
     def test_decode_without_the_flag_is_sglangs(self):
         sa = F.parse_args(F.base_argv("--disaggregation-mode", "decode"))

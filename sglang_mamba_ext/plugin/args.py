@@ -225,11 +225,13 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
     check_plugin_env()
     # The prefill side of PD disaggregation is served and tested on CPU without overlap
     # only (SGLang's overlapped prefill loop with the CPU transfer backend is untested).
-    pd_cpu = server_args.device == "cpu" and str(getattr(server_args, "disaggregation_mode", "null")) == "prefill"
+    pd_mode = str(getattr(server_args, "disaggregation_mode", "null"))
+    pd_cpu = server_args.device == "cpu" and (  # a role-switch server may become a prefill server
+        pd_mode == "prefill" or (pd_mode == "decode" and getattr(server_args, "enable_pd_role_switch", False)))
     if ((server_args.device == "cpu" and (cpu_overlap == "0" or pd_cpu))
             or server_args.mamba_radix_cache_strategy == "no_buffer") and not server_args.disable_overlap_schedule:
         server_args.disable_overlap_schedule = True
-        logger.info("%s: overlap scheduling off (no_buffer, a PD prefill server on CPU, or %s=0 on CPU)",
+        logger.info("%s: overlap scheduling off (no_buffer, a PD prefill or role-switch server on CPU, or %s=0 on CPU)",
                     ENABLE_FLAG, CPU_OVERLAP_ENV)
     settings["strategy"] = server_args.mamba_radix_cache_strategy
     _check_mamba_cache_size(server_args)
@@ -332,9 +334,9 @@ def _check_disaggregation(server_args) -> None:
             ``--disaggregation-decode-enable-radix-cache`` (SGLang then runs the decode server
             without a tree, so there is no cache for the flag to choose) or with
             ``--enable-hierarchical-cache`` (SGLang's decode host tier loads back through
-            its own tree's mixin, not served); ``--enable-pd-role-switch`` (a prefill
-            server that can flip to decode: SGLang's switch rebuilds the scheduler's
-            queues, not served with the plugin)."""
+            its own tree's mixin, not served); ``--enable-pd-role-switch`` without
+            ``--disaggregation-decode-enable-radix-cache`` or with
+            ``--enable-hierarchical-cache`` (either role may become the decode side)."""
     mode = getattr(server_args, "disaggregation_mode", "null")
     if mode == "decode":
         if not getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
@@ -350,12 +352,22 @@ def _check_disaggregation(server_args) -> None:
                 "--enable-hierarchical-cache (SGLang's decode-side host tier is not served "
                 "with the plugin's cache yet); drop one of them"
             )
-    if mode == "prefill" and getattr(server_args, "enable_pd_role_switch", False):
-        raise FlagError(
-            f"{ENABLE_FLAG} cannot be combined with --enable-pd-role-switch (a role switch "
-            "rebuilds the server's queues for the other side at run time, which the plugin's "
-            "pool and cache are not re-checked for); drop one of them"
-        )
+    if mode in ("prefill", "decode") and getattr(server_args, "enable_pd_role_switch", False):
+        # SGLang's flip (disaggregation/role_switch.py) keeps the pools and resets the tree;
+        # the server may serve either side, so it must be a decode side the plugin serves
+        if not getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
+            raise FlagError(
+                f"{ENABLE_FLAG} with --enable-pd-role-switch needs "
+                "--disaggregation-decode-enable-radix-cache (either role may become the decode "
+                "side after a flip, and the plugin serves SGLang's decode path only with its "
+                f"decode-side tree): add it, or drop {ENABLE_FLAG}"
+            )
+        if getattr(server_args, "enable_hierarchical_cache", False):
+            raise FlagError(
+                f"{ENABLE_FLAG} with --enable-pd-role-switch cannot be combined with "
+                "--enable-hierarchical-cache (after a flip to decode: SGLang's decode-side host "
+                "tier is not served with the plugin's cache yet); drop one of them"
+            )
 
 
 def _check_mamba_cache_size(server_args) -> None:
