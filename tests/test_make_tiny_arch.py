@@ -35,6 +35,13 @@ EXPECTED = {
     "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration",
                     "model.language_model.layers.0.mlp.shared_expert_gate.weight", (1, 64)),
     "lfm2_vl": ("Lfm2VlForConditionalGeneration", "model.multi_modal_projector.linear_2.weight", (64, 64)),
+    # written by hand (transformers has no GigaChat class): Qwen3-Next's GDN under self_attn
+    "gigachat35": ("GigaChat35ForCausalLM", "model.layers.0.self_attn.in_proj_qkvz.weight", (192, 64)),
+    # written by hand: Kimi-Linear's KDA names under attention (SGLang's BailingKDA)
+    "bailing_moe_v3": ("BailingMoeV3ForCausalLM", "model.layers.0.attention.f_b_proj.weight", (64, 16)),
+    # transformers' Qwen3.5 MoE VLM weights under SGLang's Intern-S2-Preview class
+    "interns2preview": ("InternS2PreviewForConditionalGeneration",
+                        "model.language_model.layers.1.mlp.shared_expert_gate.weight", (1, 64)),
     # Nemotron-H's weights (transformers has no Puzzle class), its MoE block last
     "nemotron_h_puzzle": ("NemotronHPuzzleForCausalLM", "backbone.layers.3.mixer.gate.weight", (4, 64)),
 }
@@ -66,13 +73,27 @@ LINEAR_AND_FULL = {
     and c["text_config"]["vocab_size"] == 768 and c["vision_config"]["num_hidden_layers"] == 1,
 }
 
+LINEAR_AND_FULL["interns2preview"] = lambda c: c["text_config"]["layer_types"] == [
+    "linear_attention", "full_attention"] * 2 and c["text_config"]["num_experts"] == 4 and c["vision_config"]["depth"] == 1
+LINEAR_AND_FULL["gigachat35"] = lambda c: c["layer_types"] == ["linear_attention", "attention"] * 2 and c[
+    "first_k_dense_replace"] == 1 and c["q_lora_rank"] == 32
+LINEAR_AND_FULL["bailing_moe_v3"] = lambda c: c["layer_group_size"] == 2 and c["short_conv_kernel_size"] == 4 and c[
+    "full_attention_type"] == "mla"
 LINEAR_AND_FULL["nemotron_h_puzzle"] = lambda c: c["hybrid_override_pattern"] == "M*ME" and [
     b["block_type"] for b in c["block_configs"]] == ["mamba", "attention", "mamba", "moe"] and "layers_block_type" not in c
 
 # The VLMs' processor configs, which SGLang's tokenizer manager loads at start-up.
 VLM_PROCESSOR_FILES = {"qwen3_5": ("preprocessor_config.json", "video_preprocessor_config.json"),
                        "qwen3_5_moe": ("preprocessor_config.json", "video_preprocessor_config.json"),
-                       "lfm2_vl": ("preprocessor_config.json",)}
+                       "lfm2_vl": ("preprocessor_config.json",),
+                       # a model_type transformers does not know: the processor class named
+                       "interns2preview": ("preprocessor_config.json", "video_preprocessor_config.json",
+                                           "processor_config.json")}
+#: The config.json model_type where it is not the --arch name (SGLang's config class's).
+MODEL_TYPE = {"interns2preview": "intern_s2_preview", "gigachat35": "gigachat3_5", "bailing_moe_v3": "bailing_hybrid"}
+#: Families whose weights are written by hand (``hf_tiny_written``): SGLang's class must fill
+#: every parameter from the file (``testing/model_load.py``).
+WRITTEN = ("gigachat35", "bailing_moe_v3")
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
@@ -115,7 +136,7 @@ class TestMakeTinyArch(unittest.TestCase):
             with self.subTest(arch=arch):
                 cfg = self._config(arch)
                 self.assertEqual(cfg[MARKER_KEY], arch)
-                self.assertEqual(cfg["model_type"], arch)
+                self.assertEqual(cfg["model_type"], MODEL_TYPE.get(arch, arch))
                 self.assertEqual(cfg["architectures"], [EXPECTED[arch][0]])
                 self.assertEqual(cfg["torch_dtype"], "float16")
                 self.assertEqual(cfg["vocab_size"], 768)
@@ -177,6 +198,19 @@ class TestMakeTinyArch(unittest.TestCase):
         self.assertTrue(q["gdn"])
         self.assertEqual((q["linear"], q["full"]), ([0, 2], [1, 3]))
         self.assertEqual((q["rotary"], q["theta"]), (0.25, 10000.0))
+
+    def test_written_weights_fill_every_sglang_parameter(self):
+        """A hand-written checkpoint (no transformers class) loads into SGLang's own class with
+        no parameter left unfilled (SGLang's loaders skip unknown names silently)."""
+        for arch in WRITTEN:
+            with self.subTest(arch=arch):
+                proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.model_load", self.dirs[arch]],
+                                      capture_output=True, text=True, timeout=300)
+                self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+                got = json.loads(proc.stdout.strip().splitlines()[-1])
+                self.assertEqual(got["class"], EXPECTED[arch][0])
+                self.assertEqual(got["unloaded"], [])
+                self.assertGreater(got["parameters"], 50)
 
     def test_arch_refuses_tiny_only_flags(self):
         proc = subprocess.run([sys.executable, SCRIPT, "--arch", "lfm2", "--out", os.path.join(self.tmp.name, "x"),

@@ -96,7 +96,9 @@ class TestListArchs(unittest.TestCase):
         served = {**SIX, "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                   "lfm2_moe": "Lfm2MoeForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "lfm2_vl": "Lfm2VlForConditionalGeneration",
-                  "mamba2": "Mamba2ForCausalLM", "nemotron_h_puzzle": "NemotronHPuzzleForCausalLM"}
+                  "mamba2": "Mamba2ForCausalLM", "nemotron_h_puzzle": "NemotronHPuzzleForCausalLM",
+                  "interns2preview": "InternS2PreviewForConditionalGeneration",
+                  "gigachat35": "GigaChat35ForCausalLM", "bailing_moe_v3": "BailingMoeV3ForCausalLM"}
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)
             self.assertEqual(arch_class(name), arch)

@@ -42,7 +42,7 @@ __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CL
 #: (``tests/e2e/test_sglang_families_serving.py``), by ``--arch`` name (SGLang's module name).
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
                 "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2",
-                "nemotron_h_puzzle")
+                "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3")
 #: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
 #: served yet would follow the served ones, status ``build only``).
 ARCHS = SERVED_ARCHS
@@ -258,6 +258,60 @@ _FAMILIES: Dict[str, Dict] = {
     ),
 }
 
+# Families transformers has no class for: weights written by hand in the names SGLang's loader
+# reads (``writer``: a function of :mod:`.hf_tiny_written`); no float32 reference.
+# GigaChat 3.5 (SGLang's gigachat35 module): DeepSeek-V3 layers (MLA with a query LoRA and a
+# gated output, DeepSeek MoE with sigmoid routing and a correction bias, first layer dense)
+# whose linear layers are Qwen3-Next's Gated DeltaNet; zero-centered gated norms before and
+# after each sublayer (the released defaults). model_type as SGLang's GigaChat35Config names it.
+_FAMILIES["gigachat35"] = dict(
+    cls="GigaChat35ForCausalLM", writer="gigachat35_weights",
+    config=dict(
+        model_type="gigachat3_5", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=_LAYERS, layer_types=["linear_attention", "attention"] * (_LAYERS // 2),
+        num_attention_heads=4, num_key_value_heads=4, hidden_act="silu",
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_layer_freq=1, first_k_dense_replace=1,
+        routed_scaling_factor=1.0, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, linear_attention_type="Qwen3NextGatedDeltaNet",
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_sigmoid_gate_scale=2.0,
+        output_gate_type="sigmoid", norm_type="ZeroCenteredGatedNorm", layernorm_type="pre_post",
+        layernorm_gating_weight=2.0, gated_attention=True, use_mla_scaling_factor=True,
+        rope_theta=10000.0, rope_interleave=True, rms_norm_eps=1e-6, attention_bias=False,
+        # DeepSeek's YaRN at factor 1 (plain rotary positions): on CPU SGLang builds MLA's rotary
+        # embedding only for deepseek_yarn scaling (layers/rotary_embedding/factory.py:478-481)
+        rope_scaling=dict(rope_type="deepseek_yarn", type="deepseek_yarn", factor=1.0,
+                          original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+                          mscale_all_dim=1.0),
+    ),
+)
+
+
+# Ling-V3 (SGLang's bailing_moe_v3 module, config BailingHybridConfig with use_kda: a
+# short_conv_kernel_size): KDA layers with a full-attention MLA layer every layer_group_size-th
+# layer, Bailing's MoE (sigmoid router with an expert bias, one shared expert) after a dense
+# first layer. rope_parameters as DeepSeek's YaRN at factor 1 for the same CPU reason as
+# GigaChat's (MLA's rotary embedding on CPU, layers/rotary_embedding/factory.py:478-481).
+_FAMILIES["bailing_moe_v3"] = dict(
+    cls="BailingMoeV3ForCausalLM", writer="bailing_moe_v3_weights",
+    config=dict(
+        model_type="bailing_hybrid", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=_LAYERS, layer_group_size=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+        hidden_act="silu", short_conv_kernel_size=4, no_kda_lora=False, kda_safe_gate=False,
+        full_attention_type="mla", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, rope_interleave=True, use_mla_nope=False,
+        num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, moe_router_enable_expert_bias=True, score_function="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=1.0, use_qkv_bias=False, use_bias=False, use_qk_norm=False,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_parameters=dict(rope_type="deepseek_yarn", type="deepseek_yarn", rope_theta=10000.0, factor=1.0,
+                             original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+                             mscale_all_dim=1.0),
+    ),
+)
+
+
 def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:
     """A Qwen3.5 VLM family entry (dense or MoE): a one-block vision tower in front of the text
     model (filled below), vision token ids at the vocabulary's end (760-763)."""
@@ -276,6 +330,13 @@ def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:
 
 _FAMILIES["qwen3_5"] = _qwen35_vlm("qwen3_5", "Qwen3_5ForConditionalGeneration")
 _FAMILIES["qwen3_5_moe"] = _qwen35_vlm("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", module="qwen3_5")
+# Intern-S2-Preview (SGLang's interns2preview module): a Qwen3_5MoeForConditionalGeneration
+# subclass with nothing of its own, config InternS2PreviewConfig (model_type intern_s2_preview,
+# Qwen3.5 MoE's text sub-config). transformers has no such class: the weights and the float32
+# reference are its Qwen3_5MoeForConditionalGeneration's at the same sizes.
+_FAMILIES["interns2preview"] = _qwen35_vlm("intern_s2_preview", "InternS2PreviewForConditionalGeneration",
+                                           hf_cls="Qwen3_5MoeForConditionalGeneration", hf_model_type="qwen3_5_moe",
+                                           processor_class="Qwen3VLProcessor")
 
 
 def _vlm_text(arch: str, **extra) -> Dict:
@@ -291,6 +352,7 @@ _MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.2
               mrope_interleaved=True)
 _FAMILIES["qwen3_5"]["config"]["text_config"] = _vlm_text("qwen3_5_text", rope_parameters=dict(_MROPE))
 _FAMILIES["qwen3_5_moe"]["config"]["text_config"] = _vlm_text("qwen3_5_moe_text", rope_parameters=dict(_MROPE))
+_FAMILIES["interns2preview"]["config"]["text_config"] = _vlm_text("qwen3_5_moe_text", rope_parameters=dict(_MROPE))
 _FAMILIES["lfm2_vl"]["config"]["text_config"] = _vlm_text("lfm2")
 
 
@@ -423,6 +485,10 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
     sub = _FAMILIES[arch].get("sub")
     if sub:  # a VLM: its text model reads these from its own sub-config
         config_json[sub].update(common)
+    if _FAMILIES[arch].get("writer"):
+        _build_written(arch, out_dir, config_json, seed)
+        write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
+        return
     model = _transformers_model(arch, config_json, seed)
     _spread_weights(model, seed, experts=_FAMILIES[arch].get("spread_experts", False))
     _scale_lm_head(model)
@@ -448,6 +514,24 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
         _write_processor_configs(arch, out_dir)
 
 
+def _build_written(arch: str, out_dir: str, config_json: Dict, seed: int) -> None:
+    """A family transformers has no class for: the weights of :mod:`.hf_tiny_written`, float16,
+    the LM head scaled by :data:`LOGIT_STD` (logits of std about 1 per unit scale: the final norm
+    leaves about unit RMS and the head is N(0, 1/hidden)), and the config as written."""
+    from safetensors.torch import save_file
+
+    from sglang_mamba_ext.models import hf_tiny_written
+
+    weights = getattr(hf_tiny_written, _FAMILIES[arch]["writer"])(config_json, seed, LOGIT_STD)
+    save_file({k: v.to(torch.float16).contiguous() for k, v in weights.items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(config_json, architectures=[_FAMILIES[arch]["cls"]], torch_dtype="float16", dtype="float16")
+    cfg[MARKER_KEY] = arch
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
 def _write_processor_configs(arch: str, out_dir: str) -> None:
     """A VLM's image (and video) processor configs, which SGLang's tokenizer manager loads at
     start-up for a multimodal class (``AutoProcessor``) even when only text is sent: the family's
@@ -465,6 +549,12 @@ def _write_processor_configs(arch: str, out_dir: str) -> None:
     pixels = dict(size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
     Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, **pixels).save_pretrained(out_dir)
     Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, **pixels).save_pretrained(out_dir)
+    if _FAMILIES[arch].get("processor_class"):
+        # a model_type transformers' AutoProcessor does not know (e.g. intern_s2_preview): name
+        # the processor class, as the released checkpoints' processor_config.json does
+        with open(os.path.join(out_dir, "processor_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"processor_class": _FAMILIES[arch]["processor_class"]}, f, indent=2)
+            f.write("\n")
 
 
 def reference_greedy(model_dir: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -71,6 +71,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Lfm2MoeForCausalLM",
     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Lfm2VlForConditionalGeneration",
     "Mamba2ForCausalLM", "NemotronHPuzzleForCausalLM",
+    "InternS2PreviewForConditionalGeneration", "GigaChat35ForCausalLM", "BailingMoeV3ForCausalLM",
 )
 
 #: KV tokens: a few thousand-token conversations at once.

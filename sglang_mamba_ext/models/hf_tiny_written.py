@@ -1,0 +1,176 @@
+"""Tiny checkpoints for SGLang classes that transformers has no model class for (issue 40): the
+weights are written by hand, tensor by tensor, in the names and shapes SGLang's loader for the
+class reads (its ``load_weights``), not produced by a transformers model. Used by
+:mod:`.hf_tiny` for families whose entry names a ``writer``.
+
+There is no float32 reference for these families (transformers has no class to run), so their
+served checks are the cache's own: hits, and outputs equal to a cold run.
+
+- :func:`gigachat35_weights`: SGLang's ``GigaChat35ForCausalLM`` (``models/gigachat35.py``): a
+  DeepSeek-V3 layout (MLA attention, DeepSeek MoE, ``model.layers.N.*`` names as its
+  ``DeepseekV2WeightLoaderMixin`` reads them) whose linear layers are Qwen3-Next's Gated
+  DeltaNet under ``self_attn`` (``in_proj_qkvz``, ``in_proj_ba``, ``conv1d``, ``A_log``,
+  ``dt_bias``, ``norm``, ``out_proj``); GigaChat's gated norms (``gate_up_projection`` /
+  ``gate_down_projection``, a low rank of 16) everywhere a norm is, and the sigmoid gate of the
+  attention output (``self_attn.gate_proj``).
+
+Only torch; deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+import torch
+
+#: SGLang's GigaChat35GatedRMSNorm's gate bottleneck (``models/gigachat35.py``, _GATED_NORM_LOW_RANK)
+GATED_NORM_RANK = 16
+
+
+class _Draw:
+    """Seeded tensors: projections ``N(0, 1/fan_in)`` (as ``hf_tiny._spread_weights``), so each
+    block moves the residual stream and outputs depend on the context."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def proj(self, out: int, inp: int) -> torch.Tensor:
+        return torch.randn(out, inp, generator=self.gen) / math.sqrt(inp)
+
+    def normal(self, *shape: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen) * std
+
+    def uniform(self, lo: float, hi: float, *shape: int) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(*shape, generator=self.gen)
+
+
+def _gated_norm(w: Dict[str, torch.Tensor], d: _Draw, prefix: str, size: int) -> None:
+    """A zero-centered gated RMSNorm (``norm_type`` ZeroCenteredGatedNorm): its weight (around
+    0: the norm scales by 1 + weight) and the low-rank gate, in the checkpoint's names
+    (SGLang renames ``gate_*_projection`` to ``gate_*_lowrank`` on load)."""
+    w[f"{prefix}.weight"] = d.normal(size, std=0.1)
+    w[f"{prefix}.gate_up_projection.weight"] = d.proj(GATED_NORM_RANK, size)
+    w[f"{prefix}.gate_down_projection.weight"] = d.proj(size, GATED_NORM_RANK)
+
+
+def _swiglu(w: Dict[str, torch.Tensor], d: _Draw, prefix: str, hidden: int, inter: int) -> None:
+    w[f"{prefix}.gate_proj.weight"] = d.proj(inter, hidden)
+    w[f"{prefix}.up_proj.weight"] = d.proj(inter, hidden)
+    w[f"{prefix}.down_proj.weight"] = d.proj(hidden, inter)
+
+
+def gigachat35_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
+    """The float32 state dict of a tiny ``GigaChat35ForCausalLM`` for the config fields ``cfg``
+    (``layer_types`` of ``linear_attention`` / ``attention``, MLA sizes with a ``q_lora_rank``,
+    ``first_k_dense_replace`` dense layers then MoE, ``layernorm_type`` pre_post,
+    ``gated_attention``). ``logit_scale`` multiplies the LM head (N(0, 1/hidden) per entry
+    otherwise), for peaked logits."""
+    d = _Draw(seed)
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    w: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": d.normal(vocab, h)}
+    heads, nope, rope, vdim = (cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                               cfg["v_head_dim"])
+    q_lora, kv_lora = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    nk, nv, dk, dv = (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"],
+                      cfg["linear_value_head_dim"])
+    conv_k = cfg["linear_conv_kernel_dim"]
+    for i, kind in enumerate(cfg["layer_types"]):
+        p = f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm",
+                     "post_feedforward_layernorm"):
+            _gated_norm(w, d, f"{p}.{norm}", h)
+        a = f"{p}.self_attn"
+        if kind == "linear_attention":
+            # Qwen3-Next's Gated DeltaNet (SGLang's Qwen3GatedDeltaNet under self_attn)
+            key, value = nk * dk, nv * dv
+            w[f"{a}.in_proj_qkvz.weight"] = d.proj(2 * key + 2 * value, h)
+            w[f"{a}.in_proj_ba.weight"] = d.proj(2 * nv, h)
+            w[f"{a}.conv1d.weight"] = d.normal(2 * key + value, 1, conv_k, std=1.0 / math.sqrt(conv_k))
+            w[f"{a}.A_log"] = torch.log(d.uniform(1.0, 16.0, nv))
+            w[f"{a}.dt_bias"] = torch.ones(nv)
+            w[f"{a}.norm.weight"] = torch.ones(dv)
+            w[f"{a}.out_proj.weight"] = d.proj(h, value)
+        else:
+            # DeepSeek's MLA with a query LoRA, gated output (SGLang: self_attn.attn_gate)
+            w[f"{a}.q_a_proj.weight"] = d.proj(q_lora, h)
+            _gated_norm(w, d, f"{a}.q_a_layernorm", q_lora)
+            w[f"{a}.q_b_proj.weight"] = d.proj(heads * (nope + rope), q_lora)
+            w[f"{a}.kv_a_proj_with_mqa.weight"] = d.proj(kv_lora + rope, h)
+            _gated_norm(w, d, f"{a}.kv_a_layernorm", kv_lora)
+            w[f"{a}.kv_b_proj.weight"] = d.proj(heads * (nope + vdim), kv_lora)
+            w[f"{a}.o_proj.weight"] = d.proj(h, heads * vdim)
+            w[f"{a}.gate_proj.weight"] = d.proj(heads * vdim, h)
+        m = f"{p}.mlp"
+        if i < cfg["first_k_dense_replace"]:
+            _swiglu(w, d, m, h, cfg["intermediate_size"])
+        else:
+            n_exp, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+            w[f"{m}.gate.weight"] = d.proj(n_exp, h)
+            w[f"{m}.gate.e_score_correction_bias"] = d.normal(n_exp, std=0.1)
+            for e in range(n_exp):
+                _swiglu(w, d, f"{m}.experts.{e}", h, inter)
+            _swiglu(w, d, f"{m}.shared_experts", h, inter * cfg["n_shared_experts"])
+    _gated_norm(w, d, "model.norm", h)
+    w["lm_head.weight"] = d.proj(vocab, h) * logit_scale
+    return w
+
+
+def _kda(w: Dict[str, torch.Tensor], d: _Draw, a: str, hidden: int, heads: int, dim: int, conv_k: int) -> None:
+    """Kimi Delta Attention in Kimi-Linear's checkpoint names (SGLang's ``KimiDeltaAttention``,
+    which ``BailingKDA`` subclasses): q/k/v projections, one short conv each, the low-rank
+    decay (f) and output-gate (g) projections of rank ``dim``, beta, ``A_log`` per head,
+    ``dt_bias`` per channel, the gated output norm."""
+    width = heads * dim
+    for x in "qkv":
+        w[f"{a}.{x}_proj.weight"] = d.proj(width, hidden)
+        w[f"{a}.{x}_conv1d.weight"] = d.normal(width, 1, conv_k, std=1.0 / math.sqrt(conv_k))
+    for x in "fg":
+        w[f"{a}.{x}_a_proj.weight"] = d.proj(dim, hidden)
+        w[f"{a}.{x}_b_proj.weight"] = d.proj(width, dim)
+    w[f"{a}.b_proj.weight"] = d.proj(heads, hidden)
+    w[f"{a}.A_log"] = torch.log(d.uniform(1.0, 16.0, heads))
+    w[f"{a}.dt_bias"] = d.normal(width, std=0.1)
+    w[f"{a}.o_norm.weight"] = torch.ones(dim)
+    w[f"{a}.o_proj.weight"] = d.proj(hidden, width)
+
+
+def bailing_moe_v3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
+    """The float32 state dict of a tiny ``BailingMoeV3ForCausalLM`` (Ling-V3, SGLang's
+    ``models/bailing_moe_v3.py``) for the config fields ``cfg``: ``layer_group_size`` g puts a
+    full-attention layer (DeepSeek's MLA, ``q_lora_rank`` None) at every g-th layer and KDA
+    layers between (``short_conv_kernel_size`` set), both under ``attention``; the first
+    ``first_k_dense_replace`` layers have a dense MLP, the rest Bailing's MoE (a router with an
+    expert bias, routed and shared experts); ``model.word_embeddings`` and ``model.norm``."""
+    d = _Draw(seed)
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    w: Dict[str, torch.Tensor] = {"model.word_embeddings.weight": d.normal(vocab, h)}
+    heads = cfg["num_attention_heads"]
+    nope, rope, vdim, kv_lora = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    group = cfg["layer_group_size"]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        w[f"{p}.input_layernorm.weight"] = 1.0 + d.normal(h, std=0.1)
+        w[f"{p}.post_attention_layernorm.weight"] = 1.0 + d.normal(h, std=0.1)
+        a = f"{p}.attention"
+        if (i + 1) % group != 0:
+            _kda(w, d, a, h, heads, cfg["head_dim"], cfg["short_conv_kernel_size"])
+        else:
+            w[f"{a}.q_proj.weight"] = d.proj(heads * (nope + rope), h)
+            w[f"{a}.kv_a_proj_with_mqa.weight"] = d.proj(kv_lora + rope, h)
+            w[f"{a}.kv_a_layernorm.weight"] = 1.0 + d.normal(kv_lora, std=0.1)
+            w[f"{a}.kv_b_proj.weight"] = d.proj(heads * (nope + vdim), kv_lora)
+            w[f"{a}.o_proj.weight"] = d.proj(h, heads * vdim)
+        m = f"{p}.mlp"
+        if i < cfg["first_k_dense_replace"]:
+            _swiglu(w, d, m, h, cfg["intermediate_size"])
+        else:
+            n_exp, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
+            w[f"{m}.gate.weight"] = d.proj(n_exp, h)
+            w[f"{m}.gate.expert_bias"] = d.normal(n_exp, std=0.1)
+            for e in range(n_exp):
+                _swiglu(w, d, f"{m}.experts.{e}", h, inter)
+            _swiglu(w, d, f"{m}.shared_experts", h, inter * cfg["num_shared_experts"])
+    w["model.norm.weight"] = 1.0 + d.normal(h, std=0.1)
+    w["lm_head.weight"] = d.proj(vocab, h) * logit_scale
+    return w

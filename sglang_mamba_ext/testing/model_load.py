@@ -1,0 +1,54 @@
+"""Load a tiny checkpoint into SGLang's own model class, in-process on CPU, without a server
+(issue 40): for checkpoints whose weights are written by hand (``models/hf_tiny_written.py``),
+that every parameter of SGLang's class is filled from the file (SGLang's loaders skip names they
+do not know and leave parameters they are not given as they were, so a served check alone would
+not notice a misnamed tensor).
+
+``python -m sglang_mamba_ext.testing.model_load MODEL_DIR [PORT]`` prints one JSON line:
+``{"class": <the class SGLang's registry resolves>, "unloaded": [parameters still NaN after
+load_weights and post_load_weights], "parameters": <count>}``. Parameters start as NaN. Run it
+in its own process: it initialises a one-rank gloo group. (The MTP drafts' version of this check:
+:mod:`.mtp_load`.)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def check(model_dir: str, port: int = 29541) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    from sglang_mamba_ext.benchmarks.scheduler import apply_plugin
+
+    apply_plugin()
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.model_loader.utils import get_model_architecture
+    from sglang.srt.runtime_context import create_context, get_parallel, use_context
+    from sglang.srt.server_args import prepare_server_args
+
+    sa = prepare_server_args(["--model-path", model_dir, "--device", "cpu"])
+    with use_context(create_context(sa, role="scheduler")):
+        mc = ModelConfig.from_server_args(sa, model_path=model_dir)
+        cls, _ = get_model_architecture(mc)
+        init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        with get_parallel().override(tp_rank=0, pp_rank=0, attn_tp_rank=0, moe_ep_rank=0, moe_tp_rank=0,
+                                     attn_dp_rank=0, attn_cp_rank=0):
+            initialize_model_parallel()
+            torch.set_default_dtype(torch.float16)
+            model = cls(config=mc.hf_config)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+            model.load_weights(iter(load_file(f"{model_dir}/model.safetensors").items()))
+        params = dict(model.named_parameters())
+        unloaded = sorted(n for n, p in params.items() if torch.isnan(p).any())
+    return {"class": cls.__name__, "unloaded": unloaded, "parameters": len(params)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(check(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 29541)))
