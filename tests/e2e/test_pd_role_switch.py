@@ -14,7 +14,8 @@ log-probabilities equal ``TinyHybridReference``'s (the state comes from B's pool
 prefix KV from A's decode-side tree); the tree each server held before is gone (B, a decode
 server that had cached the first conversation, misses it as a prefill server); a resend
 hits ``len - 1`` on the new prefill server and the new decode side asks only for what its
-tree lacks; SGLang's strict idle checks (leaks) run on both servers.
+tree lacks; SGLang's strict idle checks (leaks) run on both servers. Then both flip back, and
+the same holds again.
 """
 
 import concurrent.futures
@@ -125,6 +126,21 @@ class TestPdRoleSwitch(unittest.TestCase):
         self.assertGreater(after["pd_decode_prefix_tokens"] - before["pd_decode_prefix_tokens"], 0)
         self.assertLess(after["pd_decode_kv_tokens_received"] - before["pd_decode_kv_tokens_received"],
                         len(second))
+        idle_and_checked(self.a)
+        idle_and_checked(self.b)
+
+    def test_3_flip_back(self):
+        """A second flip (each server back to its first role) leaves nothing behind either."""
+        for server, role in ((self.a, "prefill"), (self.b, "decode")):
+            code, out = self.switch(server, role)
+            self.assertEqual((code, out["success"]), (200, True), out)
+            info = self.cache(server)
+            self.assertEqual((info["kv_tokens"], info["ssm_states"], info["ssm_slots_free"]),
+                             (0, 0, info["ssm_slots_total"]), info)
+        type(self).pair = (self.a, self.bootstrap_a, self.b)
+        third = _ids(600, 30)
+        self.assertEqual(self.gen(third)["meta_info"]["cached_tokens"], 0)
+        self.assertEqual(self.gen(third)["meta_info"]["cached_tokens"], len(third) - 1)
         idle_and_checked(self.a)
         idle_and_checked(self.b)
 
