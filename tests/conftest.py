@@ -100,6 +100,64 @@ def _terminal_line(line: str) -> None:
         reporter.write_line(line)
 
 
+#: the directory one test run's workers share (:func:`shared_build`), made by the controller
+_SHARED = {"dir": None, "owner": False}
+
+
+def _shared_dir() -> str:
+    if _SHARED["dir"] is None:  # outside pytest (python -m unittest): this process only
+        import atexit
+        import shutil
+
+        _SHARED["dir"] = tempfile.mkdtemp(prefix="mamba-ext-shared-")
+        atexit.register(shutil.rmtree, _SHARED["dir"], True)
+    return _SHARED["dir"]
+
+
+def shared_build(key: str, build) -> str:
+    """A directory built once per test run and shared by its workers: ``build(path)`` fills a
+    fresh directory the first time ``key`` is asked for (under a file lock, so a second
+    worker waits for it instead of building it again); later calls, in any worker, return the
+    finished directory. Used for what several classes build alike (the MTP pairs and their
+    plain servers' outputs, ``tests/e2e/test_mtp_spec_serving.py``, ``tests/test_mtp_tiny.py``).
+    Removed when the run ends."""
+    import fcntl
+
+    root = _shared_dir()
+    path = os.path.join(root, key)
+    done = os.path.join(path, ".built")
+    if os.path.exists(done):
+        return path
+    with open(os.path.join(root, key + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(done):
+            tmp = tempfile.mkdtemp(prefix=key + "-building-", dir=root)
+            build(tmp)
+            open(os.path.join(tmp, ".built"), "w").close()
+            os.rename(tmp, path)
+    return path
+
+
+def mtp_pair(arch: str):
+    """``(target dir, draft dir, the script's stdout)``: the tiny ``arch`` checkpoint and its
+    MTP draft as ``scripts/make_tiny_model.py --arch ARCH --out T --draft-out D`` writes them
+    (seed 0), built once per test run (:func:`shared_build`)."""
+    import subprocess
+
+    def build(path):
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "make_tiny_model.py"), "--arch", arch,
+                               "--out", os.path.join(path, "target"), "--draft-out", os.path.join(path, "draft")],
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the {arch} MTP pair failed: {proc.stderr[-3000:]}")
+        with open(os.path.join(path, "build.out"), "w") as f:
+            f.write(proc.stdout)
+
+    path = shared_build(f"mtp-pair-{arch}", build)
+    with open(os.path.join(path, "build.out")) as f:
+        return os.path.join(path, "target"), os.path.join(path, "draft"), f.read()
+
+
 def _relay_worker_progress(path: str, stop: threading.Event) -> None:
     """Controller side of ``-n``: print the workers' progress lines as they arrive."""
     with open(path, "a+") as f:
@@ -123,7 +181,10 @@ def pytest_configure(config):
         _PROGRESS["file"] = workerinput.get("mamba_ext_progress")
         _PROGRESS["t0"] = workerinput.get("mamba_ext_t0", _PROGRESS["t0"])
         _PROGRESS["worker"] = workerinput.get("workerid")
-    elif getattr(config.option, "numprocesses", None):
+        _SHARED["dir"] = workerinput.get("mamba_ext_shared")
+        return
+    _SHARED["dir"], _SHARED["owner"] = tempfile.mkdtemp(prefix="mamba-ext-shared-"), True
+    if getattr(config.option, "numprocesses", None):
         fd, path = tempfile.mkstemp(prefix="mamba-ext-progress-", suffix=".log")
         os.close(fd)
         _PROGRESS["file"] = path
@@ -137,6 +198,7 @@ def pytest_configure_node(node):
     """pytest-xdist (controller): hand each worker the progress file and the start time."""
     node.workerinput["mamba_ext_progress"] = _PROGRESS["file"]
     node.workerinput["mamba_ext_t0"] = _PROGRESS["t0"]
+    node.workerinput["mamba_ext_shared"] = _SHARED["dir"]
 
 
 def pytest_sessionstart(session):
@@ -150,6 +212,10 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session):
+    if _SHARED["owner"] and _SHARED["dir"]:
+        import shutil
+
+        shutil.rmtree(_SHARED["dir"], ignore_errors=True)
     relay = _PROGRESS.pop("relay", None)
     if relay:
         relay[1].set()

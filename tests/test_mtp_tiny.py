@@ -15,6 +15,8 @@ import unittest
 
 import pytest
 
+from conftest import mtp_pair
+
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,14 +32,8 @@ class _MtpDraft:
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.addClassCleanup(cls.tmp.cleanup)
-        cls.target = os.path.join(cls.tmp.name, "target")
-        cls.draft = os.path.join(cls.tmp.name, "draft")
-        proc = subprocess.run([sys.executable, SCRIPT, "--arch", cls.ARCH, "--out", cls.target,
-                               "--draft-out", cls.draft], capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        cls.stdout = proc.stdout
+        # the script's output, built once per test run and shared with the MTP serving classes
+        cls.target, cls.draft, cls.stdout = mtp_pair(cls.ARCH)
 
     def test_files_and_config(self):
         with open(os.path.join(self.draft, "config.json")) as f:

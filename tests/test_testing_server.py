@@ -159,3 +159,43 @@ class TestZygote(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def _shared_worker(root, key, log):
+    import conftest
+
+    conftest._SHARED["dir"] = root
+
+    def build(path):
+        with open(log, "a") as f:
+            f.write("built\n")
+        import time as _t
+
+        _t.sleep(0.5)  # the other process asks meanwhile
+        with open(os.path.join(path, "payload"), "w") as f:
+            f.write("ok")
+
+    path = conftest.shared_build(key, build)
+    with open(os.path.join(path, "payload")) as f:
+        assert f.read() == "ok"
+
+
+class TestSharedBuild(unittest.TestCase):
+    """``conftest.shared_build``: what the test workers share (the MTP pairs) is built once per
+    run, the second asker waiting for the first's build instead of building it again."""
+
+    def test_two_processes_build_once(self):
+        import multiprocessing
+
+        with tempfile.TemporaryDirectory() as root:
+            log = os.path.join(root, "log")
+            ctx = multiprocessing.get_context("fork")
+            procs = [ctx.Process(target=_shared_worker, args=(root, "pair", log)) for _ in range(2)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(60)
+                self.assertEqual(p.exitcode, 0)
+            with open(log) as f:
+                self.assertEqual(f.read(), "built\n")
+            self.assertEqual(sorted(os.listdir(root)), ["log", "pair", "pair.lock"])

@@ -5,7 +5,8 @@ with ``--enable-mamba-radix``, in SGLang's snapshot mode, topk 1 (a chain) and 2
 The tiny Qwen3-Next, Qwen3.5 (dense text) and Nemotron-H targets and their MTP drafts
 (``scripts/make_tiny_model.py --arch qwen3_next|qwen3_5_text|nemotron_h --draft-out``: SGLang
 loads them as ``Qwen3NextForCausalLMMTP`` / ``Qwen3_5ForCausalLMMTP`` /
-``NemotronHForCausalLMMTP``) are built per class. The user
+``NemotronHForCausalLMMTP``) are built once per test run, shared by the classes, the
+workers and ``tests/test_mtp_tiny.py`` (``conftest.mtp_pair``). The user
 passes SGLang's speculative flags, ``--enable-mamba-radix`` and pool caps; the plugin's CPU
 defaults add the rest (``--disable-overlap-schedule``, the Triton interpreter, the CPU
 speculative routing, ``--speculative-draft-attention-backend triton``) and its CPU bridge for
@@ -13,7 +14,8 @@ the MTP class (``plugin/speculative/cpu_mtp.py``).
 
 Greedy output must equal, token for token, what the same plugin server without speculation
 returned for the same prompts (started first, its outputs kept, stopped before the
-speculative server starts: one server at a time). Accept counts come from ``meta_info`` and are
+speculative server starts: one server at a time; one plain server per architecture per test
+run, its outputs shared by the classes and workers through ``conftest.shared_build``). Accept counts come from ``meta_info`` and are
 checked for consistency (as ``test_spec_serving.py`` does: ``1 + spec_verify_ct +
 spec_num_correct_drafts`` tokens came out of the rounds, at most the last round's accepted
 drafts past ``max_new_tokens``), and the draft must have been accepted somewhere. The cache
@@ -23,12 +25,13 @@ stays exact across speculative turns: a resent 150-token prompt hits 149, its ne
 The deferred classes serve the Qwen3-Next pair with ``--mamba-spec-state-update deferred``: the
 stash is replayed at the start of each of EAGLE's rounds (a BEFORE hook on
 ``EAGLEWorkerV2.forward_batch_generation``), verify runs through the GDN hook with no snapshot
-buffers; the same expected outputs (the plain server's, kept per architecture, so a deferred
-class run after a snapshot class in one process starts no second plain server), accept counts,
+buffers; the same expected outputs (the plain server's), accept counts,
 cache hits and idle checks; the server log names the verify variant it built and, after the
 requests, the replay point (EAGLE's worker).
 """
 
+import hashlib
+import json
 import os
 import tempfile
 import unittest
@@ -46,24 +49,14 @@ TURN_TOKENS = 6
 NEXT_TAIL = list(range(10, 20))
 
 
-#: arch -> the plain server's outputs by prompt (one plain server per arch per test process)
-_WANT = {}
-
-#: arch -> (target dir, draft dir, draft stats): one build per arch per test process (the topk 1
-#: and topk 2 classes share Qwen3-Next's; a build takes about 40 s)
-_BUILDS = {}
-
-
 def _built(arch):
-    from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model
-    from sglang_mamba_ext.models.mtp_tiny import build_mtp_draft
+    """(target dir, draft dir, draft stats): the pair built once per test run, shared by every
+    class and worker with ``tests/test_mtp_tiny.py`` (``conftest.mtp_pair``)."""
+    from conftest import mtp_pair
 
-    if arch not in _BUILDS:
-        tmp = tempfile.TemporaryDirectory(prefix=f"{arch}-mtp-e2e-")
-        target = build_hf_tiny_model(arch, os.path.join(tmp.name, "target"))
-        stats = build_mtp_draft(arch, target, os.path.join(tmp.name, "draft"))
-        _BUILDS[arch] = (tmp, target, os.path.join(tmp.name, "draft"), stats)
-    return _BUILDS[arch][1:]
+    target, draft, _ = mtp_pair(arch)
+    with open(os.path.join(draft, "mtp_tiny.json")) as f:
+        return target, draft, json.load(f)
 
 
 class _MtpSpecCase:
@@ -79,23 +72,29 @@ class _MtpSpecCase:
     @classmethod
     def _expected(cls, base, log_dir):
         """The plain server's greedy outputs for every prompt the tests send (kept per arch)."""
-        key = (cls.ARCH, tuple(map(tuple, cls.PROMPTS)))
-        if key in _WANT:
-            return _WANT[key]
-        # the baseline: the same plugin server without speculation, then stopped
-        plain = Server(cls.target, base, os.path.join(log_dir, "plain.log"), env=dict(CHECKED_ENV))
-        cls.addClassCleanup(plain.stop)
-        plain.wait_healthy()
-        want = {}
-        for p in cls.PROMPTS:
-            want[tuple(p)] = plain.generate(input_ids=p, max_new_tokens=NEW_TOKENS)["output_ids"]
-        out = plain.generate(input_ids=LONG, max_new_tokens=TURN_TOKENS)["output_ids"]
-        want[tuple(LONG)] = out
-        nxt = LONG + out + NEXT_TAIL
-        want[tuple(nxt)] = plain.generate(input_ids=nxt, max_new_tokens=TURN_TOKENS)["output_ids"]
-        plain.stop()
-        _WANT[key] = want
-        return want
+        from conftest import shared_build
+
+        def run_plain(path):
+            # the baseline: the same plugin server without speculation, then stopped
+            plain = Server(cls.target, base, os.path.join(log_dir, "plain.log"), env=dict(CHECKED_ENV))
+            try:
+                plain.wait_healthy()
+                want = []
+                for p in cls.PROMPTS:
+                    want.append([p, plain.generate(input_ids=p, max_new_tokens=NEW_TOKENS)["output_ids"]])
+                out = plain.generate(input_ids=LONG, max_new_tokens=TURN_TOKENS)["output_ids"]
+                want.append([LONG, out])
+                nxt = LONG + out + NEXT_TAIL
+                want.append([nxt, plain.generate(input_ids=nxt, max_new_tokens=TURN_TOKENS)["output_ids"]])
+            finally:
+                plain.stop()
+            with open(os.path.join(path, "want.json"), "w") as f:
+                json.dump(want, f)
+
+        # one plain server per architecture and prompt set per test run, shared by the workers
+        key = hashlib.sha1(json.dumps([cls.ARCH, cls.PROMPTS, base]).encode()).hexdigest()[:12]
+        with open(os.path.join(shared_build(f"mtp-want-{cls.ARCH}-{key}", run_plain), "want.json")) as f:
+            return {tuple(p): out for p, out in json.load(f)}
 
     @classmethod
     def setUpClass(cls):
