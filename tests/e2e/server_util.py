@@ -30,6 +30,11 @@ CHECKED_ENV = {
 #: own reference computations need. With it the idle scheduler still runs its idle checks
 #: (``CHECKED_ENV``), then waits up to 1 s for the next request (SGLang's ``IdleSleeper``).
 TEST_SERVER_FLAGS = ["--sleep-on-idle"]
+#: Added to every forked test server (not to the ``spawn`` ones, launched as a user does):
+#: SGLang's start-up warm-up request (``http_server.py::_wait_and_warmup``) costs every one of
+#: the suite's ~75 start-ups 3-6 s (more on a speculative server, whose verify runs
+#: interpreted), and no test relies on it; the classes' own first requests warm up instead.
+FORKED_SERVER_FLAGS = ["--skip-server-warmup"]
 
 
 #: Test servers are forked from a process that has imported SGLang already
@@ -48,8 +53,9 @@ class Server(ServerProcess):
 
     def __init__(self, model_dir: str, args: List[str], log_path: str, env: Optional[Dict[str, str]] = None,
                  spawn: bool = False):
-        args = [*args, *(f for f in TEST_SERVER_FLAGS if f not in args)]
         fork = not spawn and os.environ.get(FORK_ENV, "1") != "0"
+        extra = TEST_SERVER_FLAGS + (FORKED_SERVER_FLAGS if fork else [])
+        args = [*args, *(f for f in extra if f not in args)]
         super().__init__(model_dir, args, env=env, start_timeout_s=START_TIMEOUT_S, log_path=log_path, fork=fork)
 
     def wait_healthy(self) -> None:
