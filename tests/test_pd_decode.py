@@ -15,6 +15,7 @@ real SGLang 0.5.23 objects on CPU (no server; the served path is
 """
 
 import contextlib
+import inspect
 import unittest
 from types import SimpleNamespace
 
@@ -171,6 +172,23 @@ class TestDecodeRequestLife(unittest.TestCase):
         self.assertEqual(self.turn("n2", ids2, [1, 2]), 0)
         self.assertEqual(self.turn("a2", ids2, [1, 2], salt="a"), len(ids1) + len(out1) - 1)
 
+    def test_no_planned_checkpoint_on_the_decode_side(self):
+        # The pool's alloc plans prefix checkpoints (prompt length - 1, the branch point) for
+        # the forward of a prefill to write; a decode-side request runs no forward over its
+        # prompt, so planned slots would enter the tree at its finish holding whatever they
+        # held before (a resend of the same prompt then "hit" len - 1 on a stale state).
+        # The pre-alloc hook frees them: the resend hits only the previous turn's finish.
+        self.pool.prefix_checkpoint_writer = True  # as the server's backends set it
+        ids1, out1 = list(range(3, 40)), [100 + i for i in range(6)]
+        self.turn("p1", ids1, out1)
+        ids2 = ids1 + out1 + [5, 6, 7, 8]
+        req = F.make_req("p2", ids2, max_new_tokens=3)
+        self.admit(req)
+        self.assertEqual(self.pool.prefix_checkpoints, {}, "no planned checkpoint on a decode-side request")
+        self.decode_and_finish(req, [1, 2, 3])
+        self.assertEqual(self.turn("p3", ids2, [4]), len(ids1) + len(out1) - 1)
+        self.assertEqual(self.cache.core.mamba_protected_size(), 0)
+
     def test_transfer_failure_after_match_frees_everything(self):
         from sglang.srt.mem_cache.common import release_kv_cache
 
@@ -185,6 +203,50 @@ class TestDecodeRequestLife(unittest.TestCase):
         self.assertEqual(self.cache.core.full_protected_size(), 0)
         self.assertEqual(self.cache.core.mamba_protected_size(), 0)
         self.assertEqual(self.free_counts(), before)
+
+
+class TestDecodeHostTierRestoreGate(unittest.TestCase):
+    """``--enable-hierarchical-cache`` on the decode server: SGLang gates each transfer on a
+    host-tier restore status that its ``_process_hicache_local_restores`` moves on only for
+    a tree with a cache controller; the plugin's tree loads host KV inside its match, so the
+    hook marks the requests ready (``plugin/pd_decode.py``)."""
+
+    def test_ready_under_the_plugin_pending_under_sglangs_method(self):
+        from sglang.srt.disaggregation.decode_hicache_mixin import (
+            DecodeHiCacheTransferMixin, DecodePrefixMatch, HiCacheRestoreGatedKVReceiver, HiCacheRestoreResult)
+        from sglang.srt.disaggregation.base import KVPoll
+
+        from sglang_mamba_ext.plugin import pd_decode
+
+        F.apply_plugin_hooks()
+        ctx, _ = F.scheduler_context(F.base_argv("--enable-mamba-radix", *DECODE, "--enable-hierarchical-cache"))
+        original = inspect.unwrap(DecodeHiCacheTransferMixin._process_hicache_local_restores)
+
+        def reqs():
+            device_hit = DecodePrefixMatch(prefix_indices=torch.arange(5), l2_host_hit_length=0,
+                                           l3_storage_hit_length=0, last_device_node=None)
+            return [SimpleNamespace(hicache_restore_status=HiCacheRestoreResult.PENDING, prefix_match=m,
+                                    hicache_load_consumer_index=-1, req=SimpleNamespace(rid=f"r{i}"),
+                                    kv_receiver=SimpleNamespace(poll=lambda: KVPoll.Success))
+                    for i, m in enumerate((None, device_hit))]
+
+        from sglang_mamba_ext.plugin.cache import MambaRadixCacheAdapter
+
+        self.assertFalse(hasattr(MambaRadixCacheAdapter, "is_load_back_event_done"))
+        queue = SimpleNamespace(tree_cache=object())  # as the plugin's tree: no is_load_back_event_done
+        with F.in_context(ctx):
+            stuck = reqs()
+            original(queue, stuck)  # SGLang's method alone: the transfers would wait forever
+            self.assertEqual([HiCacheRestoreGatedKVReceiver(dr).poll() for dr in stuck], [KVPoll.Transferring] * 2)
+            served = reqs()
+            pd_decode.process_hicache_local_restores_around(original, queue, served)
+            self.assertEqual([dr.hicache_restore_status for dr in served], [HiCacheRestoreResult.READY] * 2)
+            self.assertEqual([HiCacheRestoreGatedKVReceiver(dr).poll() for dr in served], [KVPoll.Success] * 2)
+            # a host or storage hit (never reported by the plugin's tree) fails its transfer
+            host_hit = reqs()[1]
+            host_hit.prefix_match.l2_host_hit_length = 3
+            pd_decode.process_hicache_local_restores_around(original, queue, [host_hit])
+            self.assertEqual(host_hit.hicache_restore_status, HiCacheRestoreResult.FAILED)
 
 
 class TestSglangDecodePathUnchanged(unittest.TestCase):

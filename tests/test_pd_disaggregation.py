@@ -2,9 +2,9 @@
 the served path is ``tests/e2e/test_pd_serving.py``):
 
 - ``--disaggregation-mode prefill`` parses with ``--enable-mamba-radix`` and reaches the
-  scheduler side; ``decode`` without ``--disaggregation-decode-enable-radix-cache`` or with
-  ``--enable-hierarchical-cache``, and ``--enable-pd-role-switch`` without the decode-side
-  tree, are refused naming the flags (the served decode side: ``tests/test_pd_decode.py``;
+  scheduler side; ``decode`` without ``--disaggregation-decode-enable-radix-cache``, and
+  ``--enable-pd-role-switch`` without the decode-side tree, are refused naming the flags
+  (``decode`` with the tree and ``--enable-hierarchical-cache`` parses) (the served decode side: ``tests/test_pd_decode.py``;
   the role switch: ``tests/e2e/test_pd_role_switch.py``);
 - the ``_send_kv_chunk`` hook (``plugin/disaggregation.py``) makes the request's sender take
   SGLang's host-copy branch on a host without CUDA under the flag, and nothing else: with CUDA
@@ -43,9 +43,6 @@ class TestPdFlags(unittest.TestCase):
         cases = [
             (["--disaggregation-mode", "decode"],
              "needs --disaggregation-decode-enable-radix-cache"),
-            (["--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache",
-              "--enable-hierarchical-cache"],
-             "--enable-mamba-radix on a decode server cannot be combined with --enable-hierarchical-cache"),
             # a role-switch server may become the decode side: it must be one the plugin serves
             ([*PREFILL, "--enable-pd-role-switch"],
              "--enable-mamba-radix with --enable-pd-role-switch needs --disaggregation-decode-enable-radix-cache"),
@@ -59,6 +56,14 @@ class TestPdFlags(unittest.TestCase):
                     F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
                 self.assertIn(needle, str(cm.exception))
                 self.assertIn("drop", str(cm.exception))
+
+    def test_decode_host_tier_accepted(self):
+        """Served (``tests/e2e/test_pd_decode_cache.py``, ``test_7``): SGLang 0.5.23
+        refuses a decode-side host tier only for SWA models (``kv_cache_builder.py:283``)."""
+        sa = F.parse_args(F.base_argv("--enable-mamba-radix", "--disaggregation-mode", "decode",
+                                      "--disaggregation-decode-enable-radix-cache", "--enable-hierarchical-cache"))
+        self.assertTrue(sa.enable_hierarchical_cache)
+        self.assertEqual(sa.radix_cache_backend, "mamba_radix_ext")
 
     def test_role_switch_accepted_with_the_decode_tree(self):
         """Served (``tests/e2e/test_pd_role_switch.py``): either role, with the decode-side tree;

@@ -101,6 +101,20 @@ class PrefixCheckpoints:
         req.mamba_prefix_checkpoints = sorted(planned + req.mamba_prefix_checkpoints)
         return planned
 
+    def drop_planned_prefix_checkpoints(self, req: CacheReq) -> int:
+        """Free the request's planned prefix checkpoints without inserting them: nothing will
+        write them (a PD decode-side request, whose prompt no forward of this server runs;
+        ``plugin/pd_decode.py``). Returns how many were dropped."""
+        cps = req.mamba_prefix_checkpoints
+        if not cps:
+            return 0
+        slots = [slot for _, slot in cps]
+        for slot in slots:
+            self._prefix_origin.pop(slot, None)
+        self.mamba_pool.free(slots)
+        req.mamba_prefix_checkpoints = []
+        return len(slots)
+
     def planned_origin(self, slot: int) -> Optional[str]:
         """Kind (``"branch"``, ``"prompt_end"``, ``"boundary"``) of the planned prefix
         checkpoint holding SSM slot ``slot``; ``None`` for another slot."""

@@ -326,15 +326,14 @@ def _check_disaggregation(server_args) -> None:
     the plugin serves the prefill side (SGLang sends the KV and the working SSM state from
     the plugin's pool; the cache keeps serving hits there) and the decode side with SGLang's
     decode-side tree (``--disaggregation-decode-enable-radix-cache``): the plugin's pool
-    takes the decode pool's pre-allocated rows and its tree keeps finished requests
-    (:mod:`.pd_decode`).
+    takes the decode pool's pre-allocated rows and its tree keeps finished requests, with
+    its host tier under ``--enable-hierarchical-cache`` (:mod:`.pd_decode`).
 
     Raises:
         FlagError: ``--disaggregation-mode decode`` without
             ``--disaggregation-decode-enable-radix-cache`` (SGLang then runs the decode server
-            without a tree, so there is no cache for the flag to choose) or with
-            ``--enable-hierarchical-cache`` (SGLang's decode host tier loads back through
-            its own tree's mixin, not served); ``--enable-pd-role-switch`` without
+            without a tree, so there is no cache for the flag to choose);
+            ``--enable-pd-role-switch`` without
             ``--disaggregation-decode-enable-radix-cache`` or with
             ``--enable-hierarchical-cache`` (either role may become the decode side)."""
     mode = getattr(server_args, "disaggregation_mode", "null")
@@ -345,12 +344,6 @@ def _check_disaggregation(server_args) -> None:
                 "--disaggregation-decode-enable-radix-cache (SGLang's switch for a decode-side "
                 f"tree; without it there is no cache to run): add it, or drop {ENABLE_FLAG} "
                 "on the decode server"
-            )
-        if getattr(server_args, "enable_hierarchical_cache", False):
-            raise FlagError(
-                f"{ENABLE_FLAG} on a decode server cannot be combined with "
-                "--enable-hierarchical-cache (SGLang's decode-side host tier is not served "
-                "with the plugin's cache yet); drop one of them"
             )
     if mode in ("prefill", "decode") and getattr(server_args, "enable_pd_role_switch", False):
         # SGLang's flip (disaggregation/role_switch.py) keeps the pools and resets the tree;
@@ -365,8 +358,9 @@ def _check_disaggregation(server_args) -> None:
         if getattr(server_args, "enable_hierarchical_cache", False):
             raise FlagError(
                 f"{ENABLE_FLAG} with --enable-pd-role-switch cannot be combined with "
-                "--enable-hierarchical-cache (after a flip to decode: SGLang's decode-side host "
-                "tier is not served with the plugin's cache yet); drop one of them"
+                "--enable-hierarchical-cache (the plugin's host tier is served on a decode server, "
+                "but not tested across a flip, which resets the tree and clears the pools); drop "
+                "one of them"
             )
 
 

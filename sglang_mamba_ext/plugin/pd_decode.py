@@ -2,7 +2,7 @@
 (``--disaggregation-mode decode --disaggregation-decode-enable-radix-cache
 --enable-mamba-radix``; ``docs/design.md``, "Prefill/decode disaggregation").
 
-Four AROUND hooks on SGLang 0.5.23, each inert unless the server's radix cache backend is
+Five AROUND hooks on SGLang 0.5.23, each inert unless the server's radix cache backend is
 the plugin's:
 
 * :func:`build_decode_req_pool_around` on
@@ -33,6 +33,20 @@ the plugin's:
   transfer, the prefix the decode side holds (``decode_prefix_len``) and the KV tokens the
   prefill server is asked to send; ``/server_info``'s ``mamba_radix`` entry shows the totals
   (:func:`server_info_fields`).
+* :func:`process_hicache_local_restores_around` on
+  ``DecodeHiCacheTransferMixin._process_hicache_local_restores`` (the decode-side host tier,
+  ``--enable-hierarchical-cache``). With it SGLang gates every transferred request on a
+  restore status (``HiCacheRestoreGatedKVReceiver``: a finished transfer reads as
+  ``Transferring`` while the status is ``PENDING``), which this method moves to ``READY`` once
+  the layer-wise load of the request's host-tier prefix (or of any load in flight, which an
+  L1 prefix may share) is done on SGLang's cache controller. The plugin's tree has no cache
+  controller and no load in flight: its match loads a host-only prefix's KV into device slots
+  inside the call (``docs/design.md``, "Host tier"), so the match reports a device prefix and
+  no host hit (``needs_local_restore`` false), and SGLang's method, which returns early on a
+  tree without ``is_load_back_event_done``, would leave every request ``PENDING`` (each
+  transfer waiting forever). The hook marks them ``READY``; a request whose match did report
+  a host or storage hit (none does with the plugin's tree) is marked ``FAILED``, which SGLang
+  turns into a transfer failure (every slot freed) rather than a hang.
 """
 
 from __future__ import annotations
@@ -50,6 +64,9 @@ BUILD_DECODE_REQ_POOL = (
 MATCH_PREFIX_AND_LOCK = "sglang.srt.disaggregation.decode.DecodePreallocQueue._match_prefix_and_lock"
 PRE_ALLOC = "sglang.srt.disaggregation.decode.DecodePreallocQueue._pre_alloc"
 SEND_KV_METADATA = "sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata"
+PROCESS_HICACHE_RESTORES = (
+    "sglang.srt.disaggregation.decode_hicache_mixin.DecodeHiCacheTransferMixin._process_hicache_local_restores"
+)
 
 
 def _plugin_cache() -> bool:
@@ -96,16 +113,38 @@ def match_prefix_and_lock_around(original, queue, req):
     return result
 
 
+def drop_planned_checkpoints(queue, req) -> int:
+    """Free the prefix checkpoints the pool's ``alloc`` planned for the request (prompt
+    length - 1, the branch point; ``MambaRadixCache.plan_prefix_checkpoints``): they are
+    for the forward of a prefill to write, and a decode-side request's prompt runs no
+    forward here (its state comes whole from the prefill server). Left planned, the finish
+    would insert their slots into the tree as states of tokens they never saw (whatever the
+    slots held before). Returns how many were dropped."""
+    from sglang_mamba_ext.plugin import req_bridge
+
+    cache = queue.tree_cache
+    pool = cache.req_to_token_pool
+    row = req.kv.req_pool_idx
+    if row is None or not getattr(pool, "prefix_checkpoints", {}).get(row):
+        return 0
+    creq = req_bridge.pull(req, pool=pool)
+    dropped = cache.core.drop_planned_prefix_checkpoints(creq)
+    req_bridge.push_prefix_checkpoints(pool, row, creq)
+    return dropped
+
+
 def pre_alloc_around(original, queue, req, *args, **kwargs):
     """AROUND hook on ``DecodePreallocQueue._pre_alloc`` (module docstring): the pool's
     ``alloc`` gives a request without a decode-side hit a fresh working slot and stages a
     clear of it (``mamba_needs_clear``); the transfer fills that slot, so the clear is
     dropped. Left staged, the finished request's working state could not enter the tree
     (a pending clear means the slot is not the state of its tokens) and a retraction's
-    re-extend would zero the received state."""
+    re-extend would zero the received state. The prefix checkpoints ``alloc`` planned are
+    freed too (:func:`drop_planned_checkpoints`)."""
     result = original(queue, req, *args, **kwargs)
     if _plugin_cache():
         drop_staged_state_copy(req)
+        drop_planned_checkpoints(queue, req)
     return result
 
 
@@ -151,6 +190,27 @@ def send_kv_metadata_around(original, queue, decode_req, kv_indices, page_size, 
     return original(queue, decode_req, kv_indices, page_size, state_indices, **metadata_kwargs)
 
 
+def process_hicache_local_restores_around(original, queue, decode_reqs):
+    """AROUND hook (module docstring): under the plugin's cache, a transferred request has no
+    host-tier restore to wait for (its match loaded any host KV into device slots), so a
+    ``PENDING`` status becomes ``READY``; SGLang's method otherwise."""
+    if not _plugin_cache():
+        return original(queue, decode_reqs)
+    from sglang.srt.disaggregation.decode_hicache_mixin import HiCacheRestoreResult
+
+    for dr in decode_reqs:
+        if dr.hicache_restore_status != HiCacheRestoreResult.PENDING:
+            continue
+        match = dr.prefix_match
+        if match is not None and match.needs_local_restore:
+            logger.error("sglang-mamba-ext: decode request %s reports a host/storage hit of %d tokens, which the "
+                         "plugin's tree never does; failing its transfer", dr.req.rid, match.restore_token_count)
+            dr.hicache_restore_status = HiCacheRestoreResult.FAILED
+        else:
+            dr.hicache_restore_status = HiCacheRestoreResult.READY
+    return None
+
+
 def server_info_fields(cache, kv_bytes_per_token: int, state_bytes: int) -> dict:
     """``/server_info`` fields of a decode server's transfers (zeros elsewhere)."""
     c = counters_of(cache)
@@ -164,10 +224,11 @@ def server_info_fields(cache, kv_bytes_per_token: int, state_bytes: int) -> dict
 
 
 def register_pd_decode_hooks() -> None:
-    """Register the four hooks (called by ``install_mamba_radix``)."""
+    """Register the five hooks (called by ``install_mamba_radix``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(BUILD_DECODE_REQ_POOL, build_decode_req_pool_around, HookType.AROUND)
     HookRegistry.register(MATCH_PREFIX_AND_LOCK, match_prefix_and_lock_around, HookType.AROUND)
     HookRegistry.register(PRE_ALLOC, pre_alloc_around, HookType.AROUND)
     HookRegistry.register(SEND_KV_METADATA, send_kv_metadata_around, HookType.AROUND)
+    HookRegistry.register(PROCESS_HICACHE_RESTORES, process_hicache_local_restores_around, HookType.AROUND)
