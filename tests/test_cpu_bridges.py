@@ -384,6 +384,60 @@ class TestRelu2Experts(unittest.TestCase):
         torch.testing.assert_close(relu2_experts(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-4)
 
 
+@unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA, "needs SGLang on a host without CUDA")
+class TestLingRotary(unittest.TestCase):
+    """issue 40, Ling 2.5 (``models/bailing_moe_linear.py``): on CPU every rotary embedding is
+    DeepSeek's YaRN (``rotary_embedding/factory.py:478-481``), whose native forward mishandles a
+    flat ``[T, heads * head]`` query (``rope_variant.py:471-503``); and ``DsV3MLA`` pins its rotary
+    to ``forward_cuda`` (``bailing_moe_linear.py:107-111``)."""
+
+    def _rope(self, rotary_dim=16):
+        import sglang.srt.layers.rotary_embedding.base as base
+        from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
+
+        with mock.patch.object(base, "_is_cpu", True):  # as the rotary bridge builds it (gap 3)
+            return DeepseekScalingRotaryEmbedding(16, rotary_dim, 4096, 10000, True, 1.0, torch.float32, beta_fast=32,
+                                                  beta_slow=1, mscale=1.0, mscale_all_dim=1.0, device="cpu")
+
+    def test_flat_query_gap_and_bridge(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        g = torch.Generator().manual_seed(0)
+        pos = torch.tensor([0, 3, 7, 100])
+        native = lambda rope, *a: type(rope).forward_native.__wrapped__(rope, *a) if hasattr(  # noqa: E731
+            type(rope).forward_native, "__wrapped__") else rope.forward_native(*a)
+        for rd in (16, 8):
+            rope = self._rope(rd)
+            q, k = torch.randn(4, 2 * 16, generator=g), torch.randn(4, 2 * 16, generator=g)
+            with _bridges_on():
+                fq, fk = cpu_bridges.deepseek_rope_flat_around(
+                    lambda *a: self.fail("a flat query went to SGLang"), rope, pos, q, k)
+            self.assertEqual(fq.shape, q.shape)
+            self.assertEqual(fk.shape, k.shape)
+            if rd == 16:
+                # SGLang's own forward: wrong shape for the flat query, right per head ([T, heads, rot])
+                self.assertNotEqual(tuple(native(rope, pos, q, k)[0].shape), tuple(q.shape))
+                wq, wk = native(rope, pos, q.reshape(4, 2, 16), k.reshape(4, 2, 16))
+                torch.testing.assert_close(fq, wq.reshape(4, 32))
+                torch.testing.assert_close(fk, wk.reshape(4, 32))
+            else:  # partial rotary: the pass-through half of each head unchanged
+                torch.testing.assert_close(fq.reshape(4, 2, 16)[..., 8:], q.reshape(4, 2, 16)[..., 8:])
+                self.assertFalse(torch.equal(fq.reshape(4, 2, 16)[1:, :, :8], q.reshape(4, 2, 16)[1:, :, :8]))
+
+    def test_mla_forward_cuda_pin_dropped(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        class Mla:
+            def __init__(self, rope):
+                self.rotary_emb = rope
+                rope.forward = rope.forward_cuda  # what DsV3MLA.__init__ does with rope scaling
+
+        mla = Mla.__new__(Mla)
+        with _bridges_on():
+            cpu_bridges.dsv3_mla_init_around(Mla.__init__, mla, self._rope())
+        self.assertNotIn("forward", mla.rotary_emb.__dict__)
+
+
 class TestRegistration(unittest.TestCase):
     @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
     def test_hooks_registered(self):
@@ -394,7 +448,8 @@ class TestRegistration(unittest.TestCase):
         cpu_bridges.register_cpu_bridges()
         for target in (cpu_bridges.MODEL_RUNNER_INIT, cpu_bridges.MAMBA_MIXER_FORWARD,
                        cpu_bridges.QWEN3_NEXT_GDN_INIT, cpu_bridges.ROPE_INIT, cpu_bridges.CPU_TP_CONFIG,
-                       cpu_bridges.NEMOTRON_H_MOE_FORWARD, cpu_bridges.MOE_FORWARD_NATIVE):
+                       cpu_bridges.NEMOTRON_H_MOE_FORWARD, cpu_bridges.MOE_FORWARD_NATIVE,
+                       cpu_bridges.DEEPSEEK_ROPE_NATIVE, cpu_bridges.DSV3_MLA_INIT):
             self.assertTrue(HookRegistry._hooks.get(target), target)
 
     def test_inactive_without_variable(self):

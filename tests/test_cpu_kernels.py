@@ -292,6 +292,76 @@ class TestDecodeAndElementwiseVsTriton(unittest.TestCase):
         _close(self, ce.fused_gate_sigmoid_mul(h, w, sh), ew.fused_gate_sigmoid_mul(h, w, sh), 1e-3, what="gate mul")
 
 
+@unittest.skipUnless(_IN_INTERP and SGLANG_INSTALLED and NO_CUDA, "needs TRITON_INTERPRET=1 (runs in a subprocess)")
+class TestLightningVsTriton(unittest.TestCase):
+    """Lightning attention's ``seg_la_fwd`` (Ling 2.5): prefill with and without initial states and
+    with the chunk-grid track store, decode with a ``-1`` row; and the lightning checkpoint writer
+    (``plugin/inchunk_lightning.py``) against the state SGLang's kernel leaves after a prefix."""
+
+    H, D = 2, 128  # the decode kernel tiles the head by 128 (seg_la.py: K_SPLIT_DIM)
+
+    def _meta(self, lens, slots, scales):
+        from sglang.kernels.ops.attention.linear.seg_la import SegLaMeta
+
+        off = _cu(lens, torch.int32)
+        return SegLaMeta(batch_size=len(lens), max_q_length=None, q_offsets=off, s_offsets=torch.tensor(slots, dtype=torch.int32),
+                         q_lengths=off.diff(), s_scales=torch.tensor(scales, dtype=torch.int32))
+
+    def _inputs(self, T, seed=7):
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(T, self.H, self.D, generator=g) * s for s in (1.0, 0.3, 1.0))
+        pool = torch.randn(6, self.H, self.D, self.D, generator=g) * 0.1
+        return q, k, v, pool, torch.tensor([0.0625, 0.0039]).reshape(self.H, 1, 1)
+
+    def test_prefill_and_decode(self):
+        from sglang.kernels.ops.attention.linear.seg_la import seg_la_fwd as triton_fn
+
+        from sglang_mamba_ext.plugin.cpu_kernels_lightning import seg_la_fwd as torch_fn
+
+        q, k, v, pool, slope = self._inputs(sum(LENS))
+        off = _cu(LENS)
+        for what, slots, scales, track in (("initial states", [3, -1, 1], [1, 1, 1], None),
+                                           ("zeros + track", [0, 2, 5], [0, 1, 0], ([0, 128, 64], [4, 4, 0]))):
+            outs = []
+            for fn in (triton_fn, torch_fn):
+                p = pool.clone()
+                kw = {} if track is None else dict(track_lens=torch.tensor(track[0], dtype=torch.int32),
+                                                   track_state_indices=torch.tensor(track[1], dtype=torch.int32))
+                outs.append((fn(q, k, v, p, slope, self._meta(LENS, slots, scales), softmax_scale=self.D ** -0.5, **kw), p))
+            live = torch.cat([torch.arange(off[i], off[i + 1]) for i in range(3) if slots[i] >= 0])
+            _close(self, outs[1][0][live], outs[0][0][live], 1e-4, what=f"{what} out")
+            _close(self, outs[1][1], outs[0][1], 1e-5, what=f"{what} pool")
+        bs = 4
+        qd, kd, vd, _, _ = self._inputs(bs, seed=8)
+        meta = self._meta([1] * bs, [2, 0, -1, 5], [1] * bs)
+        outs = []
+        for fn in (triton_fn, torch_fn):
+            p = pool.clone()
+            outs.append((fn(qd, kd, vd, p, slope, meta, softmax_scale=self.D ** -0.5), p))
+        _close(self, outs[1][0][[0, 1, 3]], outs[0][0][[0, 1, 3]], 1e-5, what="decode out")
+        _close(self, outs[1][1], outs[0][1], 1e-5, what="decode pool")
+
+    def test_checkpoint_writer_matches_kernel_prefix(self):
+        from sglang.kernels.ops.attention.linear.seg_la import seg_la_fwd as triton_fn
+
+        from sglang_mamba_ext.plugin.inchunk_lightning import write_lightning_checkpoints
+
+        q, k, v, pool, slope = self._inputs(150, seed=9)
+        for src, offsets in ((-1, [1, 31, 32, 33, 100, 149]), (3, [7, 64, 150])):
+            for o in offsets:
+                w = pool.clone()
+                write_lightning_checkpoints(k, v, slope, w, [(0, src, [(o, 5)])])
+                # SGLang's kernel over the first o tokens, from the same start state (src -1: a
+                # zeroed row; one token goes to its decode kernel, which always reads the row)
+                t = pool.clone()
+                row = max(src, 0)
+                if src < 0:
+                    t[row] = 0
+                triton_fn(q[:o], k[:o], v[:o], t, slope, self._meta([o], [row], [1 if src >= 0 else 0]),
+                          softmax_scale=self.D ** -0.5)
+                _close(self, w[5], t[row], 2e-5, what=f"checkpoint at {o} from {src}")
+
+
 TestCpuKernelsUnderInterpreter = triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED)
 
 

@@ -51,7 +51,8 @@ with line numbers is in ``docs/sglang-hooks.md``):
   once the scans were fast (Qwen3-Next's qkvz split, the GDN gating, Qwen2-MoE's shared-expert
   gate); :mod:`.cpu_kernels_verify` for the speculative path: the GDN / KDA target verify
   (``linear/fused_sigmoid_gating_recurrent.py``) and the Triton attention backend's decode
-  (``decode_attention.py``, EAGLE's draft decode). A CUDA tensor, an inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls
+  (``decode_attention.py``, EAGLE's draft decode); :mod:`.cpu_kernels_lightning` for the
+  lightning attention's ``linear/seg_la.py::seg_la_fwd`` (Ling 2.5, prefill and decode). A CUDA tensor, an inactive process, or ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` calls
   SGLang's kernel unchanged. Registered before the plugin's own BEFORE hooks on the same
   functions (``plugin/inchunk_conv_ssd.py``), so those still see every call.
 - **no attention heads** (AROUND ``srt/configs/update_config.py::
@@ -63,6 +64,14 @@ with line numbers is in ``docs/sglang-hooks.md``):
   Nemotron-H's MoE router computes ``torch.mm(x, gate.t(), out_dtype=torch.float32)``, an
   overload torch has only for CUDA (``NotImplementedError: aten::mm.dtype`` on CPU); for the
   call, such a product of CPU tensors is the float32 product of the operands cast to float32.
+- **flat queries in DeepSeek's rotary** (AROUND ``srt/layers/rotary_embedding/rope_variant.py::
+  DeepseekScalingRotaryEmbedding.forward_native``, issue 40): on CPU every rotary embedding is
+  DeepSeek's YaRN (``factory.py:478-481``), whose native forward (``rope_variant.py:471-503``)
+  broadcasts wrongly for a flat ``[T, heads * head]`` query (Ling 2.5's lightning and GQA layers,
+  ``models/bailing_moe_linear.py:591``, ``:717``); those run per head (:func:`deepseek_rope_flat_around`).
+- **Ling 2.5's MLA rotary** (AROUND ``models/bailing_moe_linear.py::DsV3MLA.__init__``, issue
+  40): with rope scaling it pins its rotary to ``forward_cuda`` (``bailing_moe_linear.py:107-111``),
+  a CUDA kernel on CPU (``rotary_embedding/base.py:468``); the pin is dropped on CPU.
 - **ReLU² experts** (AROUND ``srt/layers/moe/fused_moe_native.py::moe_forward_native``, issue
   40): SGLang's CPU MoE path knows gated ``silu`` / ``gelu`` / ``situ`` experts only
   (``fused_moe_native.py:97``); Nemotron-H's non-gated ReLU² experts run :func:`relu2_experts`.
@@ -91,6 +100,8 @@ GATED_NORM_FWD = "sglang.kernels.ops.attention.fla.layernorm_gated._layer_norm_f
 CPU_TP_CONFIG = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp"
 NEMOTRON_H_MOE_FORWARD = "sglang.srt.models.nemotron_h.NemotronHMoE.forward"
 MOE_FORWARD_NATIVE = "sglang.srt.layers.moe.fused_moe_native.moe_forward_native"
+DSV3_MLA_INIT = "sglang.srt.models.bailing_moe_linear.DsV3MLA.__init__"
+DEEPSEEK_ROPE_NATIVE = "sglang.srt.layers.rotary_embedding.rope_variant.DeepseekScalingRotaryEmbedding.forward_native"
 
 MAMBA_MODULE = "sglang.srt.layers.attention.mamba.mamba"
 ROPE_MODULE = "sglang.srt.layers.rotary_embedding.base"
@@ -114,6 +125,9 @@ VERIFY_KERNEL = ("sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recur
                  "fused_sigmoid_gating_delta_rule_update")
 #: SGLang's Triton attention backend's decode (EAGLE's draft decode on CPU)
 DECODE_ATTENTION = "sglang.kernels.ops.attention.decode_attention.decode_attention_fwd"
+
+#: SGLang's lightning attention kernel (prefill and decode of ``LightningAttentionBackend``)
+SEG_LA_FWD = "sglang.kernels.ops.attention.linear.seg_la.seg_la_fwd"
 
 #: SGLang kernel -> (module of the torch version, its name); AROUND hooks (:func:`kernel_around`).
 KERNEL_BRIDGES = {
@@ -141,6 +155,8 @@ KERNEL_BRIDGES = {
     # the speculative path (cpu_kernels_verify.py): target verify and the draft's decode attention
     VERIFY_KERNEL: ("cpu_kernels_verify", "fused_sigmoid_gating_delta_rule_update"),
     DECODE_ATTENTION: ("cpu_kernels_verify", "decode_attention_fwd"),
+    # lightning attention (Ling 2.5's LightningAttentionBackend, seg_la; cpu_kernels_lightning.py)
+    SEG_LA_FWD: ("cpu_kernels_lightning", "seg_la_fwd"),
 }
 #: KERNEL_BRIDGES target -> (module, name of the predicate saying whether the torch version
 #: covers a call); a call it does not cover goes to SGLang's kernel
@@ -149,6 +165,7 @@ KERNEL_COVERS = {
     "sglang.kernels.ops.mamba.triton_ops.mamba_ssm.selective_state_update": ("cpu_kernels_ssd", "ssu_supported"),
     VERIFY_KERNEL: ("cpu_kernels_verify", "verify_supported"),
     DECODE_ATTENTION: ("cpu_kernels_verify", "decode_attention_supported"),
+    SEG_LA_FWD: ("cpu_kernels_lightning", "seg_la_supported"),
 }
 
 _installed = False
@@ -328,6 +345,52 @@ def sm_count_around(original, device, *args, **kwargs):
     return original(device, *args, **kwargs)
 
 
+def deepseek_rope_flat_around(original, rope, positions, query, key, offsets=None, *args, **kwargs):
+    """AROUND ``DeepseekScalingRotaryEmbedding.forward_native``
+    (``srt/layers/rotary_embedding/rope_variant.py:471-503``), the rotary embedding every layer
+    gets on CPU (``factory.py:478-481``: ``get_rope_cpu`` builds only DeepSeek's YaRN): it
+    broadcasts ``cos [1, T, 1, rot]`` against ``query[..., :rot]``, right for MLA's
+    ``[T, heads, rot]`` but wrong for a flat ``[T, heads * head]`` query (``[T, T, rot]`` out), which
+    Ling 2.5's lightning and GQA layers pass (``models/bailing_moe_linear.py:591``, ``:717``). A
+    flat query / key runs per head here, with the same cache, style and partial rotary dim."""
+    if not active() or query.dim() != 2 or args or kwargs:
+        return original(rope, positions, query, key, offsets)
+    import torch
+
+    from sglang.srt.layers.rotary_embedding.utils import rotate_gptj, rotate_neox
+
+    pos = torch.add(positions, offsets) if offsets is not None else positions
+    cos, sin = rope.cos_sin_cache[pos].chunk(2, dim=-1)  # [T, rot / 2]
+    if rope.is_neox_style:
+        cos, sin = cos.repeat(1, 2), sin.repeat(1, 2)
+    else:
+        cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotate = rotate_neox if rope.is_neox_style else rotate_gptj
+    T, hs, rd = query.shape[0], rope.head_size, rope.rotary_dim
+
+    def apply(x):
+        x3 = x.reshape(T, -1, hs)
+        xr = x3[..., :rd]
+        xr = xr * cos + rotate(xr) * sin
+        return torch.cat((xr, x3[..., rd:]), dim=-1).reshape(x.shape).to(x.dtype)
+
+    return apply(query), apply(key)
+
+
+def dsv3_mla_init_around(original, mla, *args, **kwargs):
+    """AROUND Ling 2.5's ``DsV3MLA.__init__`` (``models/bailing_moe_linear.py:107-111``): with
+    rope scaling it pins its rotary embedding to ``forward_cuda`` (an instance attribute), which
+    on CPU calls an unbound CUDA kernel (``rotary_embedding/base.py:468``,
+    ``NameError: apply_rope_with_cos_sin_cache_inplace``). On CPU the pin is dropped, so the
+    layer's rotary runs SGLang's own CPU dispatch as other MLA classes do."""
+    result = original(mla, *args, **kwargs)
+    rope = getattr(mla, "rotary_emb", None)
+    if active() and rope is not None and "forward" in getattr(rope, "__dict__", {}):
+        del rope.__dict__["forward"]
+    return result
+
+
 # ---------------------------------------------------------------- a model without attention (gap 6)
 
 def cpu_tp_config_around(original, model_config, load_config, tp_size, *args, **kwargs):
@@ -489,6 +552,8 @@ def register_cpu_bridges() -> None:
     HookRegistry.register(CPU_TP_CONFIG, cpu_tp_config_around, HookType.AROUND)
     HookRegistry.register(NEMOTRON_H_MOE_FORWARD, mm_out_dtype_around, HookType.AROUND)
     HookRegistry.register(MOE_FORWARD_NATIVE, moe_native_around, HookType.AROUND)
+    HookRegistry.register(DEEPSEEK_ROPE_NATIVE, deepseek_rope_flat_around, HookType.AROUND)
+    HookRegistry.register(DSV3_MLA_INIT, dsv3_mla_init_around, HookType.AROUND)
     for target in KERNEL_BRIDGES:  # before install_mamba_radix's BEFORE hooks: theirs wrap these
         HookRegistry.register(target, make_kernel_around(target), HookType.AROUND)
     _installed = True
