@@ -108,25 +108,31 @@ def register_inchunk_hooks() -> None:
     """Register :data:`HOOK_TARGETS` with SGLang's HookRegistry (from ``install_mamba_radix``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mamba_ext.plugin import inchunk_conv_ssd
+    from sglang_mamba_ext.plugin import inchunk_conv_ssd, inchunk_lightning
 
     for target, kind, name in HOOK_TARGETS:
         HookRegistry.register(target, globals()[name], getattr(HookType, kind))
     for target, kind, name in inchunk_conv_ssd.HOOK_TARGETS:  # Mamba2 / short conv: the kernels' inputs
         HookRegistry.register(target, getattr(inchunk_conv_ssd, name), getattr(HookType, kind))
+    for target, kind, name in inchunk_lightning.HOOK_TARGETS:  # lightning attention (Ling 2.5)
+        HookRegistry.register(target, getattr(inchunk_lightning, name), getattr(HookType, kind))
 
 
 def _backend_kinds():
     """``(class, writer name, method the hooks rely on)`` for SGLang's backends with a writer:
     KDA / GDN (:func:`forward_extend_before`), Mamba2 and short conv
-    (:mod:`.inchunk_conv_ssd`)."""
+    (:mod:`.inchunk_conv_ssd`), lightning attention (:mod:`.inchunk_lightning`)."""
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import Mamba2AttnBackend
     from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
     from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
+    from sglang.srt.layers.attention.linear.lightning_backend import LightningAttentionBackend
     from sglang.srt.layers.attention.linear.short_conv_backend import ShortConvAttnBackend
 
+    # (Mamba2AttnBackend before LightningAttentionBackend would not matter: neither subclasses
+    # the other; both subclass MambaAttnBackendBase)
     return ((KDAAttnBackend, "kda", "forward_extend"), (GDNAttnBackend, "gdn", "forward_extend"),
-            (Mamba2AttnBackend, "mamba2", "forward"), (ShortConvAttnBackend, "shortconv", "conv_state_metadata"))
+            (Mamba2AttnBackend, "mamba2", "forward"), (ShortConvAttnBackend, "shortconv", "conv_state_metadata"),
+            (LightningAttentionBackend, "lightning", "forward_extend"))
 
 
 def _layout_name(backend) -> Optional[str]:
@@ -145,6 +151,11 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
     if name is None:
         method = next((m for cls, _, m in _backend_kinds() if isinstance(backend, cls)), None)
         return f"{type(backend).__name__} overrides {method}" if method else "no writer for this backend"
+    if name == "lightning":
+        backend_kind = getattr(backend, "linear_backend", "seg_la")
+        if backend_kind != "seg_la":  # the writer reads the k / v seg_la receives; minimax not checked
+            return f"linear_backend {backend_kind} (the lightning writer is checked with seg_la only)"
+        return None  # torch ops on any device (inchunk_lightning.py)
     device = str(getattr(model_runner, "device", "cuda"))
     if (not device.startswith("cuda") and writer_impl(device) == "triton"
             and os.environ.get("TRITON_INTERPRET") != "1"):
@@ -196,6 +207,8 @@ def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
                     family, grid, type(backend).__name__, reason)
         return result
     impl = writer_impl(getattr(model_runner, "device", "cuda"))
+    if _layout_name(backend) == "lightning":
+        impl = "torch"  # the lightning writer is torch ops on every device (inchunk_lightning.py)
     setattr(backend, WRITER_ATTR, _layout_name(backend))
     setattr(backend, IMPL_ATTR, impl)
     pool.prefix_checkpoint_writer = True
