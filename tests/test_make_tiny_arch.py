@@ -39,6 +39,8 @@ EXPECTED = {
     "gigachat35": ("GigaChat35ForCausalLM", "model.layers.0.self_attn.in_proj_qkvz.weight", (192, 64)),
     # written by hand: Kimi-Linear's KDA names under attention (SGLang's BailingKDA)
     "bailing_moe_v3": ("BailingMoeV3ForCausalLM", "model.layers.0.attention.f_b_proj.weight", (64, 16)),
+    # written by hand: Ling 2.5's lightning layers under attention (2 heads of 128: q, k, v rows)
+    "bailing_moe_linear": ("BailingMoeV2_5ForCausalLM", "model.layers.0.attention.query_key_value.weight", (768, 64)),
     # transformers' Qwen3.5 MoE VLM weights under SGLang's Intern-S2-Preview class
     "interns2preview": ("InternS2PreviewForConditionalGeneration",
                         "model.language_model.layers.1.mlp.shared_expert_gate.weight", (1, 64)),
@@ -94,6 +96,12 @@ MODEL_TYPE = {"interns2preview": "intern_s2_preview", "gigachat35": "gigachat3_5
 #: Families whose weights are written by hand (``hf_tiny_written``): SGLang's class must fill
 #: every parameter from the file (``testing/model_load.py``).
 WRITTEN = ("gigachat35", "bailing_moe_v3")
+
+# Ling 2.5 (issue 40): written by hand; BailingHybridConfig without a short conv (lightning layers)
+LINEAR_AND_FULL["bailing_moe_linear"] = lambda c: c["layer_group_size"] == 2 and "short_conv_kernel_size" not in c and c[
+    "head_dim"] == 128 and c["full_attention_type"] == "mla"
+MODEL_TYPE["bailing_moe_linear"] = "bailing_hybrid"
+WRITTEN = WRITTEN + ("bailing_moe_linear",)
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification

@@ -42,7 +42,8 @@ __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CL
 #: (``tests/e2e/test_sglang_families_serving.py``), by ``--arch`` name (SGLang's module name).
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
                 "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2",
-                "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3")
+                "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3",
+                "bailing_moe_linear")
 #: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
 #: served yet would follow the served ones, status ``build only``).
 ARCHS = SERVED_ARCHS
@@ -304,6 +305,31 @@ _FAMILIES["bailing_moe_v3"] = dict(
         num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
         first_k_dense_replace=1, moe_router_enable_expert_bias=True, score_function="sigmoid",
         norm_topk_prob=True, routed_scaling_factor=1.0, use_qkv_bias=False, use_bias=False, use_qk_norm=False,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_parameters=dict(rope_type="deepseek_yarn", type="deepseek_yarn", rope_theta=10000.0, factor=1.0,
+                             original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+                             mscale_all_dim=1.0),
+    ),
+)
+
+
+# Ling 2.5 (SGLang's bailing_moe_linear module, BailingMoeV2_5ForCausalLM; BailingHybridConfig
+# without a short_conv_kernel_size): Ling-V3's stack with lightning linear attention (a fixed
+# ALiBi-slope decay per head and layer, SGLang's LightningAttentionBackend, seg_la kernels) in
+# place of KDA. head_dim 128 (2 heads), the width SGLang's seg_la decode kernel tiles by
+# (kernels/ops/attention/linear/seg_la.py: K_SPLIT_DIM 128), so the Triton kernels run on this
+# checkpoint too. rope_parameters as Ling-V3's (the MLA layers' CPU rotary embedding).
+_FAMILIES["bailing_moe_linear"] = dict(
+    cls="BailingMoeV2_5ForCausalLM", writer="bailing_moe_linear_weights",
+    config=dict(
+        model_type="bailing_hybrid", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=_LAYERS, layer_group_size=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+        hidden_act="silu", use_qk_norm=True, group_norm_size=1, linear_silu=False,
+        full_attention_type="mla", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, rope_interleave=True, use_mla_nope=False,
+        num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, moe_router_enable_expert_bias=True, score_function="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=1.0, use_qkv_bias=False, use_bias=False,
         rms_norm_eps=1e-6, rope_theta=10000.0,
         rope_parameters=dict(rope_type="deepseek_yarn", type="deepseek_yarn", rope_theta=10000.0, factor=1.0,
                              original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,

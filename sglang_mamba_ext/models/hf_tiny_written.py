@@ -135,7 +135,33 @@ def _kda(w: Dict[str, torch.Tensor], d: _Draw, a: str, hidden: int, heads: int, 
     w[f"{a}.o_proj.weight"] = d.proj(hidden, width)
 
 
-def bailing_moe_v3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
+def _lightning(w: Dict[str, torch.Tensor], d: _Draw, a: str, hidden: int, heads: int, dim: int,
+               qk_norm: bool) -> None:
+    """Ling 2.5's linear attention in its checkpoint names (SGLang's ``BailingMoELinearAttention``,
+    ``models/bailing_moe_linear.py``): the fused ``query_key_value`` projection (q, k, v rows,
+    ``heads * dim`` each), the per-head q / k RMSNorms when ``qk_norm``, the output gate
+    ``g_proj``, its group RMSNorm ``g_norm`` and the output ``dense``. The decay has no weight:
+    SGLang builds it from ALiBi slopes per head and layer (``lightning_backend.py``)."""
+    width = heads * dim
+    w[f"{a}.query_key_value.weight"] = d.proj(3 * width, hidden)
+    if qk_norm:
+        w[f"{a}.query_layernorm.weight"] = 1.0 + d.normal(dim, std=0.1)
+        w[f"{a}.key_layernorm.weight"] = 1.0 + d.normal(dim, std=0.1)
+    w[f"{a}.g_proj.weight"] = d.proj(width, hidden)
+    w[f"{a}.g_norm.weight"] = 1.0 + d.normal(width, std=0.1)
+    w[f"{a}.dense.weight"] = d.proj(hidden, width)
+
+
+def bailing_moe_linear_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
+    """The float32 state dict of a tiny ``BailingMoeV2_5ForCausalLM`` (Ling 2.5, SGLang's
+    ``models/bailing_moe_linear.py``, config ``BailingHybridConfig`` without a short conv): Ling-V3's
+    layout (:func:`bailing_moe_v3_weights`: MLA every ``layer_group_size``-th layer, Bailing's
+    MoE) with lightning linear-attention layers (:func:`_lightning`) in place of KDA."""
+    return bailing_moe_v3_weights(cfg, seed, logit_scale, linear=lambda w, d, a, h, heads: _lightning(
+        w, d, a, h, heads, cfg["head_dim"], cfg.get("use_qk_norm", False)))
+
+
+def bailing_moe_v3_weights(cfg: Dict, seed: int, logit_scale: float, linear=None) -> Dict[str, torch.Tensor]:
     """The float32 state dict of a tiny ``BailingMoeV3ForCausalLM`` (Ling-V3, SGLang's
     ``models/bailing_moe_v3.py``) for the config fields ``cfg``: ``layer_group_size`` g puts a
     full-attention layer (DeepSeek's MLA, ``q_lora_rank`` None) at every g-th layer and KDA
@@ -154,7 +180,10 @@ def bailing_moe_v3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str
         w[f"{p}.post_attention_layernorm.weight"] = 1.0 + d.normal(h, std=0.1)
         a = f"{p}.attention"
         if (i + 1) % group != 0:
-            _kda(w, d, a, h, heads, cfg["head_dim"], cfg["short_conv_kernel_size"])
+            if linear is not None:  # Ling 2.5's lightning layers (bailing_moe_linear_weights)
+                linear(w, d, a, h, heads)
+            else:
+                _kda(w, d, a, h, heads, cfg["head_dim"], cfg["short_conv_kernel_size"])
         else:
             w[f"{a}.q_proj.weight"] = d.proj(heads * (nope + rope), h)
             w[f"{a}.kv_a_proj_with_mqa.weight"] = d.proj(kv_lora + rope, h)

@@ -72,6 +72,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Lfm2VlForConditionalGeneration",
     "Mamba2ForCausalLM", "NemotronHPuzzleForCausalLM",
     "InternS2PreviewForConditionalGeneration", "GigaChat35ForCausalLM", "BailingMoeV3ForCausalLM",
+    "BailingMoeV2_5ForCausalLM",
 )
 
 #: KV tokens: a few thousand-token conversations at once.
