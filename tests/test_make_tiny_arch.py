@@ -41,6 +41,11 @@ EXPECTED = {
     "bailing_moe_v3": ("BailingMoeV3ForCausalLM", "model.layers.0.attention.f_b_proj.weight", (64, 16)),
     # written by hand: Ling 2.5's lightning layers under attention (2 heads of 128: q, k, v rows)
     "bailing_moe_linear": ("BailingMoeV2_5ForCausalLM", "model.layers.0.attention.query_key_value.weight", (768, 64)),
+    # build only (blocked on CPU in SGLang): Ling-V3's text model behind Qwen3-VL's vision tower
+    "bailing_mm_v3": ("BailingMoeV3VLForConditionalGeneration", "linear_proj.2.weight", (64, 64)),
+    # the routed experts once per bank, fused as SGLang's strict Mobius loader reads them
+    "interns2_mobius": ("InternS2MobiusForConditionalGeneration",
+                        "model.language_model.meta_mlp.1.experts.gate_up_proj", (4, 64, 64)),
     # transformers' Qwen3.5 MoE VLM weights under SGLang's Intern-S2-Preview class
     "interns2preview": ("InternS2PreviewForConditionalGeneration",
                         "model.language_model.layers.1.mlp.shared_expert_gate.weight", (1, 64)),
@@ -81,6 +86,11 @@ LINEAR_AND_FULL["gigachat35"] = lambda c: c["layer_types"] == ["linear_attention
     "first_k_dense_replace"] == 1 and c["q_lora_rank"] == 32
 LINEAR_AND_FULL["bailing_moe_v3"] = lambda c: c["layer_group_size"] == 2 and c["short_conv_kernel_size"] == 4 and c[
     "full_attention_type"] == "mla"
+LINEAR_AND_FULL["interns2_mobius"] = lambda c: c["text_config"]["layer_types"] == [
+    "linear_attention", "full_attention"] * 2 and c["text_config"]["num_blocks"] == 2 and c["text_config"][
+    "dtype"] == "float16"
+LINEAR_AND_FULL["bailing_mm_v3"] = lambda c: c["text_config"]["layer_group_size"] == 2 and c["text_config"][
+    "vocab_size"] == 768 and c["vision_config"]["depth"] == 1
 LINEAR_AND_FULL["nemotron_h_puzzle"] = lambda c: c["hybrid_override_pattern"] == "M*ME" and [
     b["block_type"] for b in c["block_configs"]] == ["mamba", "attention", "mamba", "moe"] and "layers_block_type" not in c
 
@@ -90,12 +100,17 @@ VLM_PROCESSOR_FILES = {"qwen3_5": ("preprocessor_config.json", "video_preprocess
                        "lfm2_vl": ("preprocessor_config.json",),
                        # a model_type transformers does not know: the processor class named
                        "interns2preview": ("preprocessor_config.json", "video_preprocessor_config.json",
-                                           "processor_config.json")}
+                                           "processor_config.json"),
+                       "bailing_mm_v3": ("preprocessor_config.json", "processor_config.json"),
+                       "interns2_mobius": ("preprocessor_config.json", "video_preprocessor_config.json",
+                                           "processor_config.json", "hf_reference/model.safetensors")}
 #: The config.json model_type where it is not the --arch name (SGLang's config class's).
-MODEL_TYPE = {"interns2preview": "intern_s2_preview", "gigachat35": "gigachat3_5", "bailing_moe_v3": "bailing_hybrid"}
-#: Families whose weights are written by hand (``hf_tiny_written``): SGLang's class must fill
-#: every parameter from the file (``testing/model_load.py``).
-WRITTEN = ("gigachat35", "bailing_moe_v3")
+MODEL_TYPE = {"interns2preview": "intern_s2_preview", "interns2_mobius": "interns2_mobius",
+              "gigachat35": "gigachat3_5", "bailing_moe_v3": "bailing_hybrid", "bailing_mm_v3": "bailing_moe_v3_vl"}
+#: Families whose weights are written by hand (``hf_tiny_written``) or renamed from transformers'
+#: layout (Intern-S2-Mobius's banks): SGLang's class must fill every parameter from the file
+#: (``testing/model_load.py``; Mobius's own loader also refuses missing or unexpected names).
+WRITTEN = ("gigachat35", "bailing_moe_v3", "interns2_mobius")  # bailing_mm_v3: SGLang cannot build its MLA on CPU
 
 # Ling 2.5 (issue 40): written by hand; BailingHybridConfig without a short conv (lightning layers)
 LINEAR_AND_FULL["bailing_moe_linear"] = lambda c: c["layer_group_size"] == 2 and "short_conv_kernel_size" not in c and c[

@@ -98,7 +98,8 @@ class TestListArchs(unittest.TestCase):
                   "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration", "lfm2_vl": "Lfm2VlForConditionalGeneration",
                   "mamba2": "Mamba2ForCausalLM", "nemotron_h_puzzle": "NemotronHPuzzleForCausalLM",
                   "interns2preview": "InternS2PreviewForConditionalGeneration",
-                  "gigachat35": "GigaChat35ForCausalLM", "bailing_moe_v3": "BailingMoeV3ForCausalLM"}
+                  "gigachat35": "GigaChat35ForCausalLM", "bailing_moe_v3": "BailingMoeV3ForCausalLM",
+                  "interns2_mobius": "InternS2MobiusForConditionalGeneration"}
         served["bailing_moe_linear"] = "BailingMoeV2_5ForCausalLM"  # Ling 2.5, lightning attention
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)

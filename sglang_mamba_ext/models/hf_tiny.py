@@ -42,11 +42,11 @@ __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CL
 #: (``tests/e2e/test_sglang_families_serving.py``), by ``--arch`` name (SGLang's module name).
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
                 "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2",
-                "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3",
+                "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3", "interns2_mobius",
                 "bailing_moe_linear")
-#: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
-#: served yet would follow the served ones, status ``build only``).
-ARCHS = SERVED_ARCHS
+#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those that build but are
+#: not served (status ``build only``: Ling-V3's VLM, blocked on CPU in SGLang, docs/families.md).
+ARCHS = SERVED_ARCHS + ("bailing_mm_v3",)
 #: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
 MARKER_KEY = "sglang_mamba_ext_tiny"
 #: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
@@ -338,6 +338,28 @@ _FAMILIES["bailing_moe_linear"] = dict(
 )
 
 
+# Ling-V3's VLM (SGLang's bailing_mm_v3 module, BailingMoeV3VLConfig): the Ling-V3 text model
+# above behind Qwen3-VL's vision tower (one block of width 32) and a two-layer projection. Builds
+# only: the VL config turns the text model's rope_parameters into M-RoPE of type "default"
+# (configs/bailing_hybrid.py, BailingMoeV3VLConfig), and SGLang's CPU rotary embedding for MLA
+# refuses any type but deepseek_yarn (layers/rotary_embedding/factory.py:478-481; docs/families.md).
+_FAMILIES["bailing_mm_v3"] = dict(
+    cls="BailingMoeV3VLForConditionalGeneration", writer="bailing_mm_v3_weights", sub="text_config",
+    processor_class="Qwen3VLProcessor",
+    config=dict(
+        model_type="bailing_moe_v3_vl", image_token_id=760, video_token_id=761, vision_start_token_id=762,
+        vision_end_token_id=763,
+        text_config=dict(_FAMILIES["bailing_moe_v3"]["config"], architectures=["BailingMoeV3ForCausalLM"],
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])),
+        vision_config=dict(
+            depth=1, hidden_size=32, num_heads=2, intermediate_size=64, in_channels=3, patch_size=16,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=_HIDDEN, num_position_embeddings=16,
+            hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[],
+        ),
+    ),
+)
+
+
 def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:
     """A Qwen3.5 VLM family entry (dense or MoE): a one-block vision tower in front of the text
     model (filled below), vision token ids at the vocabulary's end (760-763)."""
@@ -360,6 +382,15 @@ _FAMILIES["qwen3_5_moe"] = _qwen35_vlm("qwen3_5_moe", "Qwen3_5MoeForConditionalG
 # subclass with nothing of its own, config InternS2PreviewConfig (model_type intern_s2_preview,
 # Qwen3.5 MoE's text sub-config). transformers has no such class: the weights and the float32
 # reference are its Qwen3_5MoeForConditionalGeneration's at the same sizes.
+# Intern-S2-Mobius (SGLang's interns2_mobius module): Qwen3.5 MoE VLM layers whose routed experts
+# live in num_blocks shared banks (model.language_model.meta_mlp.<b>; layer i routes through bank
+# i % num_blocks), each layer keeping its own shared expert and gate. transformers has no such
+# class: its Qwen3_5MoeForConditionalGeneration builds the weights with every layer's routed
+# experts and router set to its bank's, saved beside the checkpoint (hf_reference/) as the float32
+# reference, and the checkpoint holds each bank once (``banks``).
+_FAMILIES["interns2_mobius"] = _qwen35_vlm("interns2_mobius", "InternS2MobiusForConditionalGeneration",
+                                           hf_cls="Qwen3_5MoeForConditionalGeneration", hf_model_type="qwen3_5_moe",
+                                           processor_class="Qwen3VLProcessor", banks=2, spread_experts=True)
 _FAMILIES["interns2preview"] = _qwen35_vlm("intern_s2_preview", "InternS2PreviewForConditionalGeneration",
                                            hf_cls="Qwen3_5MoeForConditionalGeneration", hf_model_type="qwen3_5_moe",
                                            processor_class="Qwen3VLProcessor")
@@ -379,6 +410,11 @@ _MROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.2
 _FAMILIES["qwen3_5"]["config"]["text_config"] = _vlm_text("qwen3_5_text", rope_parameters=dict(_MROPE))
 _FAMILIES["qwen3_5_moe"]["config"]["text_config"] = _vlm_text("qwen3_5_moe_text", rope_parameters=dict(_MROPE))
 _FAMILIES["interns2preview"]["config"]["text_config"] = _vlm_text("qwen3_5_moe_text", rope_parameters=dict(_MROPE))
+# (the text config's dtype written out: SGLang's InternS2MobiusTextConfig takes bfloat16 where it
+# is missing, configs/interns2_mobius.py:22-23, and the server then runs the model in bfloat16)
+_FAMILIES["interns2_mobius"]["config"]["text_config"] = _vlm_text("qwen3_5_moe_text", rope_parameters=dict(_MROPE),
+                                                                  num_blocks=_FAMILIES["interns2_mobius"]["banks"],
+                                                                  dtype="float16")
 _FAMILIES["lfm2_vl"]["config"]["text_config"] = _vlm_text("lfm2")
 
 
@@ -514,12 +550,19 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
     if _FAMILIES[arch].get("writer"):
         _build_written(arch, out_dir, config_json, seed)
         write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
+        if sub:
+            _write_processor_configs(arch, out_dir)
         return
     model = _transformers_model(arch, config_json, seed)
     _spread_weights(model, seed, experts=_FAMILIES[arch].get("spread_experts", False))
+    if _FAMILIES[arch].get("banks"):
+        _tie_routed_experts_to_banks(model, _FAMILIES[arch]["banks"])
     _scale_lm_head(model)
     model.half()
     model.save_pretrained(out_dir, safe_serialization=True)
+    if _FAMILIES[arch].get("banks"):
+        model.save_pretrained(os.path.join(out_dir, REFERENCE_SUBDIR), safe_serialization=True)
+        _write_banked_checkpoint(os.path.join(out_dir, "model.safetensors"), _FAMILIES[arch]["banks"])
     with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
         saved = json.load(f)
     # The released format first (what SGLang's config classes read), then transformers' own
@@ -538,6 +581,57 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
     write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
     if _FAMILIES[arch].get("sub"):
         _write_processor_configs(arch, out_dir)
+
+
+#: Where a family without its own transformers class keeps the float32 reference's checkpoint
+#: (transformers' class of the same layers), inside the tiny checkpoint's directory.
+REFERENCE_SUBDIR = "hf_reference"
+
+
+@torch.no_grad()
+def _tie_routed_experts_to_banks(model, banks: int) -> None:
+    """Set every layer's routed experts and router to those of layer ``i % banks`` (its bank):
+    transformers' per-layer MoE then computes what Intern-S2-Mobius's shared banks do."""
+    layers = model.model.language_model.layers
+    for i, layer in enumerate(layers):
+        src = layers[i % banks].mlp
+        for name, p in layer.mlp.named_parameters():
+            if name.startswith(("experts.", "gate.")):
+                p.copy_(src.get_parameter(name))
+
+
+def _write_banked_checkpoint(path: str, banks: int) -> None:
+    """Rewrite transformers' Qwen3.5 MoE checkpoint at ``path`` in Intern-S2-Mobius's names: each
+    bank's routed experts and router once, from layer ``b``, the experts fused as the released
+    checkpoints hold them (``model.language_model.meta_mlp.<b>.experts.gate_up_proj``
+    ``[experts, 2 * inter, hidden]``, gate rows first, and ``.experts.down_proj``
+    ``[experts, hidden, inter]``; SGLang's loader reads only these), ``.gate.weight``; no
+    per-layer routed experts. transformers saves the experts per expert
+    (``experts.<e>.gate_proj`` ...) or fused; both are read."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(path)
+    out, per_expert = {}, {}
+    for name, t in state.items():
+        parts = name.split(".")
+        if name.startswith("model.language_model.layers.") and parts[4:5] == ["mlp"] and parts[5] in ("experts", "gate"):
+            layer = int(parts[3])
+            if layer >= banks:
+                continue
+            bank = f"model.language_model.meta_mlp.{layer}."
+            if parts[5] == "experts" and parts[6].isdigit():  # experts.<e>.<proj>.weight
+                per_expert.setdefault(layer, {})[(int(parts[6]), parts[7])] = t
+            else:
+                out[bank + ".".join(parts[5:])] = t
+            continue
+        out[name] = t
+    for layer, tensors in per_expert.items():
+        n = 1 + max(e for e, _ in tensors)
+        bank = f"model.language_model.meta_mlp.{layer}.experts."
+        out[bank + "gate_up_proj"] = torch.stack(
+            [torch.cat([tensors[(e, "gate_proj")], tensors[(e, "up_proj")]], 0) for e in range(n)])
+        out[bank + "down_proj"] = torch.stack([tensors[(e, "down_proj")] for e in range(n)])
+    save_file({k: v.contiguous() for k, v in out.items()}, path, metadata={"format": "pt"})
 
 
 def _build_written(arch: str, out_dir: str, config_json: Dict, seed: int) -> None:
@@ -622,7 +716,11 @@ def _reference_main() -> None:
         kw["config"] = cls.config_class.from_pretrained(job["model_dir"])
         # transformers picks its checkpoint conversions (per-expert to fused weights) by model_type
         kw["config"].model_type = fam["hf_model_type"]
-    model = cls.from_pretrained(job["model_dir"], dtype=torch.float32, **kw).eval()
+    model_dir = job["model_dir"]
+    if fam.get("banks"):  # its reference checkpoint in transformers' own layout, beside it
+        model_dir = os.path.join(model_dir, REFERENCE_SUBDIR)
+        kw.pop("config", None)
+    model = cls.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
     out = []
     for prompt in job["prompts"]:
         ids = list(prompt)

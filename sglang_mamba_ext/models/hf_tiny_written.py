@@ -203,3 +203,48 @@ def bailing_moe_v3_weights(cfg: Dict, seed: int, logit_scale: float, linear=None
     w["model.norm.weight"] = 1.0 + d.normal(h, std=0.1)
     w["lm_head.weight"] = d.proj(vocab, h) * logit_scale
     return w
+
+
+def _qwen3_vl_vision(w: Dict[str, torch.Tensor], d: _Draw, prefix: str, vc: Dict) -> None:
+    """Qwen3-VL's vision tower (SGLang's ``Qwen3VLMoeVisionModel``; transformers'
+    ``Qwen3VLMoeVisionModel`` names): patch embedding, learned positions, ``depth`` blocks, the
+    patch merger; no deepstack mergers."""
+    hid, inter, out = vc["hidden_size"], vc["intermediate_size"], vc["out_hidden_size"]
+    patch, t, ch, merge = vc["patch_size"], vc["temporal_patch_size"], vc["in_channels"], vc["spatial_merge_size"]
+    w[f"{prefix}.patch_embed.proj.weight"] = d.normal(hid, ch, t, patch, patch, std=1.0 / math.sqrt(ch * t * patch * patch))
+    w[f"{prefix}.patch_embed.proj.bias"] = torch.zeros(hid)
+    w[f"{prefix}.pos_embed.weight"] = d.normal(vc["num_position_embeddings"], hid, std=0.02)
+    for b in range(vc["depth"]):
+        p = f"{prefix}.blocks.{b}"
+        for norm in ("norm1", "norm2"):
+            w[f"{p}.{norm}.weight"] = torch.ones(hid)
+            w[f"{p}.{norm}.bias"] = torch.zeros(hid)
+        for name, (o, i) in (("attn.qkv", (3 * hid, hid)), ("attn.proj", (hid, hid)), ("mlp.linear_fc1", (inter, hid)),
+                             ("mlp.linear_fc2", (hid, inter))):
+            w[f"{p}.{name}.weight"] = d.proj(o, i)
+            w[f"{p}.{name}.bias"] = torch.zeros(o)
+    merged = hid * merge * merge
+    w[f"{prefix}.merger.norm.weight"] = torch.ones(hid)
+    w[f"{prefix}.merger.norm.bias"] = torch.zeros(hid)
+    w[f"{prefix}.merger.linear_fc1.weight"] = d.proj(merged, merged)
+    w[f"{prefix}.merger.linear_fc1.bias"] = torch.zeros(merged)
+    w[f"{prefix}.merger.linear_fc2.weight"] = d.proj(out, merged)
+    w[f"{prefix}.merger.linear_fc2.bias"] = torch.zeros(out)
+
+
+def bailing_mm_v3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
+    """A tiny ``BailingMoeV3VLForConditionalGeneration`` (SGLang's ``models/bailing_mm_v3.py``):
+    Ling-V3's text model (:func:`bailing_moe_v3_weights`, its public names ``model.layers``,
+    ``model.word_embeddings``, ``model.norm``, ``lm_head``), Qwen3-VL's vision tower under
+    ``model.visual`` and the two-layer ``linear_proj`` from the merger's output to the text
+    width."""
+    w = bailing_moe_v3_weights(cfg["text_config"], seed, logit_scale)
+    d = _Draw(seed + 7)
+    vc = cfg["vision_config"]
+    _qwen3_vl_vision(w, d, "model.visual", vc)
+    h = cfg["text_config"]["hidden_size"]
+    w["linear_proj.0.weight"] = d.proj(h, vc["out_hidden_size"])
+    w["linear_proj.0.bias"] = torch.zeros(h)
+    w["linear_proj.2.weight"] = d.proj(h, h)
+    w["linear_proj.2.bias"] = torch.zeros(h)
+    return w

@@ -72,8 +72,13 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Lfm2VlForConditionalGeneration",
     "Mamba2ForCausalLM", "NemotronHPuzzleForCausalLM",
     "InternS2PreviewForConditionalGeneration", "GigaChat35ForCausalLM", "BailingMoeV3ForCausalLM",
+    "InternS2MobiusForConditionalGeneration", "BailingMoeV3VLForConditionalGeneration",
     "BailingMoeV2_5ForCausalLM",
 )
+
+#: Classes whose MoE runner SGLang sets to ``triton_kernel`` unasked, a layout its CPU MoE path
+#: cannot run: on CPU the defaults name ``--moe-runner-backend triton`` (unless given).
+CPU_MOE_RUNNER_TRITON = ("InternS2MobiusForConditionalGeneration",)
 
 #: KV tokens: a few thousand-token conversations at once.
 DEFAULT_MAX_TOTAL_TOKENS = 16384
@@ -206,6 +211,13 @@ def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
             # SGLang's no_buffer path needs the non-overlap scheduler (the plugin's flag
             # turns it off by itself, plugin/args.py)
             add("--disable-overlap-schedule")
+        archs = local_model_config(_flag_value(argv, "--model-path")).get("architectures") or []
+        if any(a in CPU_MOE_RUNNER_TRITON for a in archs) and absent("--moe-runner-backend"):
+            # SGLang turns "auto" into triton_kernel for this class on every platform
+            # (arg_groups/model_overrides/interns2_mobius.py:16); that layout stores the experts
+            # transposed (layers/quantization/unquant.py:803-804, 830-831), which SGLang's CPU
+            # MoE path multiplies untransposed (layers/moe/fused_moe_native.py:121, 143)
+            add("--moe-runner-backend", "triton")
     if speculating_without_cuda(argv) and absent("--disable-overlap-schedule"):
         # FROZEN_KV_MTP on CPU is run (and tested) by SGLang's non-overlap scheduler only.
         add("--disable-overlap-schedule")

@@ -280,6 +280,18 @@ class TestInternS2PreviewServing(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "interns2preview", "GDNAttnBackend", "InternS2PreviewForConditionalGeneration"
 
 
+class TestInternS2MobiusServing(FamilyServing, unittest.TestCase):
+    """Intern-S2-Mobius (``InternS2MobiusForConditionalGeneration``, ``--arch interns2_mobius``;
+    issue 40): Qwen3.5 MoE VLM layers on ``GDNAttnBackend`` whose routed experts live in two
+    banks shared across layers (SGLang's own model code, unlike Intern-S2-Preview), served
+    text-only; launched, resent (against transformers' ``Qwen3_5MoeForConditionalGeneration``
+    with each layer's experts set to its bank's, float32), next turn, abort."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "interns2_mobius", "GDNAttnBackend", "InternS2MobiusForConditionalGeneration"
+
+
 class TestGigaChat35Serving(FamilyServing, unittest.TestCase):
     """GigaChat 3.5 (``GigaChat35ForCausalLM``; issue 40): DeepSeek-V3 layers (MLA, DeepSeek MoE)
     whose linear layers are Qwen3-Next's Gated DeltaNet on ``GDNAttnBackend``, gated norms;
@@ -304,6 +316,19 @@ class TestBailingMoeV3Serving(FamilyServing, unittest.TestCase):
     REFERENCE = False
     test_2_third_prompt_hits_shared_77 = None
     ARCH, BACKEND, MODEL_CLASS = "bailing_moe_v3", "KDAAttnBackend", "BailingMoeV3ForCausalLM"
+
+
+class TestBailingMoeLinearServing(FamilyServing, unittest.TestCase):
+    """Ling 2.5 (``BailingMoeV2_5ForCausalLM``, ``--arch bailing_moe_linear``; issue 40): lightning
+    linear attention (a fixed decay per head and layer, no conv state) on
+    ``LightningAttentionBackend`` between MLA layers, Bailing's MoE; the plugin's lightning writer
+    (``plugin/inchunk_lightning.py``) and the torch ``seg_la`` kernel on CPU. Launched, resent,
+    the branch point (the only class of this kind), next turn, abort. transformers has no Bailing
+    class: the weights are written by hand and the outputs are checked against cold runs only."""
+
+    STOCK = False
+    REFERENCE = False
+    ARCH, BACKEND, MODEL_CLASS = "bailing_moe_linear", "LightningAttentionBackend", "BailingMoeV2_5ForCausalLM"
 
 
 class DeclaredHybrid:
