@@ -438,6 +438,48 @@ class TestLingRotary(unittest.TestCase):
         self.assertNotIn("forward", mla.rotary_emb.__dict__)
 
 
+@unittest.skipUnless(SGLANG_INSTALLED and NO_CUDA, "needs SGLang on a host without CUDA")
+class TestRopeCpuTypes(unittest.TestCase):
+    """issue 40: ``layers/rotary_embedding/factory.py::get_rope_cpu`` (MLA's rotary embedding on
+    CPU, ``models/deepseek_v2.py:2167``) asserts DeepSeek's YaRN (``factory.py:478-481``); Ling-V3's
+    VLM gives its MLA M-RoPE of type ``default``, other checkpoints no scaling at all."""
+
+    def _original(self):
+        import sglang.srt.layers.rotary_embedding.factory as factory
+
+        return getattr(factory.get_rope_cpu, "__wrapped__", factory.get_rope_cpu)
+
+    def test_gap_present_upstream(self):
+        for scaling in (None, {"rope_type": "default", "rope_theta": 10000.0}):
+            with self.subTest(scaling=scaling), self.assertRaises(AssertionError):
+                self._original()(8, 8, 4096, 10000, False, scaling, torch.float16, 1.0, "cpu")
+
+    def test_bridge_builds_other_types_and_leaves_yarn_to_sglang(self):
+        from sglang_mamba_ext.plugin import cpu_bridges
+
+        calls = []
+
+        def original(*args):
+            calls.append(args[5])
+            return "sglang's cpu rope"
+
+        yarn = {"rope_type": "deepseek_yarn", "factor": 1.0, "original_max_position_embeddings": 4096}
+        # (in a server the rotary bridge, TestRotary, keeps RotaryEmbedding's constructor off vllm)
+        with _bridges_on(), mock.patch("sglang.srt.layers.rotary_embedding.base._is_cpu", True):
+            for scaling in (None, {"rope_type": "default", "rope_theta": 10000.0}):
+                with self.subTest(scaling=scaling):
+                    rope = cpu_bridges.rope_cpu_around(original, 8, 8, 4096, 10000, False, scaling, torch.float32,
+                                                       1.0, "cpu")
+                    q, k = torch.randn(3, 2 * 8), torch.randn(3, 1 * 8)
+                    q2, k2 = rope.forward_native(torch.arange(3), q.clone(), k.clone())
+                    self.assertEqual(q2.shape, q.shape)
+                    torch.testing.assert_close(q2[0], q[0])  # position 0: no rotation
+                    self.assertFalse(torch.allclose(q2[2], q[2]))
+            self.assertEqual(cpu_bridges.rope_cpu_around(original, 8, 8, 4096, 10000, False, yarn), "sglang's cpu rope")
+        self.assertEqual(cpu_bridges.rope_cpu_around(original, 8, 8, 4096, 10000, False, None), "sglang's cpu rope")
+        self.assertEqual(calls, [yarn, None])
+
+
 class TestRegistration(unittest.TestCase):
     @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
     def test_hooks_registered(self):
@@ -449,7 +491,7 @@ class TestRegistration(unittest.TestCase):
         for target in (cpu_bridges.MODEL_RUNNER_INIT, cpu_bridges.MAMBA_MIXER_FORWARD,
                        cpu_bridges.QWEN3_NEXT_GDN_INIT, cpu_bridges.ROPE_INIT, cpu_bridges.CPU_TP_CONFIG,
                        cpu_bridges.NEMOTRON_H_MOE_FORWARD, cpu_bridges.MOE_FORWARD_NATIVE,
-                       cpu_bridges.DEEPSEEK_ROPE_NATIVE, cpu_bridges.DSV3_MLA_INIT):
+                       cpu_bridges.DEEPSEEK_ROPE_NATIVE, cpu_bridges.DSV3_MLA_INIT, cpu_bridges.GET_ROPE_CPU):
             self.assertTrue(HookRegistry._hooks.get(target), target)
 
     def test_inactive_without_variable(self):

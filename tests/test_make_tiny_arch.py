@@ -41,7 +41,7 @@ EXPECTED = {
     "bailing_moe_v3": ("BailingMoeV3ForCausalLM", "model.layers.0.attention.f_b_proj.weight", (64, 16)),
     # written by hand: Ling 2.5's lightning layers under attention (2 heads of 128: q, k, v rows)
     "bailing_moe_linear": ("BailingMoeV2_5ForCausalLM", "model.layers.0.attention.query_key_value.weight", (768, 64)),
-    # build only (blocked on CPU in SGLang): Ling-V3's text model behind Qwen3-VL's vision tower
+    # written by hand: Ling-V3's text model behind Qwen3-VL's vision tower
     "bailing_mm_v3": ("BailingMoeV3VLForConditionalGeneration", "linear_proj.2.weight", (64, 64)),
     # the routed experts once per bank, fused as SGLang's strict Mobius loader reads them
     "interns2_mobius": ("InternS2MobiusForConditionalGeneration",
@@ -110,7 +110,7 @@ MODEL_TYPE = {"interns2preview": "intern_s2_preview", "interns2_mobius": "intern
 #: Families whose weights are written by hand (``hf_tiny_written``) or renamed from transformers'
 #: layout (Intern-S2-Mobius's banks): SGLang's class must fill every parameter from the file
 #: (``testing/model_load.py``; Mobius's own loader also refuses missing or unexpected names).
-WRITTEN = ("gigachat35", "bailing_moe_v3", "interns2_mobius")  # bailing_mm_v3: SGLang cannot build its MLA on CPU
+WRITTEN = ("gigachat35", "bailing_moe_v3", "interns2_mobius", "bailing_mm_v3")
 
 # Ling 2.5 (issue 40): written by hand; BailingHybridConfig without a short conv (lightning layers)
 LINEAR_AND_FULL["bailing_moe_linear"] = lambda c: c["layer_group_size"] == 2 and "short_conv_kernel_size" not in c and c[

@@ -99,7 +99,8 @@ class TestListArchs(unittest.TestCase):
                   "mamba2": "Mamba2ForCausalLM", "nemotron_h_puzzle": "NemotronHPuzzleForCausalLM",
                   "interns2preview": "InternS2PreviewForConditionalGeneration",
                   "gigachat35": "GigaChat35ForCausalLM", "bailing_moe_v3": "BailingMoeV3ForCausalLM",
-                  "interns2_mobius": "InternS2MobiusForConditionalGeneration"}
+                  "interns2_mobius": "InternS2MobiusForConditionalGeneration",
+                  "bailing_mm_v3": "BailingMoeV3VLForConditionalGeneration"}
         served["bailing_moe_linear"] = "BailingMoeV2_5ForCausalLM"  # Ling 2.5, lightning attention
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)

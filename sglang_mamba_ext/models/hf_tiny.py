@@ -43,10 +43,10 @@ __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CL
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
                 "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2",
                 "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3", "interns2_mobius",
-                "bailing_moe_linear")
-#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those that build but are
-#: not served (status ``build only``: Ling-V3's VLM, blocked on CPU in SGLang, docs/families.md).
-ARCHS = SERVED_ARCHS + ("bailing_mm_v3",)
+                "bailing_mm_v3", "bailing_moe_linear")
+#: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
+#: served yet would follow the served ones, status ``build only``).
+ARCHS = SERVED_ARCHS
 #: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
 MARKER_KEY = "sglang_mamba_ext_tiny"
 #: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
@@ -339,10 +339,11 @@ _FAMILIES["bailing_moe_linear"] = dict(
 
 
 # Ling-V3's VLM (SGLang's bailing_mm_v3 module, BailingMoeV3VLConfig): the Ling-V3 text model
-# above behind Qwen3-VL's vision tower (one block of width 32) and a two-layer projection. Builds
-# only: the VL config turns the text model's rope_parameters into M-RoPE of type "default"
-# (configs/bailing_hybrid.py, BailingMoeV3VLConfig), and SGLang's CPU rotary embedding for MLA
-# refuses any type but deepseek_yarn (layers/rotary_embedding/factory.py:478-481; docs/families.md).
+# above behind Qwen3-VL's vision tower (one block of width 32) and a two-layer projection; served
+# text-only. The VL config turns the text model's rope_parameters into M-RoPE of type "default"
+# (configs/bailing_hybrid.py, BailingMoeV3VLConfig), which SGLang's CPU rotary embedding for MLA
+# refuses (layers/rotary_embedding/factory.py:478-481): the plugin's CPU bridge builds it
+# (plugin/cpu_bridges.py, rope_cpu_around).
 _FAMILIES["bailing_mm_v3"] = dict(
     cls="BailingMoeV3VLForConditionalGeneration", writer="bailing_mm_v3_weights", sub="text_config",
     processor_class="Qwen3VLProcessor",

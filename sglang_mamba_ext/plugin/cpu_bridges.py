@@ -102,6 +102,7 @@ NEMOTRON_H_MOE_FORWARD = "sglang.srt.models.nemotron_h.NemotronHMoE.forward"
 MOE_FORWARD_NATIVE = "sglang.srt.layers.moe.fused_moe_native.moe_forward_native"
 DSV3_MLA_INIT = "sglang.srt.models.bailing_moe_linear.DsV3MLA.__init__"
 DEEPSEEK_ROPE_NATIVE = "sglang.srt.layers.rotary_embedding.rope_variant.DeepseekScalingRotaryEmbedding.forward_native"
+GET_ROPE_CPU = "sglang.srt.layers.rotary_embedding.factory.get_rope_cpu"
 
 MAMBA_MODULE = "sglang.srt.layers.attention.mamba.mamba"
 ROPE_MODULE = "sglang.srt.layers.rotary_embedding.base"
@@ -337,6 +338,23 @@ def rope_init_around(original, *args, **kwargs):
             mod._is_cpu = saved
 
 
+def rope_cpu_around(original, head_size, rotary_dim, max_position, base, is_neox_style=True, rope_scaling=None,
+                    dtype=None, partial_rotary_factor=1.0, device=None):
+    """AROUND ``layers/rotary_embedding/factory.py::get_rope_cpu`` (what ``get_rope_wrapper``
+    calls on CPU, e.g. for DeepSeek's MLA, ``models/deepseek_v2.py:2167``): it builds DeepSeek's
+    YaRN only and asserts ``rope_scaling`` is given with type ``deepseek_yarn``
+    (``factory.py:478-481``). For no scaling or another type, SGLang's own ``get_rope`` (the
+    device-neutral factory every other layer uses) builds the embedding; ``deepseek_yarn`` is
+    SGLang's CPU path unchanged."""
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type"))
+    if active() and kind != "deepseek_yarn":
+        factory = importlib.import_module("sglang.srt.layers.rotary_embedding.factory")
+        return factory.get_rope(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
+                                partial_rotary_factor)
+    return original(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, dtype,
+                    partial_rotary_factor, device)
+
+
 def sm_count_around(original, device, *args, **kwargs):
     """AROUND ``layernorm_gated._get_sm_count(device)``: for a CPU device, the CPU's core
     count (the kernel's rows-per-block heuristic); anything else unchanged."""
@@ -553,6 +571,7 @@ def register_cpu_bridges() -> None:
     HookRegistry.register(NEMOTRON_H_MOE_FORWARD, mm_out_dtype_around, HookType.AROUND)
     HookRegistry.register(MOE_FORWARD_NATIVE, moe_native_around, HookType.AROUND)
     HookRegistry.register(DEEPSEEK_ROPE_NATIVE, deepseek_rope_flat_around, HookType.AROUND)
+    HookRegistry.register(GET_ROPE_CPU, rope_cpu_around, HookType.AROUND)
     HookRegistry.register(DSV3_MLA_INIT, dsv3_mla_init_around, HookType.AROUND)
     for target in KERNEL_BRIDGES:  # before install_mamba_radix's BEFORE hooks: theirs wrap these
         HookRegistry.register(target, make_kernel_around(target), HookType.AROUND)
