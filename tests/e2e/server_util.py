@@ -83,9 +83,10 @@ def start_together(cls, servers: List[Server]) -> None:
             started.result()
 
 
-def idle_and_checked(server: ServerProcess, settle_s: float = 3.0, timeout_s: float = 120) -> dict:
+def idle_and_checked(server: ServerProcess, settle_s: float = 2.0, timeout_s: float = 120) -> dict:
     """Wait until the scheduler has no running or waiting request, let it idle ``settle_s``
-    seconds (its idle checks run on every idle pass), then require the server still
+    seconds (its idle checks run on every fully idle pass, ``Scheduler.on_idle``, and an idle
+    test server sleeps at most 1 s between passes: at least one pass), then require the server still
     healthy and no leak report in its log. Returns ``/v1/loads`` taken while idle.
 
     Raises:
