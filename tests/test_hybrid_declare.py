@@ -26,6 +26,15 @@ class TestDeclaration(unittest.TestCase):
         self.assertEqual(hybrid_declare._declaration(_view(uses_mamba_radix_cache=True)), {})
         self.assertEqual(hybrid_declare._declaration(_view(disable_radix_cache=True)), {})
 
+    def test_minicpm_undoes_sglangs_cache_off(self):
+        """MiniCPM-SALA: SGLang's model override turns the radix cache off for every config with
+        lightning layers (``model_overrides/minicpm.py:24-27``); the MiniCPM pass turns it back on,
+        the plain pass does not."""
+        self.assertEqual(hybrid_declare._declaration(_view(disable_radix_cache=True, mamba_radix_cache_strategy="no_buffer"),
+                                                     undo_cache_off=True),
+                         {"uses_mamba_radix_cache": True, "disable_radix_cache": False})
+        self.assertEqual(hybrid_declare._declaration(_view(disable_radix_cache=True), undo_cache_off=False), {})
+
     def test_other_classes_untouched(self):
         cfg = SimpleNamespace(architectures=["Qwen3NextForCausalLM"])
         self.assertFalse(hybrid_declare.declare_missing_hybrid(object(), cfg))

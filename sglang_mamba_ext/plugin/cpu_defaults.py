@@ -73,7 +73,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "Mamba2ForCausalLM", "NemotronHPuzzleForCausalLM",
     "InternS2PreviewForConditionalGeneration", "GigaChat35ForCausalLM", "BailingMoeV3ForCausalLM",
     "InternS2MobiusForConditionalGeneration", "BailingMoeV3VLForConditionalGeneration",
-    "BailingMoeV2_5ForCausalLM",
+    "BailingMoeV2_5ForCausalLM", "MiniCPMSALAForCausalLM", "MiniCPMForCausalLM",
 )
 
 #: Classes whose MoE runner SGLang sets to ``triton_kernel`` unasked, a layout its CPU MoE path

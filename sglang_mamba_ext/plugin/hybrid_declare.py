@@ -10,7 +10,14 @@ serves with its hybrid backends and state pool are missing from that list:
 
 - ``Lfm2VlForConditionalGeneration`` (LFM2-VL: LFM2's short-conv text model behind a vision
   tower; ``Lfm2ForCausalLM`` and ``Lfm2MoeForCausalLM`` are listed);
-- ``Mamba2ForCausalLM`` (pure Mamba2, no attention layer).
+- ``Mamba2ForCausalLM`` (pure Mamba2, no attention layer);
+- ``MiniCPMSALAForCausalLM`` / ``MiniCPMForCausalLM`` (MiniCPM-SALA: lightning layers on SGLang's
+  ``LightningAttentionBackend`` beside dense attention). SGLang's own model override also turns
+  its radix cache off for every such config (``arg_groups/model_overrides/minicpm.py:24-27``, so
+  ``_mamba_radix_cache_resolution`` returns at ``overrides.py:473``); for a config without
+  ``sparse_config`` and without the user's ``--disable-radix-cache`` (the raw argument) the
+  plugin's pass turns it back on, since the plugin's cache keeps the lightning states exactly
+  (``plugin/inchunk_lightning.py``).
 
 Under the plugin's flag these would stop at start-up (``args.handle_mamba_radix_cache_around``:
 "needs a hybrid model"). :func:`declare_missing_hybrid` runs, from that AROUND hook and before
@@ -33,14 +40,22 @@ logger = logging.getLogger(__name__)
 DECLARED_ARCHITECTURES = {
     "Lfm2VlForConditionalGeneration": "LFM2-VL: LFM2's short-conv layers behind a vision tower",
     "Mamba2ForCausalLM": "pure Mamba2 (no attention layer)",
+    "MiniCPMSALAForCausalLM": "MiniCPM-SALA: lightning layers beside dense attention",
+    "MiniCPMForCausalLM": "MiniCPM-SALA: lightning layers beside dense attention",
 }
+#: Classes whose SGLang model override turns the radix cache off for every hybrid config
+#: (``arg_groups/model_overrides/minicpm.py:24-27``); under the plugin's flag, with dense attention
+#: (no ``sparse_config``) and no ``--disable-radix-cache`` from the user, the plugin's cache serves.
+CACHE_OFF_BY_SGLANG = ("MiniCPMSALAForCausalLM", "MiniCPMForCausalLM")
 
 
-def _declaration(view: Any) -> dict:
+def _declaration(view: Any, undo_cache_off: bool = False) -> dict:
     """The pass: SGLang's own ``uses_mamba_radix_cache`` decision for a listed class."""
-    if view.uses_mamba_radix_cache or view.disable_radix_cache:
+    if view.uses_mamba_radix_cache or (view.disable_radix_cache and not undo_cache_off):
         return {}
     declared = {"uses_mamba_radix_cache": True}
+    if view.disable_radix_cache:
+        declared["disable_radix_cache"] = False
     if view.mamba_radix_cache_strategy == "auto":
         declared.update(mamba_radix_cache_strategy="no_buffer", disable_overlap_schedule=True)
     return declared
@@ -71,7 +86,16 @@ def declare_missing_hybrid(server_args: Any, hf_config: Any) -> bool:
         mambaish = False
     if not mambaish:
         return False
-    run_post_process_pass(server_args, _declaration)
-    logger.info("mamba-radix: %s declared hybrid-cached (%s; SGLang's overrides.py:369 does not list it)",
-                arch, DECLARED_ARCHITECTURES[arch])
+    undo = (arch in CACHE_OFF_BY_SGLANG and not getattr(server_args, "disable_radix_cache", False)
+            and getattr(hf_config, "sparse_config", None) is None)
+    if undo:
+        def _minicpm_declaration(view: Any) -> dict:
+            return _declaration(view, undo_cache_off=True)
+
+        run_post_process_pass(server_args, _minicpm_declaration)
+    else:
+        run_post_process_pass(server_args, _declaration)
+    logger.info("mamba-radix: %s declared hybrid-cached (%s; SGLang's overrides.py:369 does not list it%s)",
+                arch, DECLARED_ARCHITECTURES[arch],
+                "; SGLang's radix-cache-off override, model_overrides/minicpm.py:24-27, undone" if undo else "")
     return True
