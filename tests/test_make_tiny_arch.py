@@ -41,6 +41,8 @@ EXPECTED = {
     "bailing_moe_v3": ("BailingMoeV3ForCausalLM", "model.layers.0.attention.f_b_proj.weight", (64, 16)),
     # written by hand: Ling 2.5's lightning layers under attention (2 heads of 128: q, k, v rows)
     "bailing_moe_linear": ("BailingMoeV2_5ForCausalLM", "model.layers.0.attention.query_key_value.weight", (768, 64)),
+    # written by hand: MiniCPM-SALA's lightning layer (2 heads of 128) and its output gate
+    "minicpm": ("MiniCPMSALAForCausalLM", "model.layers.0.self_attn.z_proj.weight", (256, 64)),
     # written by hand: Ling-V3's text model behind Qwen3-VL's vision tower
     "bailing_mm_v3": ("BailingMoeV3VLForConditionalGeneration", "linear_proj.2.weight", (64, 64)),
     # the routed experts once per bank, fused as SGLang's strict Mobius loader reads them
@@ -117,6 +119,11 @@ LINEAR_AND_FULL["bailing_moe_linear"] = lambda c: c["layer_group_size"] == 2 and
     "head_dim"] == 128 and c["full_attention_type"] == "mla"
 MODEL_TYPE["bailing_moe_linear"] = "bailing_hybrid"
 WRITTEN = WRITTEN + ("bailing_moe_linear",)
+# MiniCPM-SALA (issue 40): written by hand; lightning and dense GQA layers alternating
+LINEAR_AND_FULL["minicpm"] = lambda c: c["mixer_types"] == ["lightning-attn", "minicpm4"] and c[
+    "lightning_head_dim"] == 128 and "sparse_config" not in c
+MODEL_TYPE["minicpm"] = "minicpm_sala"
+WRITTEN = WRITTEN + ("minicpm",)
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification

@@ -102,6 +102,7 @@ class TestListArchs(unittest.TestCase):
                   "interns2_mobius": "InternS2MobiusForConditionalGeneration",
                   "bailing_mm_v3": "BailingMoeV3VLForConditionalGeneration"}
         served["bailing_moe_linear"] = "BailingMoeV2_5ForCausalLM"  # Ling 2.5, lightning attention
+        served["minicpm"] = "MiniCPMSALAForCausalLM"  # MiniCPM-SALA, lightning attention
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)
             self.assertEqual(arch_class(name), arch)

@@ -43,7 +43,7 @@ __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CL
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
                 "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2",
                 "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3", "interns2_mobius",
-                "bailing_mm_v3", "bailing_moe_linear")
+                "bailing_mm_v3", "bailing_moe_linear", "minicpm")
 #: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
 #: served yet would follow the served ones, status ``build only``).
 ARCHS = SERVED_ARCHS
@@ -357,6 +357,25 @@ _FAMILIES["bailing_mm_v3"] = dict(
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=_HIDDEN, num_position_embeddings=16,
             hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[],
         ),
+    ),
+)
+
+
+# MiniCPM-SALA (SGLang's minicpm module, MiniCPMSALAForCausalLM; MiniCPMHybridConfig): lightning
+# layers (SGLang's LightningAttentionBackend, as Ling 2.5's; a fixed ALiBi-slope decay per head,
+# the same in every layer unless lightning_layerwise_decay) alternating with GQA attention layers
+# ("minicpm4", dense: no sparse_config), both with output gates; muP-style scales (scale_emb,
+# scale_depth, dim_model_base). Lightning heads of 128 (SGLang's seg_la decode kernel tiles by
+# 128). Written by hand: transformers has no MiniCPM-SALA class.
+_FAMILIES["minicpm"] = dict(
+    cls="MiniCPMSALAForCausalLM", writer="minicpm_sala_weights",
+    config=dict(
+        model_type="minicpm_sala", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+        mixer_types=["lightning-attn", "minicpm4"], lightning_nh=2, lightning_nkv=2, lightning_head_dim=128,
+        lightning_scale="1/sqrt(d)", lightning_use_rope=True, use_output_gate=True, use_output_norm=True,
+        qk_norm=True, attn_use_rope=True, attn_use_output_gate=True, attention_bias=False, scale_emb=12,
+        scale_depth=1.4, dim_model_base=256, rms_norm_eps=1e-6, rope_theta=10000.0,
     ),
 )
 

@@ -248,3 +248,42 @@ def bailing_mm_v3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str,
     w["linear_proj.2.weight"] = d.proj(h, h)
     w["linear_proj.2.bias"] = torch.zeros(h)
     return w
+
+
+def minicpm_sala_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
+    """The float32 state dict of a tiny ``MiniCPMSALAForCausalLM`` (MiniCPM-SALA, SGLang's
+    ``models/minicpm.py``, config ``MiniCPMHybridConfig``): per ``mixer_types`` entry a lightning
+    layer (``MiniCPMLightningMixer``: q / k / v projections, per-head q / k norms, the output norm
+    ``o_norm`` and gate ``z_proj``, ``o_proj``) or a GQA attention layer (``MiniCPMAttention``,
+    its output gate ``o_gate``), a SwiGLU MLP each. The embedding is scaled by ``1 / scale_emb``
+    (SGLang multiplies it back) and the LM head by ``hidden / dim_model_base`` (SGLang divides the
+    final hidden state by ``hidden / dim_model_base``), so ``logit_scale`` keeps its meaning."""
+    d = _Draw(seed)
+    h, vocab, n = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    w: Dict[str, torch.Tensor] = {"model.embed_tokens.weight": d.normal(vocab, h) / cfg["scale_emb"]}
+    kinds = (cfg["mixer_types"] * n)[:n]
+    for i, kind in enumerate(kinds):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        w[f"{p}.input_layernorm.weight"] = 1.0 + d.normal(h, std=0.1)
+        w[f"{p}.post_attention_layernorm.weight"] = 1.0 + d.normal(h, std=0.1)
+        if kind.startswith("lightning"):
+            dim, heads = cfg["lightning_head_dim"], cfg["lightning_nh"]
+            width = heads * dim
+            for x in "qkv":
+                w[f"{a}.{x}_proj.weight"] = d.proj(width, h)
+            w[f"{a}.q_norm.weight"] = 1.0 + d.normal(dim, std=0.1)
+            w[f"{a}.k_norm.weight"] = 1.0 + d.normal(dim, std=0.1)
+            w[f"{a}.o_norm.weight"] = 1.0 + d.normal(width, std=0.1)
+            w[f"{a}.z_proj.weight"] = d.proj(width, h)
+            w[f"{a}.o_proj.weight"] = d.proj(h, width)
+        else:
+            dim, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+            w[f"{a}.q_proj.weight"] = d.proj(heads * dim, h)
+            w[f"{a}.k_proj.weight"] = d.proj(kv * dim, h)
+            w[f"{a}.v_proj.weight"] = d.proj(kv * dim, h)
+            w[f"{a}.o_proj.weight"] = d.proj(h, heads * dim)
+            w[f"{a}.o_gate.weight"] = d.proj(heads * dim, h)
+        _swiglu(w, d, f"{p}.mlp", h, cfg["intermediate_size"])
+    w["model.norm.weight"] = 1.0 + d.normal(h, std=0.1)
+    w["lm_head.weight"] = d.proj(vocab, h) * logit_scale * cfg["hidden_size"] / cfg["dim_model_base"]
+    return w

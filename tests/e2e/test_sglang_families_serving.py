@@ -345,6 +345,23 @@ class TestBailingMoeLinearServing(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "bailing_moe_linear", "LightningAttentionBackend", "BailingMoeV2_5ForCausalLM"
 
 
+class TestMiniCPMSalaServing(FamilyServing, unittest.TestCase):
+    """MiniCPM-SALA (``MiniCPMSALAForCausalLM``, ``--arch minicpm``; issue 40): lightning layers on
+    ``LightningAttentionBackend`` (Ling 2.5's writer and kernel) beside dense GQA attention,
+    declared hybrid-cached by the plugin (SGLang's model override turns its radix cache off for
+    the class, ``model_overrides/minicpm.py:24-27``); launched, resent, next turn, abort (the
+    branch point is Ling 2.5's: the same writer). No transformers class: weights written by hand,
+    outputs checked against cold runs only."""
+
+    STOCK = False
+    REFERENCE = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "minicpm", "LightningAttentionBackend", "MiniCPMSALAForCausalLM"
+
+    def test_0b_declared_by_the_plugin(self):
+        self.assertIn(f"mamba-radix: {self.MODEL_CLASS} declared hybrid-cached", self.server.log_text())
+
+
 @unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
                      "Ling-V3's VLM runs the same plugin paths as TestBailingMoeV3Serving (KDA between MLA layers) "
                      "behind a VLM wrapper (TestQwen35VlServing's); SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
