@@ -158,6 +158,17 @@ def mtp_pair(arch: str):
         return os.path.join(path, "target"), os.path.join(path, "draft"), f.read()
 
 
+def tiny_arch(arch: str) -> str:
+    """The tiny checkpoint of SGLang class family ``arch`` (``scripts/make_tiny_model.py --arch``,
+    seed 0). Every family of ``models/hf_tiny.py::ARCHS`` is built the first time any is asked
+    for, in one subprocess (one transformers import, :func:`build_hf_tiny_models`), once per
+    test run (:func:`shared_build`), for the family, differential and build tests alike."""
+    from sglang_mamba_ext.models.hf_tiny import ARCHS, build_hf_tiny_models
+
+    path = shared_build("tiny-archs", lambda d: build_hf_tiny_models({a: os.path.join(d, a) for a in ARCHS}))
+    return os.path.join(path, arch)
+
+
 def _relay_worker_progress(path: str, stop: threading.Event) -> None:
     """Controller side of ``-n``: print the workers' progress lines as they arrive."""
     with open(path, "a+") as f:

@@ -11,7 +11,8 @@ import unittest
 
 from safetensors import safe_open
 
-from sglang_mamba_ext.models.hf_tiny import ARCHS, MARKER_KEY, build_hf_tiny_models, reference_greedy
+from conftest import tiny_arch
+from sglang_mamba_ext.models.hf_tiny import ARCHS, MARKER_KEY, reference_greedy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "make_tiny_model.py")
@@ -151,7 +152,9 @@ class TestMakeTinyArch(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
-        cls.dirs = build_hf_tiny_models({arch: os.path.join(cls.tmp.name, arch) for arch in ARCHS})
+        # built once per test run in one subprocess, shared with the e2e family classes
+        # (conftest.tiny_arch calls build_hf_tiny_models for every arch of ARCHS)
+        cls.dirs = {arch: tiny_arch(arch) for arch in ARCHS}
 
     @classmethod
     def tearDownClass(cls):

@@ -28,9 +28,8 @@ import unittest
 
 import pytest
 import requests
+from conftest import tiny_arch
 from server_util import CHECKED_ENV, Server, abort_mid_generation, idle_and_checked, start_together
-
-from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -56,7 +55,7 @@ class DifferentialServing:
     def setUpClass(cls):
         tmp = tempfile.TemporaryDirectory(prefix=f"{cls.ARCH}-diff-")
         cls.addClassCleanup(tmp.cleanup)
-        cls.model = build_hf_tiny_model(cls.ARCH, os.path.join(tmp.name, "model"))
+        cls.model = tiny_arch(cls.ARCH)  # built once per test run (conftest.tiny_arch)
         cls.server = Server(cls.model, [*cls.COMMON, "--enable-mamba-radix", *cls.PLUGIN_FLAGS],
                             os.path.join(tmp.name, f"{cls.ARCH}.log"), env=dict(CHECKED_ENV))
         cls.base = Server(cls.model, [*cls.COMMON, "--disable-radix-cache"],

@@ -33,9 +33,10 @@ import tempfile
 import unittest
 
 import pytest
+from conftest import tiny_arch
 from server_util import CHECKED_ENV, GreedyHits, Server, abort_mid_generation, idle_and_checked, start_together
 
-from sglang_mamba_ext.models.hf_tiny import build_hf_tiny_model, reference_greedy
+from sglang_mamba_ext.models.hf_tiny import reference_greedy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -69,7 +70,7 @@ class FamilyServing(GreedyHits):
     def setUpClass(cls):
         tmp = tempfile.TemporaryDirectory(prefix=f"{cls.ARCH}-e2e-")
         cls.addClassCleanup(tmp.cleanup)
-        cls.model = build_hf_tiny_model(cls.ARCH, os.path.join(tmp.name, "model"))
+        cls.model = tiny_arch(cls.ARCH)  # built once per test run (conftest.tiny_arch)
         cls.server = Server(cls.model, ["--device", "cpu", "--enable-mamba-radix", *cls.PLUGIN_FLAGS],
                             os.path.join(tmp.name, f"{cls.ARCH}.log"), env=dict(CHECKED_ENV))
         servers = [cls.server]
