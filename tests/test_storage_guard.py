@@ -7,6 +7,8 @@ import threading
 import time
 import unittest
 
+from conftest import SGLANG_INSTALLED
+
 from sglang_mamba_ext.mem_cache.storage_guard import GuardedStore, StoreUnavailable
 
 
@@ -139,10 +141,46 @@ class TestGuardedStore(unittest.TestCase):
             GuardedStore(FakeStore(), 0, 1)
         from sglang_mamba_ext.plugin.host_tier import _guard_settings
 
+        with self.assertRaises(ValueError):
+            GuardedStore(FakeStore(), float("inf"), 1)  # a thread wait that long overflows
         self.assertEqual(_guard_settings({}), (2.0, 5.0))
-        self.assertEqual(_guard_settings({"storage_call_timeout_s": "0.5", "storage_retry_interval_s": 1}), (0.5, 1.0))
-        with self.assertRaisesRegex(ValueError, "storage_call_timeout_s must be a positive"):
-            _guard_settings({"storage_call_timeout_s": -1})
+        self.assertEqual(_guard_settings({"storage_call_timeout_s": None}), (2.0, 5.0))  # JSON null: the default
+        self.assertEqual(_guard_settings({"storage_call_timeout_s": 0.5, "storage_retry_interval_s": 1}), (0.5, 1.0))
+        # found by a fresh-user check: 1e10 and Infinity passed and then made every guarded
+        # call raise OverflowError (the tier silently off); booleans and strings passed as numbers
+        for bad in (-1, 0, 1e10, float("inf"), float("nan"), True, "2", "abc", [1]):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "storage_call_timeout_s must be a number"):
+                _guard_settings({"storage_call_timeout_s": bad})
+        with self.assertRaisesRegex(ValueError, "unknown key.*storage_call_timout_s"):
+            _guard_settings({"storage_call_timout_s": 1})  # misspelled
+        self.assertEqual(_guard_settings({"master_server_address": "h:1", "protocol": "tcp"}), (2.0, 5.0))
+
+    @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang (its extra-config parser)")
+    def test_launcher_check_reads_the_json_flag(self):
+        from sglang_mamba_ext.plugin.host_tier import check_guard_settings
+
+        check_guard_settings(None)
+        check_guard_settings('{"storage_call_timeout_s": 3, "protocol": "tcp"}')
+        with self.assertRaisesRegex(ValueError, "storage_retry_interval_s must be a number"):
+            check_guard_settings('{"storage_retry_interval_s": Infinity}')
+        with self.assertRaisesRegex(ValueError, "extra-config"):
+            check_guard_settings("{not json")
+        # at the launcher's flag step (plugin/args.py): a FlagError, which start-up reports
+        # argparse-style (usage, "error: ...", status 2) before any model load
+        from types import SimpleNamespace
+
+        from sglang_mamba_ext.plugin.args import _take_storage_backend
+        from sglang_mamba_ext.plugin.startup_errors import FlagError
+
+        args = SimpleNamespace(hicache_storage_backend="mooncake", enable_hierarchical_cache=True, tp_size=1, dp_size=1,
+                               hicache_host_memory_mode="cache",
+                               hicache_storage_backend_extra_config='{"storage_call_timeout_s": 1e10}')
+        with self.assertRaisesRegex(FlagError, "storage_call_timeout_s must be a number"):
+            _take_storage_backend(args, {}, refuse=None)
+        args.hicache_storage_backend_extra_config = '{"storage_call_timeout_s": 4}'
+        settings = {}
+        _take_storage_backend(args, settings, refuse=None)
+        self.assertEqual(settings["storage_backend"], "mooncake")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 #: probes while it is.
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_RETRY_S = 5.0
+#: Longest wait a thread's ``result(timeout=)`` takes without overflowing (``threading.TIMEOUT_MAX``).
+MAX_WAIT_S = __import__("threading").TIMEOUT_MAX
 
 
 class StoreUnavailable(Exception):
@@ -56,8 +58,9 @@ class GuardedStore:
 
     def __init__(self, inner, timeout_s: float = DEFAULT_TIMEOUT_S, retry_s: float = DEFAULT_RETRY_S,
                  what: str = "storage"):
-        if not timeout_s > 0 or not retry_s > 0:
-            raise ValueError(f"storage call timeout and retry interval must be > 0 (got {timeout_s}, {retry_s})")
+        if not 0 < timeout_s < MAX_WAIT_S or not 0 < retry_s < MAX_WAIT_S:
+            raise ValueError(f"storage call timeout and retry interval must be > 0 and finite seconds "
+                             f"(got {timeout_s}, {retry_s})")
         self.inner = inner
         self.timeout_s = float(timeout_s)
         self.retry_s = float(retry_s)

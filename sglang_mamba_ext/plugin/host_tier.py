@@ -170,25 +170,60 @@ def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_ra
 GUARD_KEYS = ("storage_call_timeout_s", "storage_retry_interval_s")
 
 
+#: The largest value either key takes, seconds: a longer bound would let one storage call hold
+#: the scheduler for over an hour (and Python's thread waits overflow near 9.2e9 s).
+GUARD_MAX_S = 3600.0
+
+
 def _guard_settings(extra: dict):
-    """``(timeout_s, retry_s)`` from the extra config (:data:`GUARD_KEYS`), else the defaults.
+    """``(timeout_s, retry_s)`` from the extra config (:data:`GUARD_KEYS`), else the defaults
+    (also for an explicit JSON ``null``).
 
     Raises:
-        ValueError: a value that is not a positive number."""
+        ValueError: a value that is not a number of seconds in ``(0, GUARD_MAX_S]`` (a JSON
+            boolean or string is not a number), or a ``storage_*`` key the plugin does not
+            know (a misspelled one would otherwise be ignored; SGLang's mooncake keys have no
+            such prefix)."""
+    import math
+
     from sglang_mamba_ext.mem_cache.storage_guard import DEFAULT_RETRY_S, DEFAULT_TIMEOUT_S
 
+    unknown = sorted(k for k in extra if str(k).startswith("storage_") and k not in GUARD_KEYS)
+    if unknown:
+        raise ValueError(f"--hicache-storage-backend-extra-config: unknown key(s) {', '.join(unknown)} "
+                         f"(the plugin's keys are {' and '.join(GUARD_KEYS)})")
     out = []
     for key, default in zip(GUARD_KEYS, (DEFAULT_TIMEOUT_S, DEFAULT_RETRY_S)):
-        value = extra.get(key, default)
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            value = -1.0
-        if not value > 0:
-            raise ValueError(f"--hicache-storage-backend-extra-config: {key} must be a positive number of "
-                             f"seconds (got {extra.get(key)!r})")
-        out.append(value)
+        value = extra.get(key)
+        if value is None:
+            value = default
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not (ok and 0 < value <= GUARD_MAX_S):
+            raise ValueError(f"--hicache-storage-backend-extra-config: {key} must be a number of seconds above 0 "
+                             f"and at most {GUARD_MAX_S:g} (got {extra.get(key)!r})")
+        out.append(float(value))
     return tuple(out)
+
+
+def check_guard_settings(extra_config) -> None:
+    """The launcher's check of :data:`GUARD_KEYS` in ``--hicache-storage-backend-extra-config``
+    (a JSON string, SGLang's ``@file`` form, or a dict), so a bad value fails at start-up
+    rather than in the scheduler after the model load.
+
+    Raises:
+        ValueError: as :func:`_guard_settings`, or extra config that is not valid JSON."""
+    if not extra_config:
+        return
+    if isinstance(extra_config, dict):
+        extra = extra_config
+    else:
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+        try:
+            extra = HybridCacheController.parse_storage_backend_extra_config(extra_config)[0] or {}
+        except Exception as e:  # SGLang's parser: JSON or an unreadable @file
+            raise ValueError(f"--hicache-storage-backend-extra-config: {e}") from e
+    _guard_settings(extra)
 
 
 def _check_mooncake_config(config) -> None:
