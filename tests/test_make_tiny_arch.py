@@ -12,6 +12,7 @@ import unittest
 from safetensors import safe_open
 
 from conftest import tiny_arch
+from sglang_mamba_ext.testing.server import free_port
 from sglang_mamba_ext.models.hf_tiny import ARCHS, MARKER_KEY, reference_greedy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -237,8 +238,9 @@ class TestMakeTinyArch(unittest.TestCase):
         no parameter left unfilled (SGLang's loaders skip unknown names silently)."""
         for arch in WRITTEN:
             with self.subTest(arch=arch):
-                proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.model_load", self.dirs[arch]],
-                                      capture_output=True, text=True, timeout=300)
+                # a free port for its gloo group (the fixed default collided in a CI run: EADDRINUSE)
+                proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.model_load", self.dirs[arch],
+                                       str(free_port())], capture_output=True, text=True, timeout=300)
                 self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
                 got = json.loads(proc.stdout.strip().splitlines()[-1])
                 self.assertEqual(got["class"], EXPECTED[arch][0])

@@ -16,6 +16,7 @@ import unittest
 import pytest
 
 from conftest import mtp_pair
+from sglang_mamba_ext.testing.server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,6 @@ class _MtpDraft:
     CLASS = ""
     #: held-out agreement the fitted head reaches at least (seed 0); chance is about 1/768
     MIN_AGREEMENT = 0.15
-    PORT = 29533
 
     @classmethod
     def setUpClass(cls):
@@ -64,7 +64,7 @@ class _MtpDraft:
 
     def test_sglang_class_loads_every_parameter(self):
         proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.mtp_load", self.target, self.draft,
-                               str(self.PORT)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                               str(free_port())], capture_output=True, text=True, timeout=600, cwd=ROOT)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         self.assertEqual(res["architecture"], self.CLASS)
@@ -81,18 +81,18 @@ class _MtpDraft:
 
 
 class TestQwen3NextMtp(_MtpDraft, unittest.TestCase):
-    ARCH, CLASS, PORT = "qwen3_next", "Qwen3NextForCausalLMMTP", 29541
+    ARCH, CLASS = "qwen3_next", "Qwen3NextForCausalLMMTP"
 
 
 @unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_MTP") == "1",
                      "the suite's time budget (docs/testing.md): Qwen3.5's MTP head is built and loaded by the same "
                      "code as Qwen3-Next's (models/mtp_tiny.py), like its e2e class; SGLANG_MAMBA_EXT_ALL_MTP=1 runs it")
 class TestQwen35Mtp(_MtpDraft, unittest.TestCase):
-    ARCH, CLASS, PORT = "qwen3_5_text", "Qwen3_5ForCausalLMMTP", 29542
+    ARCH, CLASS = "qwen3_5_text", "Qwen3_5ForCausalLMMTP"
 
 
 class TestNemotronHMtp(_MtpDraft, unittest.TestCase):
-    ARCH, CLASS, PORT = "nemotron_h", "NemotronHForCausalLMMTP", 29543
+    ARCH, CLASS = "nemotron_h", "NemotronHForCausalLMMTP"
     MIN_AGREEMENT = 0.03  # its greedy tokens depend more on the context than one linear head sees
 
 

@@ -29,7 +29,7 @@ import unittest
 import pytest
 import requests
 from conftest import tiny_model_dir
-from server_util import CHECKED_ENV, Server, idle_and_checked
+from server_util import CHECKED_ENV, Server, idle_and_checked, unexpected_tracebacks
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -174,8 +174,7 @@ class _BatchedCheckpoints(unittest.TestCase):
     def test_z_idle_without_leaks(self):
         load = idle_and_checked(self.server)
         self.assertEqual(load["num_used_tokens"], 0)
-        log = self.server.log_text()
-        self.assertNotIn("Traceback", log)
+        self.assertEqual(unexpected_tracebacks(self.server.log_text()), [])
 
 
 class TestBatchedCheckpoints(_BatchedCheckpoints):
