@@ -17,22 +17,20 @@ import json
 import sys
 
 
-def check(model_dir: str, port: int = 29541) -> dict:
+def load_nan_filled(sa, model_path: str, port: int, weights: dict, is_draft_model: bool = False):
+    """``(model_config, model class, model)``: SGLang's class for ``model_path`` under the
+    server args ``sa``, built on CPU in float16 with every parameter NaN, then given
+    ``weights`` (name -> tensor) through its own ``load_weights``; a one-rank gloo group on
+    ``port`` is initialised first (once per process). Shared with :mod:`.mtp_load`."""
     import torch
-    from safetensors.torch import load_file
 
-    from sglang_mamba_ext.benchmarks.scheduler import apply_plugin
-
-    apply_plugin()
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
     from sglang.srt.model_loader.utils import get_model_architecture
     from sglang.srt.runtime_context import create_context, get_parallel, use_context
-    from sglang.srt.server_args import prepare_server_args
 
-    sa = prepare_server_args(["--model-path", model_dir, "--device", "cpu"])
     with use_context(create_context(sa, role="scheduler")):
-        mc = ModelConfig.from_server_args(sa, model_path=model_dir)
+        mc = ModelConfig.from_server_args(sa, model_path=model_path, is_draft_model=is_draft_model)
         cls, _ = get_model_architecture(mc)
         init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
@@ -40,13 +38,27 @@ def check(model_dir: str, port: int = 29541) -> dict:
                                      attn_dp_rank=0, attn_cp_rank=0):
             initialize_model_parallel()
             torch.set_default_dtype(torch.float16)
-            model = cls(config=mc.hf_config)
+            model = cls(mc.hf_config)
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(float("nan"))
-            model.load_weights(iter(load_file(f"{model_dir}/model.safetensors").items()))
-        params = dict(model.named_parameters())
-        unloaded = sorted(n for n, p in params.items() if torch.isnan(p).any())
+            model.load_weights(iter(weights.items()))
+    return mc, cls, model
+
+
+def check(model_dir: str, port: int = 29541) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    from sglang_mamba_ext.benchmarks.scheduler import apply_plugin
+
+    apply_plugin()
+    from sglang.srt.server_args import prepare_server_args
+
+    sa = prepare_server_args(["--model-path", model_dir, "--device", "cpu"])
+    _, cls, model = load_nan_filled(sa, model_dir, port, load_file(f"{model_dir}/model.safetensors"))
+    params = dict(model.named_parameters())
+    unloaded = sorted(n for n, p in params.items() if torch.isnan(p).any())
     return {"class": cls.__name__, "unloaded": unloaded, "parameters": len(params)}
 
 

@@ -25,53 +25,38 @@ def check(target: str, draft: str, port: int = 29533) -> dict:
     from sglang_mamba_ext.benchmarks.scheduler import apply_plugin
 
     apply_plugin()
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.model_loader.utils import get_model_architecture
-    from sglang.srt.runtime_context import create_context, get_parallel, use_context
     from sglang.srt.server_args import prepare_server_args
+
+    from sglang_mamba_ext.testing.model_load import load_nan_filled
 
     sa = prepare_server_args([
         "--model-path", target, "--device", "cpu", "--speculative-algorithm", "NEXTN",
         "--speculative-draft-model-path", draft, "--speculative-num-steps", "3",
         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
     ])
-    with use_context(create_context(sa, role="scheduler")):
-        mc = ModelConfig.from_server_args(sa, model_path=draft, is_draft_model=True)
-        cls, _ = get_model_architecture(mc)
-        init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
-        with get_parallel().override(tp_rank=0, pp_rank=0, attn_tp_rank=0, moe_ep_rank=0, moe_tp_rank=0,
-                                     attn_dp_rank=0, attn_cp_rank=0):
-            initialize_model_parallel()
-            torch.set_default_dtype(torch.float16)
-            model = cls(mc.hf_config)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.fill_(float("nan"))
-            ckpt = load_file(f"{draft}/model.safetensors")
-            model.load_weights(iter(ckpt.items()))
-        params = dict(model.named_parameters())
-        unloaded = sorted(n for n, p in params.items() if torch.isnan(p).any())
-        # a checkpoint tensor is used when some parameter holds its values (fused parameters
-        # hold them as a slice): compare against every loaded parameter's rows
-        equal, unused = {}, []
-        for name, t in ckpt.items():
-            t = t.to(torch.float16).reshape(-1, t.shape[-1]) if t.dim() > 1 else t.to(torch.float16)
-            hit = False
-            for p in params.values():
-                if p.shape[-1] != t.shape[-1] or torch.isnan(p).any():
-                    continue
-                flat = p.detach().reshape(-1, p.shape[-1]) if p.dim() > 1 else p.detach()
-                if flat.dim() == 1:
-                    hit = bool(torch.equal(flat, t))
-                else:
-                    hit = any(torch.equal(flat[i:i + t.shape[0]], t) for i in range(0, flat.shape[0] - t.shape[0] + 1, t.shape[0]))
-                if hit:
-                    break
-            equal[name] = hit
-            if not hit:
-                unused.append(name)
+    ckpt = load_file(f"{draft}/model.safetensors")
+    mc, cls, model = load_nan_filled(sa, draft, port, ckpt, is_draft_model=True)
+    params = dict(model.named_parameters())
+    unloaded = sorted(n for n, p in params.items() if torch.isnan(p).any())
+    # a checkpoint tensor is used when some parameter holds its values (fused parameters
+    # hold them as a slice): compare against every loaded parameter's rows
+    equal, unused = {}, []
+    for name, t in ckpt.items():
+        t = t.to(torch.float16).reshape(-1, t.shape[-1]) if t.dim() > 1 else t.to(torch.float16)
+        hit = False
+        for p in params.values():
+            if p.shape[-1] != t.shape[-1] or torch.isnan(p).any():
+                continue
+            flat = p.detach().reshape(-1, p.shape[-1]) if p.dim() > 1 else p.detach()
+            if flat.dim() == 1:
+                hit = bool(torch.equal(flat, t))
+            else:
+                hit = any(torch.equal(flat[i:i + t.shape[0]], t) for i in range(0, flat.shape[0] - t.shape[0] + 1, t.shape[0]))
+            if hit:
+                break
+        equal[name] = hit
+        if not hit:
+            unused.append(name)
     return {"architecture": mc.hf_config.architectures[0], "class": cls.__name__, "unloaded": unloaded,
             "unused": unused, "equal": equal}
 
