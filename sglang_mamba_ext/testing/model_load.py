@@ -38,7 +38,7 @@ def load_nan_filled(sa, model_path: str, port: int, weights: dict, is_draft_mode
                                      attn_dp_rank=0, attn_cp_rank=0):
             initialize_model_parallel()
             torch.set_default_dtype(torch.float16)
-            model = cls(mc.hf_config)
+            model = cls(config=mc.hf_config)  # keyword: some classes (Ling 2.5) take no positional config
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(float("nan"))
