@@ -235,14 +235,17 @@ class TestMakeTinyArch(unittest.TestCase):
 
     def test_written_weights_fill_every_sglang_parameter(self):
         """A hand-written checkpoint (no transformers class) loads into SGLang's own class with
-        no parameter left unfilled (SGLang's loaders skip unknown names silently)."""
-        for arch in WRITTEN:
+        no parameter left unfilled (SGLang's loaders skip unknown names silently). All in one
+        process (one SGLang import), each under its own server args."""
+        # a free port for its gloo group (the fixed default collided in a CI run: EADDRINUSE)
+        proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.model_load",
+                               *(self.dirs[arch] for arch in WRITTEN), str(free_port())],
+                              capture_output=True, text=True, timeout=600)
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"model"')]
+        self.assertEqual([x["model"] for x in lines], [self.dirs[arch] for arch in WRITTEN])
+        for arch, got in zip(WRITTEN, lines):
             with self.subTest(arch=arch):
-                # a free port for its gloo group (the fixed default collided in a CI run: EADDRINUSE)
-                proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.model_load", self.dirs[arch],
-                                       str(free_port())], capture_output=True, text=True, timeout=300)
-                self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
-                got = json.loads(proc.stdout.strip().splitlines()[-1])
                 self.assertEqual(got["class"], EXPECTED[arch][0])
                 self.assertEqual(got["unloaded"], [])
                 self.assertGreater(got["parameters"], 30 if arch == "minicpm" else 50)  # MiniCPM-SALA: 37

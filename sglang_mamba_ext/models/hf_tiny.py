@@ -34,6 +34,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from sglang_mamba_ext.models.hf_tiny_written import written_families
+
 __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CLASSES", "SGLangHybridClass",
            "build_hf_tiny_model", "build_hf_tiny_models", "reference_greedy", "family_config", "arch_status",
            "list_archs", "scan_sglang_hybrid_modules", "arch_module", "arch_class"]
@@ -260,124 +262,9 @@ _FAMILIES: Dict[str, Dict] = {
 }
 
 # Families transformers has no class for: weights written by hand in the names SGLang's loader
-# reads (``writer``: a function of :mod:`.hf_tiny_written`); no float32 reference.
-# GigaChat 3.5 (SGLang's gigachat35 module): DeepSeek-V3 layers (MLA with a query LoRA and a
-# gated output, DeepSeek MoE with sigmoid routing and a correction bias, first layer dense)
-# whose linear layers are Qwen3-Next's Gated DeltaNet; zero-centered gated norms before and
-# after each sublayer (the released defaults). model_type as SGLang's GigaChat35Config names it.
-_FAMILIES["gigachat35"] = dict(
-    cls="GigaChat35ForCausalLM", writer="gigachat35_weights",
-    config=dict(
-        model_type="gigachat3_5", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=_LAYERS, layer_types=["linear_attention", "attention"] * (_LAYERS // 2),
-        num_attention_heads=4, num_key_value_heads=4, hidden_act="silu",
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_layer_freq=1, first_k_dense_replace=1,
-        routed_scaling_factor=1.0, n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
-        norm_topk_prob=True, linear_attention_type="Qwen3NextGatedDeltaNet",
-        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_sigmoid_gate_scale=2.0,
-        output_gate_type="sigmoid", norm_type="ZeroCenteredGatedNorm", layernorm_type="pre_post",
-        layernorm_gating_weight=2.0, gated_attention=True, use_mla_scaling_factor=True,
-        rope_theta=10000.0, rope_interleave=True, rms_norm_eps=1e-6, attention_bias=False,
-        # DeepSeek's YaRN at factor 1 (plain rotary positions): on CPU SGLang builds MLA's rotary
-        # embedding only for deepseek_yarn scaling (layers/rotary_embedding/factory.py:478-481)
-        rope_scaling=dict(rope_type="deepseek_yarn", type="deepseek_yarn", factor=1.0,
-                          original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-                          mscale_all_dim=1.0),
-    ),
-)
-
-
-# Ling-V3 (SGLang's bailing_moe_v3 module, config BailingHybridConfig with use_kda: a
-# short_conv_kernel_size): KDA layers with a full-attention MLA layer every layer_group_size-th
-# layer, Bailing's MoE (sigmoid router with an expert bias, one shared expert) after a dense
-# first layer. rope_parameters as DeepSeek's YaRN at factor 1 for the same CPU reason as
-# GigaChat's (MLA's rotary embedding on CPU, layers/rotary_embedding/factory.py:478-481).
-_FAMILIES["bailing_moe_v3"] = dict(
-    cls="BailingMoeV3ForCausalLM", writer="bailing_moe_v3_weights",
-    config=dict(
-        model_type="bailing_hybrid", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=_LAYERS, layer_group_size=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-        hidden_act="silu", short_conv_kernel_size=4, no_kda_lora=False, kda_safe_gate=False,
-        full_attention_type="mla", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, rope_interleave=True, use_mla_nope=False,
-        num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, moe_router_enable_expert_bias=True, score_function="sigmoid",
-        norm_topk_prob=True, routed_scaling_factor=1.0, use_qkv_bias=False, use_bias=False, use_qk_norm=False,
-        rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_parameters=dict(rope_type="deepseek_yarn", type="deepseek_yarn", rope_theta=10000.0, factor=1.0,
-                             original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-                             mscale_all_dim=1.0),
-    ),
-)
-
-
-# Ling 2.5 (SGLang's bailing_moe_linear module, BailingMoeV2_5ForCausalLM; BailingHybridConfig
-# without a short_conv_kernel_size): Ling-V3's stack with lightning linear attention (a fixed
-# ALiBi-slope decay per head and layer, SGLang's LightningAttentionBackend, seg_la kernels) in
-# place of KDA. head_dim 128 (2 heads), the width SGLang's seg_la decode kernel tiles by
-# (kernels/ops/attention/linear/seg_la.py: K_SPLIT_DIM 128), so the Triton kernels run on this
-# checkpoint too. rope_parameters as Ling-V3's (the MLA layers' CPU rotary embedding).
-_FAMILIES["bailing_moe_linear"] = dict(
-    cls="BailingMoeV2_5ForCausalLM", writer="bailing_moe_linear_weights",
-    config=dict(
-        model_type="bailing_hybrid", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=_LAYERS, layer_group_size=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
-        hidden_act="silu", use_qk_norm=True, group_norm_size=1, linear_silu=False,
-        full_attention_type="mla", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, rope_interleave=True, use_mla_nope=False,
-        num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, moe_router_enable_expert_bias=True, score_function="sigmoid",
-        norm_topk_prob=True, routed_scaling_factor=1.0, use_qkv_bias=False, use_bias=False,
-        rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_parameters=dict(rope_type="deepseek_yarn", type="deepseek_yarn", rope_theta=10000.0, factor=1.0,
-                             original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-                             mscale_all_dim=1.0),
-    ),
-)
-
-
-# Ling-V3's VLM (SGLang's bailing_mm_v3 module, BailingMoeV3VLConfig): the Ling-V3 text model
-# above behind Qwen3-VL's vision tower (one block of width 32) and a two-layer projection; served
-# text-only. The VL config turns the text model's rope_parameters into M-RoPE of type "default"
-# (configs/bailing_hybrid.py, BailingMoeV3VLConfig), which SGLang's CPU rotary embedding for MLA
-# refuses (layers/rotary_embedding/factory.py:478-481): the plugin's CPU bridge builds it
-# (plugin/cpu_bridges.py, rope_cpu_around).
-_FAMILIES["bailing_mm_v3"] = dict(
-    cls="BailingMoeV3VLForConditionalGeneration", writer="bailing_mm_v3_weights", sub="text_config",
-    processor_class="Qwen3VLProcessor",
-    config=dict(
-        model_type="bailing_moe_v3_vl", image_token_id=760, video_token_id=761, vision_start_token_id=762,
-        vision_end_token_id=763,
-        text_config=dict(_FAMILIES["bailing_moe_v3"]["config"], architectures=["BailingMoeV3ForCausalLM"],
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])),
-        vision_config=dict(
-            depth=1, hidden_size=32, num_heads=2, intermediate_size=64, in_channels=3, patch_size=16,
-            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=_HIDDEN, num_position_embeddings=16,
-            hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[],
-        ),
-    ),
-)
-
-
-# MiniCPM-SALA (SGLang's minicpm module, MiniCPMSALAForCausalLM; MiniCPMHybridConfig): lightning
-# layers (SGLang's LightningAttentionBackend, as Ling 2.5's; a fixed ALiBi-slope decay per head,
-# the same in every layer unless lightning_layerwise_decay) alternating with GQA attention layers
-# ("minicpm4", dense: no sparse_config), both with output gates; muP-style scales (scale_emb,
-# scale_depth, dim_model_base). Lightning heads of 128 (SGLang's seg_la decode kernel tiles by
-# 128). Written by hand: transformers has no MiniCPM-SALA class.
-_FAMILIES["minicpm"] = dict(
-    cls="MiniCPMSALAForCausalLM", writer="minicpm_sala_weights",
-    config=dict(
-        model_type="minicpm_sala", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
-        mixer_types=["lightning-attn", "minicpm4"], lightning_nh=2, lightning_nkv=2, lightning_head_dim=128,
-        lightning_scale="1/sqrt(d)", lightning_use_rope=True, use_output_gate=True, use_output_norm=True,
-        qk_norm=True, attn_use_rope=True, attn_use_output_gate=True, attention_bias=False, scale_emb=12,
-        scale_depth=1.4, dim_model_base=256, rms_norm_eps=1e-6, rope_theta=10000.0,
-    ),
-)
+# reads (``writer``: a function of :mod:`.hf_tiny_written`, which also holds their configs);
+# no float32 reference.
+_FAMILIES.update(written_families(_HIDDEN, _LAYERS))
 
 
 def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:

@@ -83,7 +83,7 @@ CPU_MOE_RUNNER_TRITON = ("InternS2MobiusForConditionalGeneration",)
 #: KV tokens: a few thousand-token conversations at once.
 DEFAULT_MAX_TOTAL_TOKENS = 16384
 #: SSM slots. Under ``--enable-mamba-radix`` with ping-pong tracking one running request
-#: holds 3 (its working state and two checkpoints, see ``args._check_mamba_cache_size``)
+#: holds 3 (its working state and two checkpoints, see ``args_combos._check_mamba_cache_size``)
 #: and SGLang keeps one more per request; 128 leaves about 100 slots for cached states at
 #: 8 running requests.
 DEFAULT_MAX_MAMBA_CACHE_SIZE = 128

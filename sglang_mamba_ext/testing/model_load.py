@@ -4,11 +4,13 @@ that every parameter of SGLang's class is filled from the file (SGLang's loaders
 do not know and leave parameters they are not given as they were, so a served check alone would
 not notice a misnamed tensor).
 
-``python -m sglang_mamba_ext.testing.model_load MODEL_DIR [PORT]`` prints one JSON line:
-``{"class": <the class SGLang's registry resolves>, "unloaded": [parameters still NaN after
-load_weights and post_load_weights], "parameters": <count>}``. Parameters start as NaN. Run it
-in its own process: it initialises a one-rank gloo group. (The MTP drafts' version of this check:
-:mod:`.mtp_load`.)
+``python -m sglang_mamba_ext.testing.model_load MODEL_DIR... [PORT]`` prints one JSON line per
+directory, in order: ``{"model": MODEL_DIR, "class": <the class SGLang's registry resolves>,
+"unloaded": [parameters still NaN after load_weights], "parameters": <count>}``. Parameters
+start as NaN. SGLang is imported once (about 15 s on 2 cores), then each directory is checked in
+a child forked from that process, under its own server args (its CPU defaults) and its own
+one-rank gloo group (on a free port; PORT is the first one's). (The MTP drafts' version of this
+check: :mod:`.mtp_load`.)
 """
 
 from __future__ import annotations
@@ -59,8 +61,43 @@ def check(model_dir: str, port: int = 29541) -> dict:
     _, cls, model = load_nan_filled(sa, model_dir, port, load_file(f"{model_dir}/model.safetensors"))
     params = dict(model.named_parameters())
     unloaded = sorted(n for n, p in params.items() if torch.isnan(p).any())
-    return {"class": cls.__name__, "unloaded": unloaded, "parameters": len(params)}
+    return {"model": model_dir, "class": cls.__name__, "unloaded": unloaded, "parameters": len(params)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv) -> int:
+    """Check each directory in ``argv`` (a trailing number: the first one's gloo port) in a
+    forked child; returns the number of children that failed (their tracebacks on stderr)."""
+    import os
+    import traceback
+
+    port = int(argv.pop()) if len(argv) > 1 and argv[-1].isdigit() else 29541
+    import sglang.srt.model_loader.utils  # noqa: F401  (imported once, before the forks)
+    import sglang.srt.server_args  # noqa: F401
+
+    failed = 0
+    for i, model_dir in enumerate(argv):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                print(json.dumps(check(model_dir, port if i == 0 else _free_port())), flush=True)
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        failed += os.waitstatus_to_exitcode(status) != 0
+    return failed
 
 
 if __name__ == "__main__":
-    print(json.dumps(check(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 29541)))
+    sys.exit(1 if main(sys.argv[1:]) else 0)
