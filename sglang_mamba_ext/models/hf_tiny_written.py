@@ -331,22 +331,24 @@ def written_families(hidden: int, layers: int) -> Dict[str, Dict]:
     # layer, Bailing's MoE (sigmoid router with an expert bias, one shared expert) after a dense
     # first layer. rope_parameters as DeepSeek's YaRN at factor 1 for the same CPU reason as
     # GigaChat's (MLA's rotary embedding on CPU, layers/rotary_embedding/factory.py:478-481).
+    # the Bailing hybrid stack both Ling classes share (MLA full attention, Bailing's MoE)
+    ling = dict(
+        model_type="bailing_hybrid", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=_LAYERS, layer_group_size=2, hidden_act="silu",
+        full_attention_type="mla", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, rope_interleave=True, use_mla_nope=False,
+        num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, moe_router_enable_expert_bias=True, score_function="sigmoid",
+        norm_topk_prob=True, routed_scaling_factor=1.0, use_qkv_bias=False, use_bias=False,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_parameters=dict(rope_type="deepseek_yarn", type="deepseek_yarn", rope_theta=10000.0, factor=1.0,
+                             original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+                             mscale_all_dim=1.0),
+    )
     _FAMILIES["bailing_moe_v3"] = dict(
         cls="BailingMoeV3ForCausalLM", writer="bailing_moe_v3_weights",
-        config=dict(
-            model_type="bailing_hybrid", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=_LAYERS, layer_group_size=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-            hidden_act="silu", short_conv_kernel_size=4, no_kda_lora=False, kda_safe_gate=False,
-            full_attention_type="mla", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, rope_interleave=True, use_mla_nope=False,
-            num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-            first_k_dense_replace=1, moe_router_enable_expert_bias=True, score_function="sigmoid",
-            norm_topk_prob=True, routed_scaling_factor=1.0, use_qkv_bias=False, use_bias=False, use_qk_norm=False,
-            rms_norm_eps=1e-6, rope_theta=10000.0,
-            rope_parameters=dict(rope_type="deepseek_yarn", type="deepseek_yarn", rope_theta=10000.0, factor=1.0,
-                                 original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-                                 mscale_all_dim=1.0),
-        ),
+        config=dict(ling, num_attention_heads=4, num_key_value_heads=4, head_dim=16, short_conv_kernel_size=4,
+                    no_kda_lora=False, kda_safe_gate=False, use_qk_norm=False),
     )
 
 
@@ -358,20 +360,8 @@ def written_families(hidden: int, layers: int) -> Dict[str, Dict]:
     # checkpoint too. rope_parameters as Ling-V3's (the MLA layers' CPU rotary embedding).
     _FAMILIES["bailing_moe_linear"] = dict(
         cls="BailingMoeV2_5ForCausalLM", writer="bailing_moe_linear_weights",
-        config=dict(
-            model_type="bailing_hybrid", hidden_size=_HIDDEN, intermediate_size=128, moe_intermediate_size=32,
-            num_hidden_layers=_LAYERS, layer_group_size=2, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
-            hidden_act="silu", use_qk_norm=True, group_norm_size=1, linear_silu=False,
-            full_attention_type="mla", q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, rope_interleave=True, use_mla_nope=False,
-            num_experts=4, num_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-            first_k_dense_replace=1, moe_router_enable_expert_bias=True, score_function="sigmoid",
-            norm_topk_prob=True, routed_scaling_factor=1.0, use_qkv_bias=False, use_bias=False,
-            rms_norm_eps=1e-6, rope_theta=10000.0,
-            rope_parameters=dict(rope_type="deepseek_yarn", type="deepseek_yarn", rope_theta=10000.0, factor=1.0,
-                                 original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-                                 mscale_all_dim=1.0),
-        ),
+        config=dict(ling, num_attention_heads=2, num_key_value_heads=2, head_dim=128, use_qk_norm=True,
+                    group_norm_size=1, linear_silu=False),
     )
 
 

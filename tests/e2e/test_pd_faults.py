@@ -28,13 +28,19 @@ import pytest
 import requests
 
 from pd_util import skip_without_pd, start_pd_pair, start_router
-from server_util import CHECKED_ENV, idle_and_checked, tiny_class_setup
+from server_util import CHECKED_ENV, idle_and_checked, tiny_class_setup, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TIMEOUT_S = 20
+#: A decode server holds the KV pages of a transfer the prefill side broke off (a killed
+#: prefill server, test_3) until the prefill acknowledges the drain or this many seconds pass
+#: (SGLang's default 30 s, ``disaggregation/decode.py``, ``_defer_release``): shortened so that
+#: test_3 can see every page back.
+DEFERRED_RELEASE_S = 4
 FAULT_ENV = {**CHECKED_ENV, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(TIMEOUT_S),
-             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(TIMEOUT_S)}
+             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(TIMEOUT_S),
+             "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(DEFERRED_RELEASE_S)}
 #: A client of a failed request has its answer within this many seconds (SGLang's timeouts
 #: above plus a loaded 2-core machine's slack).
 ERROR_WITHIN_S = 90
@@ -174,6 +180,9 @@ class TestPrefillDecodeFaults(unittest.TestCase):
         self.assertLess(took, ERROR_WITHIN_S)
         report(f"prefill server killed: client answer {describe(answer)} {took:.1f} s after the kill")
         idle_and_checked(self.decode)
+        # the broken-off transfer's pages come back once the deferred release times out
+        self.assertTrue(wait_for(lambda: self.decode.loads()["num_used_tokens"] == 0, timeout_s=DEFERRED_RELEASE_S + 30),
+                        f"decode KV tokens still in use: {self.decode.loads()['num_used_tokens']}")
         self.restart(self.prefill)
         self.served_exactly(_ids(35, 30))
         for server in (self.prefill, self.decode):
