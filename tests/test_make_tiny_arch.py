@@ -126,6 +126,13 @@ LINEAR_AND_FULL["minicpm"] = lambda c: c["mixer_types"] == ["lightning-attn", "m
     "lightning_head_dim"] == 128 and "sparse_config" not in c
 MODEL_TYPE["minicpm"] = "minicpm_sala"
 WRITTEN = WRITTEN + ("minicpm",)
+# Kimi-K3's text class (issue 40): written by hand, Kimi-Linear's config format with K3's fields
+# (full-rank KDA gate, latent MoE, attention residuals)
+EXPECTED["kimi_k3"] = ("KimiK3LinearForCausalLM", "model.layers.1.mlp.routed_expert_down_proj.weight", (32, 64))
+LINEAR_AND_FULL["kimi_k3"] = lambda c: c["linear_attn_config"]["kda_layers"] == [1, 3] and c["linear_attn_config"][
+    "full_attn_layers"] == [2, 4] and c["linear_attn_config"]["use_full_rank_gate"] and c["attn_res_block_size"] == 2
+MODEL_TYPE["kimi_k3"] = "kimi_linear"
+WRITTEN = WRITTEN + ("kimi_k3",)
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification

@@ -34,6 +34,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from sglang_mamba_ext.models.hf_tiny_kimi_k3 import kimi_k3_family
 from sglang_mamba_ext.models.hf_tiny_written import written_families
 
 __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CLASSES", "SGLangHybridClass",
@@ -45,7 +46,7 @@ __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CL
 SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2",
                 "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2",
                 "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3", "interns2_mobius",
-                "bailing_mm_v3", "bailing_moe_linear", "minicpm")
+                "bailing_mm_v3", "bailing_moe_linear", "minicpm", "kimi_k3")
 #: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
 #: served yet would follow the served ones, status ``build only``).
 ARCHS = SERVED_ARCHS
@@ -265,6 +266,7 @@ _FAMILIES: Dict[str, Dict] = {
 # reads (``writer``: a function of :mod:`.hf_tiny_written`, which also holds their configs);
 # no float32 reference.
 _FAMILIES.update(written_families(_HIDDEN, _LAYERS))
+_FAMILIES.update(kimi_k3_family(_HIDDEN, _LAYERS))
 
 
 def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:
@@ -549,7 +551,8 @@ def _build_written(arch: str, out_dir: str, config_json: Dict, seed: int) -> Non
 
     from sglang_mamba_ext.models import hf_tiny_written
 
-    weights = getattr(hf_tiny_written, _FAMILIES[arch]["writer"])(config_json, seed, LOGIT_STD)
+    writer = _FAMILIES[arch]["writer"]  # a function of hf_tiny_written by name, or the function
+    weights = (writer if callable(writer) else getattr(hf_tiny_written, writer))(config_json, seed, LOGIT_STD)
     save_file({k: v.to(torch.float16).contiguous() for k, v in weights.items()},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(config_json, architectures=[_FAMILIES[arch]["cls"]], torch_dtype="float16", dtype="float16")

@@ -575,4 +575,7 @@ def register_cpu_bridges() -> None:
     HookRegistry.register(DSV3_MLA_INIT, dsv3_mla_init_around, HookType.AROUND)
     for target in KERNEL_BRIDGES:  # before install_mamba_radix's BEFORE hooks: theirs wrap these
         HookRegistry.register(target, make_kernel_around(target), HookType.AROUND)
+    from sglang_mamba_ext.plugin.cpu_bridges_kimi_k3 import register_kimi_k3_bridges
+
+    register_kimi_k3_bridges(HookRegistry, HookType)  # Kimi-K3's text class (cpu_bridges_kimi_k3.py)
     _installed = True

@@ -74,6 +74,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "InternS2PreviewForConditionalGeneration", "GigaChat35ForCausalLM", "BailingMoeV3ForCausalLM",
     "InternS2MobiusForConditionalGeneration", "BailingMoeV3VLForConditionalGeneration",
     "BailingMoeV2_5ForCausalLM", "MiniCPMSALAForCausalLM", "MiniCPMForCausalLM",
+    "KimiK3LinearForCausalLM",
 )
 
 #: Classes whose MoE runner SGLang sets to ``triton_kernel`` unasked, a layout its CPU MoE path

@@ -11,6 +11,8 @@ serves with its hybrid backends and state pool are missing from that list:
 - ``Lfm2VlForConditionalGeneration`` (LFM2-VL: LFM2's short-conv text model behind a vision
   tower; ``Lfm2ForCausalLM`` and ``Lfm2MoeForCausalLM`` are listed);
 - ``Mamba2ForCausalLM`` (pure Mamba2, no attention layer);
+- ``KimiK3LinearForCausalLM`` (Kimi-K3's text model: KDA beside MLA; SGLang lists its VLM,
+  ``KimiK3ForConditionalGeneration``, not the text class);
 - ``MiniCPMSALAForCausalLM`` / ``MiniCPMForCausalLM`` (MiniCPM-SALA: lightning layers on SGLang's
   ``LightningAttentionBackend`` beside dense attention). SGLang's own model override also turns
   its radix cache off for every such config (``arg_groups/model_overrides/minicpm.py:24-27``, so
@@ -42,6 +44,7 @@ DECLARED_ARCHITECTURES = {
     "Mamba2ForCausalLM": "pure Mamba2 (no attention layer)",
     "MiniCPMSALAForCausalLM": "MiniCPM-SALA: lightning layers beside dense attention",
     "MiniCPMForCausalLM": "MiniCPM-SALA: lightning layers beside dense attention",
+    "KimiK3LinearForCausalLM": "Kimi-K3's text model: KDA layers beside MLA (its VLM class is listed)",
 }
 #: Classes whose SGLang model override turns the radix cache off for every hybrid config
 #: (``arg_groups/model_overrides/minicpm.py:24-27``); under the plugin's flag, with dense attention

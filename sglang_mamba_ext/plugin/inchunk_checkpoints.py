@@ -164,6 +164,9 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
     for cfg in (hf, getattr(hf, "text_config", None)):
         if cfg is not None and getattr(cfg, "kda_safe_gate", False):
             return "the KDA safe gate (kda_safe_gate / lower_bound)"
+        # Kimi-K3 / GLM-5-Next set the layers' lower_bound from here (models/kimi_k3.py:1796, glm5_next.py:595)
+        if cfg is not None and (getattr(cfg, "linear_attn_config", None) or {}).get("gate_lower_bound") is not None:
+            return "the KDA safe gate (linear_attn_config.gate_lower_bound / lower_bound)"
     if name == "kda":
         try:
             from sglang.srt.layers.attention.hybrid_linear_attn_backend import (
