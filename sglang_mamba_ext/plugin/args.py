@@ -164,7 +164,11 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
          "(arg_groups/kv_cache_hook.py)"),
         ("enable_lmcache", "--enable-lmcache",
          "SGLang builds its LMCache connector into LMCacheUnifiedRadixCache only "
-         "(mem_cache/registry.py, default_radix_cache_factory), never into a registered --radix-cache-backend"),
+         "(mem_cache/registry.py, default_radix_cache_factory), never into a registered --radix-cache-backend; "
+         "LMCache itself runs on CPU: without --enable-mamba-radix SGLang's own --enable-lmcache serves a "
+         "hybrid model there with LMCACHE_MP_TRANSFER_MODE=lmcache_driven and 'lmcache server "
+         "--separate-object-groups' (LMCache's CPU default, engine-driven transfer, refuses it: 'engine-driven "
+         "transfer does not support multiple KV transfer groups now'; docs/flags.md, \"LMCache\")"),
     ]
     for field, flag, why in checks:
         if getattr(server_args, field, False):
