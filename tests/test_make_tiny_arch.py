@@ -126,6 +126,14 @@ LINEAR_AND_FULL["minicpm"] = lambda c: c["mixer_types"] == ["lightning-attn", "m
     "lightning_head_dim"] == 128 and "sparse_config" not in c
 MODEL_TYPE["minicpm"] = "minicpm_sala"
 WRITTEN = WRITTEN + ("minicpm",)
+# Mamba1 (issue 40): no attention layer, every layer a selective-scan mixer (x_proj: dt rank 4 +
+# B, C of 16 each); Falcon-Mamba with its B / C / dt RMSNorm epsilon, Mamba without it
+EXPECTED["falcon_mamba"] = ("FalconMambaForCausalLM", "backbone.layers.0.mixer.x_proj.weight", (36, 128))
+EXPECTED["mamba"] = ("MambaForCausalLM", "backbone.layers.0.mixer.A_log", (128, 16))
+LINEAR_AND_FULL["falcon_mamba"] = lambda c: c["intermediate_size"] == 128 and c["time_step_rank"] == 4 and c[
+    "mixer_rms_eps"] == 1e-6 and "layer_types" not in c and "num_attention_heads" not in c
+LINEAR_AND_FULL["mamba"] = lambda c: c["intermediate_size"] == 128 and c["time_step_rank"] == 4 and (
+    "mixer_rms_eps" not in c) and "layer_types" not in c and "num_attention_heads" not in c
 # Kimi-K3's text class (issue 40): written by hand, Kimi-Linear's config format with K3's fields
 # (full-rank KDA gate, latent MoE, attention residuals)
 EXPECTED["kimi_k3"] = ("KimiK3LinearForCausalLM", "model.layers.1.mlp.routed_expert_down_proj.weight", (32, 64))
@@ -214,7 +222,7 @@ class TestMakeTinyArch(unittest.TestCase):
         a = list(range(10, 90))
         b = list(a)
         b[60] = 700
-        for arch in ("nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5", "mamba2"):
+        for arch in ("nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5", "mamba2", "falcon_mamba", "mamba"):
             with self.subTest(arch=arch):
                 ra, rb = reference_greedy(self.dirs[arch], [a, b], 2)
                 self.assertEqual(len(ra["tokens"]), 2)

@@ -103,6 +103,7 @@ class TestListArchs(unittest.TestCase):
                   "bailing_mm_v3": "BailingMoeV3VLForConditionalGeneration"}
         served["bailing_moe_linear"] = "BailingMoeV2_5ForCausalLM"  # Ling 2.5, lightning attention
         served["minicpm"] = "MiniCPMSALAForCausalLM"  # MiniCPM-SALA, lightning attention
+        served.update(falcon_mamba="FalconMambaForCausalLM", mamba="MambaForCausalLM")  # Mamba1, no attention
         served["kimi_k3"] = "KimiK3LinearForCausalLM"  # Kimi-K3's text class, KDA (declared by the plugin)
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)

@@ -47,6 +47,7 @@ SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granite
                 "qwen3_5_text", "qwen3_5_moe_text", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl", "mamba2",
                 "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3", "interns2_mobius",
                 "bailing_mm_v3", "bailing_moe_linear", "minicpm", "kimi_k3")
+SERVED_ARCHS += ("falcon_mamba", "mamba")  # Mamba1 (issue 40)
 #: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
 #: served yet would follow the served ones, status ``build only``).
 ARCHS = SERVED_ARCHS
@@ -260,6 +261,30 @@ _FAMILIES: Dict[str, Dict] = {
             residual_in_fp32=False, time_step_limit=[0.0, 1e4],
         ),
     ),
+    # Pure Mamba1 (issue 40; state-spaces' -hf format: backbone.*, one RMSNorm per layer, no
+    # MLP): every layer a selective-scan mixer, no attention layer. Falcon-Mamba adds the
+    # weightless RMSNorm on B / C / dt (mixer_rms_eps); plain Mamba is the same layers without
+    # it. Served under --enable-mamba-radix through the plugin's declaration
+    # (plugin/hybrid_declare.py) and the Mamba1 writer (plugin/inchunk_mamba1.py).
+    # intermediate_size and time_step_rank are written out (SGLang's config classes read them).
+    "falcon_mamba": dict(
+        cls="FalconMambaForCausalLM", tune="_mamba1_long_memory",
+        config=dict(
+            model_type="falcon_mamba", hidden_size=_HIDDEN, intermediate_size=2 * _HIDDEN, expand=2,
+            num_hidden_layers=_LAYERS, state_size=16, conv_kernel=4, time_step_rank=4, use_bias=False,
+            use_conv_bias=True, hidden_act="silu", layer_norm_epsilon=1e-5, mixer_rms_eps=1e-6,
+            residual_in_fp32=False, use_mambapy=False,
+        ),
+    ),
+    "mamba": dict(
+        cls="MambaForCausalLM", tune="_mamba1_long_memory",
+        config=dict(
+            model_type="mamba", hidden_size=_HIDDEN, intermediate_size=2 * _HIDDEN, expand=2,
+            num_hidden_layers=_LAYERS, state_size=16, conv_kernel=4, time_step_rank=4, use_bias=False,
+            use_conv_bias=True, hidden_act="silu", layer_norm_epsilon=1e-5, residual_in_fp32=False,
+            use_mambapy=False,
+        ),
+    ),
 }
 
 # Families transformers has no class for: weights written by hand in the names SGLang's loader
@@ -399,6 +424,20 @@ def _spread_weights(model, seed: int, experts: bool = False) -> None:
 
 
 @torch.no_grad()
+def _mamba1_long_memory(model) -> None:
+    """Mamba1's tiny checkpoints (``tune`` of ``falcon_mamba`` / ``mamba``): ``A = -exp(A_log)``
+    divided by 16 (transformers' init gives ``-1 .. -16`` per state channel, and at the tiny sizes
+    the state then forgets a token within a few dozen steps) and ``x_proj`` scaled by 4 (plain
+    Mamba's ``B`` / ``C`` / ``dt`` are not normalized: after the ``N(0, 1/fan_in)`` redraw the state
+    barely reaches the output; Falcon-Mamba's norm cancels the scale). One token changed 20
+    positions back then moves the next token's log-probability by 0.1-0.3 (``test_make_tiny_arch``),
+    so a wrong cached state shows."""
+    for layer in model.backbone.layers:
+        layer.mixer.A_log.sub_(torch.log(torch.tensor(16.0)))
+        layer.mixer.x_proj.weight.mul_(4.0)
+
+
+@torch.no_grad()
 def _scale_lm_head(model) -> None:
     """Scale ``lm_head`` (untied) so that the logits' std on :data:`_PROBE_IDS` is LOGIT_STD."""
     ids = torch.tensor([_PROBE_IDS])
@@ -464,6 +503,8 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
         return
     model = _transformers_model(arch, config_json, seed)
     _spread_weights(model, seed, experts=_FAMILIES[arch].get("spread_experts", False))
+    if _FAMILIES[arch].get("tune"):  # a family's own adjustment of the drawn weights
+        globals()[_FAMILIES[arch]["tune"]](model)
     if _FAMILIES[arch].get("banks"):
         _tie_routed_experts_to_banks(model, _FAMILIES[arch]["banks"])
     _scale_lm_head(model)

@@ -28,7 +28,8 @@ default is needed with stock SGLang 0.5.23 on CPU: ``docs/design.md``, "CPU serv
   Triton kernels run under Triton's interpreter (``plugin/triton_interpret.py``).
 - with one of SGLang's own hybrid classes (:data:`SGLANG_HYBRID_ARCHITECTURES`: Qwen3-Next,
   Kimi-Linear, Nemotron-H, Falcon-H1, GraniteMoeHybrid, LFM2, and since issue 40 the Qwen3.5
-  text and VLM classes, LFM2 MoE, LFM2-VL, Mamba2, Nemotron-H Puzzle) on a host without CUDA,
+  text and VLM classes, LFM2 MoE, LFM2-VL, Mamba2, Nemotron-H Puzzle, Falcon-Mamba, Mamba) on a
+  host without CUDA,
   when it is the project's tiny checkpoint
   (``config.json`` key ``sglang_mamba_ext_tiny``, :func:`tiny_hf_arch`) or
   ``--enable-mamba-radix`` is given: ``TRITON_INTERPRET=1``, the checkpoint's half dtype for
@@ -74,6 +75,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "InternS2PreviewForConditionalGeneration", "GigaChat35ForCausalLM", "BailingMoeV3ForCausalLM",
     "InternS2MobiusForConditionalGeneration", "BailingMoeV3VLForConditionalGeneration",
     "BailingMoeV2_5ForCausalLM", "MiniCPMSALAForCausalLM", "MiniCPMForCausalLM",
+    "FalconMambaForCausalLM", "MambaForCausalLM",
     "KimiK3LinearForCausalLM",
 )
 

@@ -11,6 +11,7 @@ serves with its hybrid backends and state pool are missing from that list:
 - ``Lfm2VlForConditionalGeneration`` (LFM2-VL: LFM2's short-conv text model behind a vision
   tower; ``Lfm2ForCausalLM`` and ``Lfm2MoeForCausalLM`` are listed);
 - ``Mamba2ForCausalLM`` (pure Mamba2, no attention layer);
+- ``FalconMambaForCausalLM`` / ``MambaForCausalLM`` (pure Mamba1, no attention layer);
 - ``KimiK3LinearForCausalLM`` (Kimi-K3's text model: KDA beside MLA; SGLang lists its VLM,
   ``KimiK3ForConditionalGeneration``, not the text class);
 - ``MiniCPMSALAForCausalLM`` / ``MiniCPMForCausalLM`` (MiniCPM-SALA: lightning layers on SGLang's
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 DECLARED_ARCHITECTURES = {
     "Lfm2VlForConditionalGeneration": "LFM2-VL: LFM2's short-conv layers behind a vision tower",
     "Mamba2ForCausalLM": "pure Mamba2 (no attention layer)",
+    "FalconMambaForCausalLM": "pure Mamba1 (no attention layer)",
+    "MambaForCausalLM": "pure Mamba1 (no attention layer)",
     "MiniCPMSALAForCausalLM": "MiniCPM-SALA: lightning layers beside dense attention",
     "MiniCPMForCausalLM": "MiniCPM-SALA: lightning layers beside dense attention",
     "KimiK3LinearForCausalLM": "Kimi-K3's text model: KDA layers beside MLA (its VLM class is listed)",

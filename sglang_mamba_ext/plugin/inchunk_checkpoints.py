@@ -116,6 +116,10 @@ def register_inchunk_hooks() -> None:
         HookRegistry.register(target, getattr(inchunk_conv_ssd, name), getattr(HookType, kind))
     for target, kind, name in inchunk_lightning.HOOK_TARGETS:  # lightning attention (Ling 2.5)
         HookRegistry.register(target, getattr(inchunk_lightning, name), getattr(HookType, kind))
+    from sglang_mamba_ext.plugin import inchunk_mamba1
+
+    for target, kind, name in inchunk_mamba1.HOOK_TARGETS:  # Mamba1 (Falcon-Mamba, Mamba) on Mamba2AttnBackend
+        HookRegistry.register(target, getattr(inchunk_mamba1, name), getattr(HookType, kind))
 
 
 def _backend_kinds():
@@ -156,6 +160,11 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
         if backend_kind != "seg_la":  # the writer reads the k / v seg_la receives; minimax not checked
             return f"linear_backend {backend_kind} (the lightning writer is checked with seg_la only)"
         return None  # torch ops on any device (inchunk_lightning.py)
+    if name == "mamba2":
+        from sglang_mamba_ext.plugin.inchunk_mamba1 import is_mamba1_model
+
+        if is_mamba1_model(model_runner):
+            return None  # the Mamba1 writer: torch ops on any device (inchunk_mamba1.py)
     device = str(getattr(model_runner, "device", "cuda"))
     if (not device.startswith("cuda") and writer_impl(device) == "triton"
             and os.environ.get("TRITON_INTERPRET") != "1"):
@@ -210,9 +219,14 @@ def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
                     family, grid, type(backend).__name__, reason)
         return result
     impl = writer_impl(getattr(model_runner, "device", "cuda"))
-    if _layout_name(backend) == "lightning":
-        impl = "torch"  # the lightning writer is torch ops on every device (inchunk_lightning.py)
-    setattr(backend, WRITER_ATTR, _layout_name(backend))
+    layout = _layout_name(backend)
+    if layout == "mamba2":
+        from sglang_mamba_ext.plugin.inchunk_mamba1 import is_mamba1_model
+
+        layout = "mamba1" if is_mamba1_model(model_runner) else layout  # MambaMixer1 on Mamba2AttnBackend
+    if layout in ("lightning", "mamba1"):
+        impl = "torch"  # these writers are torch ops on every device (inchunk_lightning.py, inchunk_mamba1.py)
+    setattr(backend, WRITER_ATTR, layout)
     setattr(backend, IMPL_ATTR, impl)
     pool.prefix_checkpoint_writer = True
     logger.info("mamba-radix: exact prefix checkpoints with %s (in-chunk %s writer) for %s",

@@ -407,6 +407,32 @@ class TestMamba2Serving(DeclaredHybrid, FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "mamba2", "Mamba2AttnBackend", "Mamba2ForCausalLM"
 
 
+class TestFalconMambaServing(DeclaredHybrid, FamilyServing, unittest.TestCase):
+    """Falcon-Mamba (``FalconMambaForCausalLM``; issue 40): pure Mamba1 (selective scan, no
+    attention layer) on ``Mamba2AttnBackend``; on CPU SGLang's registry imports the class once the
+    plugin's bridge has bound the causal-conv names (``ModelRunner.__init__``); the Mamba1
+    writer (``plugin/inchunk_mamba1.py``) makes the hits exact; all five tests. Plain Mamba
+    (``MambaForCausalLM``: the same layers without the B / C / dt norm) is opt-in below (the
+    suite's time budget); its checkpoint and reference are checked in ``test_make_tiny_arch``."""
+
+    STOCK = False
+    ARCH, BACKEND, MODEL_CLASS = "falcon_mamba", "Mamba2AttnBackend", "FalconMambaForCausalLM"
+
+    def test_0c_registered_by_sglang(self):
+        # SGLang's registry imported the class's module (it skips it without the causal-conv names)
+        self.assertNotIn(f"Ignore import error when loading sglang.srt.models.{self.ARCH}", self.server.log_text())
+
+
+@unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
+                     "plain Mamba is FalconMambaForCausalLM's subclass without the B / C / dt norm: the same "
+                     "plugin paths as TestFalconMambaServing; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestMambaServing(TestFalconMambaServing):
+    """Plain Mamba (``MambaForCausalLM``, ``--arch mamba``; issue 40); opt-in
+    (``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``)."""
+
+    ARCH, MODEL_CLASS = "mamba", "MambaForCausalLM"
+
+
 class TestNemotronHPuzzleServing(FamilyServing, unittest.TestCase):
     """Nemotron-H Puzzle (``NemotronHPuzzleForCausalLM``, ``--arch nemotron_h_puzzle``; issue
     40): Nemotron-H's Mamba2 / attention layers with per-block configs and a MoE block, which
