@@ -26,12 +26,11 @@ Only torch; deterministic for a seed. No float32 reference (no transformers clas
 
 from __future__ import annotations
 
-import math
 from typing import Dict
 
 import torch
 
-from sglang_mamba_ext.models.hf_tiny_written import _Draw, _swiglu
+from sglang_mamba_ext.models.hf_tiny_written import _Draw, _kda, _swiglu
 
 
 def kimi_k3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
@@ -51,7 +50,6 @@ def kimi_k3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     lin = cfg["linear_attn_config"]
     heads, dim, conv_k = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
-    width = heads * dim
     mla_heads = cfg["num_attention_heads"]
     nope, rope, vdim, kv_lora = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
     latent = cfg["routed_expert_hidden_size"]
@@ -65,17 +63,7 @@ def kimi_k3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch
             w[f"{p}.{res}_proj.weight"] = d.proj(1, h)
         a = f"{p}.self_attn"
         if (i + 1) in lin["kda_layers"]:
-            for x in "qkv":
-                w[f"{a}.{x}_proj.weight"] = d.proj(width, h)
-                w[f"{a}.{x}_conv1d.weight"] = d.normal(width, 1, conv_k, std=1.0 / math.sqrt(conv_k))
-            w[f"{a}.g_proj.weight"] = d.proj(width, h)
-            w[f"{a}.f_a_proj.weight"] = d.proj(dim, h)
-            w[f"{a}.f_b_proj.weight"] = d.proj(width, dim)
-            w[f"{a}.b_proj.weight"] = d.proj(heads, h)
-            w[f"{a}.A_log"] = torch.log(d.uniform(1.0, 16.0, heads))
-            w[f"{a}.dt_bias"] = d.normal(width, std=0.1)
-            w[f"{a}.o_norm.weight"] = torch.ones(dim)
-            w[f"{a}.o_proj.weight"] = d.proj(h, width)
+            _kda(w, d, a, h, heads, dim, conv_k, full_rank_gate=True)
         else:
             w[f"{a}.q_proj.weight"] = d.proj(mla_heads * (nope + rope), h)
             w[f"{a}.kv_a_proj_with_mqa.weight"] = d.proj(kv_lora + rope, h)

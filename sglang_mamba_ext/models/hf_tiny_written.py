@@ -117,16 +117,20 @@ def gigachat35_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, to
     return w
 
 
-def _kda(w: Dict[str, torch.Tensor], d: _Draw, a: str, hidden: int, heads: int, dim: int, conv_k: int) -> None:
+def _kda(w: Dict[str, torch.Tensor], d: _Draw, a: str, hidden: int, heads: int, dim: int, conv_k: int,
+         full_rank_gate: bool = False) -> None:
     """Kimi Delta Attention in Kimi-Linear's checkpoint names (SGLang's ``KimiDeltaAttention``,
     which ``BailingKDA`` subclasses): q/k/v projections, one short conv each, the low-rank
-    decay (f) and output-gate (g) projections of rank ``dim``, beta, ``A_log`` per head,
-    ``dt_bias`` per channel, the gated output norm."""
+    decay (f) and output-gate (g) projections of rank ``dim`` (``full_rank_gate``: one ``g_proj``
+    of ``heads * dim`` rows instead, Kimi-K3's), beta, ``A_log`` per head, ``dt_bias`` per
+    channel, the gated output norm."""
     width = heads * dim
     for x in "qkv":
         w[f"{a}.{x}_proj.weight"] = d.proj(width, hidden)
         w[f"{a}.{x}_conv1d.weight"] = d.normal(width, 1, conv_k, std=1.0 / math.sqrt(conv_k))
-    for x in "fg":
+    if full_rank_gate:
+        w[f"{a}.g_proj.weight"] = d.proj(width, hidden)
+    for x in ("f" if full_rank_gate else "fg"):
         w[f"{a}.{x}_a_proj.weight"] = d.proj(dim, hidden)
         w[f"{a}.{x}_b_proj.weight"] = d.proj(width, dim)
     w[f"{a}.b_proj.weight"] = d.proj(heads, hidden)

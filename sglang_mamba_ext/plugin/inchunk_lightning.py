@@ -85,14 +85,10 @@ def reference_states(k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor, star
     H, D, Dv = k.shape[1], k.shape[2], v.shape[2]
     S = torch.zeros(H, D, Dv) if start_state is None else start_state.float().clone()
     decay = torch.exp(-slope.reshape(-1).float())[:, None, None]
-    out, want = [], sorted(offsets)
-    for t in range(max(want, default=0) + 1):
-        while want and want[0] == t:
-            out.append(S.clone())
-            want.pop(0)
-        if t < k.shape[0]:
-            S = decay * S + k[t].float()[:, :, None] * v[t].float()[:, None, :]
-    return out
+    from sglang_mamba_ext.speculative.ops.inchunk.naive import states_at_offsets
+
+    return states_at_offsets(S, k.shape[0], offsets,
+                             lambda t, S: decay * S + k[t].float()[:, :, None] * v[t].float()[:, None, :])
 
 
 def forward_extend_before(backend, q, k, v, layer=None, forward_batch=None, *args, **kwargs) -> None:

@@ -133,15 +133,10 @@ def reference_states(conv_out: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, 
     dts = torch.nn.functional.softplus(dt.float())
     dA = torch.exp(A[None] * dts[:, :, None])  # [n, D, N]
     dBx = dts[:, :, None] * B.float()[:, None, :] * x[:, :, None]
+    from sglang_mamba_ext.speculative.ops.inchunk.naive import states_at_offsets
+
     h = torch.zeros(A.shape) if h0 is None else h0.float().clone()
-    out, want = [], sorted(offsets)
-    for t in range(max(want, default=0) + 1):
-        while want and want[0] == t:
-            out.append(h.clone())
-            want.pop(0)
-        if t < x.shape[0]:
-            h = dA[t] * h + dBx[t]
-    return out
+    return states_at_offsets(h, x.shape[0], offsets, lambda t, h: dA[t] * h + dBx[t])
 
 
 def _mixer_prefill_inputs(backend, mixer, hidden_states, mup_vector, use_triton_causal_conv, conv_states):

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from sglang_mamba_ext.speculative.ops.inchunk import CheckpointWrites
     from sglang_mamba_ext.speculative.replay import ReplayWeights
 
-__all__ = ["write_checkpoints_torch"]
+__all__ = ["write_checkpoints_torch", "states_at_offsets"]
 
 
 def write_checkpoints_torch(
@@ -59,3 +59,18 @@ def write_checkpoints_torch(
                 conv, S = reached[o]
                 conv_state[l, d] = conv.to(conv_state.dtype)
                 temporal_state[l, d] = S.to(temporal_state.dtype)
+
+
+def states_at_offsets(h: torch.Tensor, n: int, offsets, step) -> list:
+    """A token recurrence's states at ``offsets`` (the writers' test oracles): ``h`` is the
+    start state, ``step(t, h)`` returns the state after token ``t`` of ``n``; returns a copy of
+    the state after each offset's first ``offset`` tokens, in ascending order of ``offsets``
+    (an offset past ``n`` gets the state after all ``n``)."""
+    out, want = [], sorted(offsets)
+    for t in range(max(want, default=0) + 1):
+        while want and want[0] == t:
+            out.append(h.clone())
+            want.pop(0)
+        if t < n:
+            h = step(t, h)
+    return out
