@@ -30,7 +30,7 @@ from typing import Dict
 
 import torch
 
-from sglang_mamba_ext.models.hf_tiny_written import _Draw, _kda, _swiglu
+from sglang_mamba_ext.models.hf_tiny_written import _Draw, _kda, _mla, _swiglu
 
 
 def kimi_k3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
@@ -65,11 +65,7 @@ def kimi_k3_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch
         if (i + 1) in lin["kda_layers"]:
             _kda(w, d, a, h, heads, dim, conv_k, full_rank_gate=True)
         else:
-            w[f"{a}.q_proj.weight"] = d.proj(mla_heads * (nope + rope), h)
-            w[f"{a}.kv_a_proj_with_mqa.weight"] = d.proj(kv_lora + rope, h)
-            w[f"{a}.kv_a_layernorm.weight"] = 1.0 + d.normal(kv_lora, std=0.1)
-            w[f"{a}.kv_b_proj.weight"] = d.proj(mla_heads * (nope + vdim), kv_lora)
-            w[f"{a}.o_proj.weight"] = d.proj(h, mla_heads * vdim)
+            _mla(w, d, a, h, mla_heads, nope, rope, vdim, kv_lora)
             w[f"{a}.g_proj.weight"] = d.proj(mla_heads * vdim, h)
         m = f"{p}.mlp"
         if i < cfg["first_k_dense_replace"]:

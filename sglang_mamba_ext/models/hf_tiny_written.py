@@ -117,6 +117,18 @@ def gigachat35_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, to
     return w
 
 
+def _mla(w: Dict[str, torch.Tensor], d: _Draw, a: str, hidden: int, heads: int, nope: int, rope: int, vdim: int,
+         kv_lora: int) -> None:
+    """DeepSeek's MLA without a query LoRA in its checkpoint names (``q_proj``,
+    ``kv_a_proj_with_mqa`` of ``kv_lora + rope`` rows, ``kv_a_layernorm``, ``kv_b_proj``,
+    ``o_proj``): Ling's and Kimi-K3's full-attention layers."""
+    w[f"{a}.q_proj.weight"] = d.proj(heads * (nope + rope), hidden)
+    w[f"{a}.kv_a_proj_with_mqa.weight"] = d.proj(kv_lora + rope, hidden)
+    w[f"{a}.kv_a_layernorm.weight"] = 1.0 + d.normal(kv_lora, std=0.1)
+    w[f"{a}.kv_b_proj.weight"] = d.proj(heads * (nope + vdim), kv_lora)
+    w[f"{a}.o_proj.weight"] = d.proj(hidden, heads * vdim)
+
+
 def _kda(w: Dict[str, torch.Tensor], d: _Draw, a: str, hidden: int, heads: int, dim: int, conv_k: int,
          full_rank_gate: bool = False) -> None:
     """Kimi Delta Attention in Kimi-Linear's checkpoint names (SGLang's ``KimiDeltaAttention``,
@@ -190,11 +202,7 @@ def bailing_moe_v3_weights(cfg: Dict, seed: int, logit_scale: float, linear=None
             else:
                 _kda(w, d, a, h, heads, cfg["head_dim"], cfg["short_conv_kernel_size"])
         else:
-            w[f"{a}.q_proj.weight"] = d.proj(heads * (nope + rope), h)
-            w[f"{a}.kv_a_proj_with_mqa.weight"] = d.proj(kv_lora + rope, h)
-            w[f"{a}.kv_a_layernorm.weight"] = 1.0 + d.normal(kv_lora, std=0.1)
-            w[f"{a}.kv_b_proj.weight"] = d.proj(heads * (nope + vdim), kv_lora)
-            w[f"{a}.o_proj.weight"] = d.proj(h, heads * vdim)
+            _mla(w, d, a, h, heads, nope, rope, vdim, kv_lora)
         m = f"{p}.mlp"
         if i < cfg["first_k_dense_replace"]:
             _swiglu(w, d, m, h, cfg["intermediate_size"])

@@ -347,6 +347,17 @@ def _plan_for(backend, forward_batch) -> Dict[int, List[Tuple[int, int]]]:
     return plan
 
 
+def plan_of_kind(backend, forward_batch, kind: str) -> Optional[Dict[int, List[Tuple[int, int]]]]:
+    """:func:`_plan_for` for a backend the plugin marked with writer ``kind`` (``"mamba1"``,
+    ``"lightning"``) on a prefill extend; None when the backend is not that writer's, there is
+    no batch, it is a speculative verify, or nothing is planned (the kinds' BEFORE hooks)."""
+    if getattr(backend, WRITER_ATTR, None) != kind or forward_batch is None:
+        return None
+    if forward_batch.forward_mode.is_target_verify():
+        return None
+    return _plan_for(backend, forward_batch) or None
+
+
 def forward_extend_before(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs) -> None:
     """BEFORE SGLang's KDA / GDN ``forward_extend``: the planned prefix checkpoints inside this
     extend (:func:`write_layer_checkpoints`); SGLang's forward then runs unchanged with the

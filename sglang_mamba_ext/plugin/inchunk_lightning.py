@@ -95,14 +95,10 @@ def forward_extend_before(backend, q, k, v, layer=None, forward_batch=None, *arg
     """BEFORE SGLang's ``LightningAttentionBackend.forward_extend(q, k, v, layer, forward_batch)``:
     write this layer's planned checkpoints (see the module docstring); SGLang's forward then runs
     unchanged."""
-    from sglang_mamba_ext.plugin.inchunk_checkpoints import WRITER_ATTR, _plan_for, count_checkpoints
+    from sglang_mamba_ext.plugin.inchunk_checkpoints import count_checkpoints, plan_of_kind
 
-    if getattr(backend, WRITER_ATTR, None) != "lightning" or forward_batch is None:
-        return None
-    if forward_batch.forward_mode.is_target_verify():
-        return None
-    plan = _plan_for(backend, forward_batch)
-    if not plan:
+    plan = plan_of_kind(backend, forward_batch, "lightning")
+    if plan is None:
         return None
     if k.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("mamba-radix lightning checkpoints: extend captured in a CUDA graph")

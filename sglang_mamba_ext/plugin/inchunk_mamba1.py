@@ -191,14 +191,10 @@ def mamba1_forward_before(backend, mixer=None, hidden_states=None, output=None, 
         RuntimeError: a layer of a backend marked ``mamba1`` is not a Mamba1 mixer, or the extend
             is being captured in a CUDA graph (a planned slot would not be written).
     """
-    from sglang_mamba_ext.plugin.inchunk_checkpoints import WRITER_ATTR, _plan_for, count_checkpoints
+    from sglang_mamba_ext.plugin.inchunk_checkpoints import count_checkpoints, plan_of_kind
 
-    if getattr(backend, WRITER_ATTR, None) != MAMBA1_TYPE or forward_batch is None:
-        return None
-    if forward_batch.forward_mode.is_target_verify():
-        return None
-    plan = _plan_for(backend, forward_batch)
-    if not plan:
+    plan = plan_of_kind(backend, forward_batch, MAMBA1_TYPE)
+    if plan is None:
         return None
     if getattr(mixer, "mamba_type", None) != MAMBA1_TYPE:
         raise RuntimeError(f"mamba-radix Mamba1 checkpoints: layer {layer_id} is not a Mamba1 mixer "
