@@ -358,6 +358,19 @@ def plan_of_kind(backend, forward_batch, kind: str) -> Optional[Dict[int, List[T
     return _plan_for(backend, forward_batch) or None
 
 
+def extend_rows(backend, forward_batch, plan) -> List[Tuple[int, int, int, List[Tuple[int, int]]]]:
+    """Per planned batch row, in row order: ``(first token in the extend, new tokens, start
+    slot, plan[row])``; the start slot is the row's working slot (``forward_metadata.
+    mamba_cache_indices``) when it has a cached prefix, -1 (start from zeros) otherwise."""
+    lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    slots = backend.forward_metadata.mamba_cache_indices.tolist()
+    return [(starts[r], lens[r], int(slots[r]) if prefix[r] > 0 else -1, plan[r]) for r in sorted(plan)]
+
+
 def forward_extend_before(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs) -> None:
     """BEFORE SGLang's KDA / GDN ``forward_extend``: the planned prefix checkpoints inside this
     extend (:func:`write_layer_checkpoints`); SGLang's forward then runs unchanged with the

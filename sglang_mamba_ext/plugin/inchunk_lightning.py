@@ -95,7 +95,7 @@ def forward_extend_before(backend, q, k, v, layer=None, forward_batch=None, *arg
     """BEFORE SGLang's ``LightningAttentionBackend.forward_extend(q, k, v, layer, forward_batch)``:
     write this layer's planned checkpoints (see the module docstring); SGLang's forward then runs
     unchanged."""
-    from sglang_mamba_ext.plugin.inchunk_checkpoints import count_checkpoints, plan_of_kind
+    from sglang_mamba_ext.plugin.inchunk_checkpoints import count_checkpoints, extend_rows, plan_of_kind
 
     plan = plan_of_kind(backend, forward_batch, "lightning")
     if plan is None:
@@ -104,13 +104,7 @@ def forward_extend_before(backend, q, k, v, layer=None, forward_batch=None, *arg
         raise RuntimeError("mamba-radix lightning checkpoints: extend captured in a CUDA graph")
     layer_id = layer.layer_id if layer is not None else kwargs["layer_id"]
     count_checkpoints(backend.req_to_token_pool, forward_batch, sum(len(i) for i in plan.values()), 0, 0)
-    lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-    prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
-    starts = [0]
-    for n in lens[:-1]:
-        starts.append(starts[-1] + n)
-    slots = backend.forward_metadata.mamba_cache_indices.tolist()
-    rows = [(starts[r], int(slots[r]) if prefix[r] > 0 else -1, plan[r]) for r in sorted(plan)]
+    rows = [(start, src, items) for start, _, src, items in extend_rows(backend, forward_batch, plan)]
     states = backend.req_to_token_pool.mamba2_layer_cache(layer_id).temporal
     H = states.shape[1]
     write_lightning_checkpoints(k.reshape(k.shape[0], H, -1), v.reshape(v.shape[0], H, -1),

@@ -191,7 +191,7 @@ def mamba1_forward_before(backend, mixer=None, hidden_states=None, output=None, 
         RuntimeError: a layer of a backend marked ``mamba1`` is not a Mamba1 mixer, or the extend
             is being captured in a CUDA graph (a planned slot would not be written).
     """
-    from sglang_mamba_ext.plugin.inchunk_checkpoints import count_checkpoints, plan_of_kind
+    from sglang_mamba_ext.plugin.inchunk_checkpoints import count_checkpoints, extend_rows, plan_of_kind
 
     plan = plan_of_kind(backend, forward_batch, MAMBA1_TYPE)
     if plan is None:
@@ -207,13 +207,7 @@ def mamba1_forward_before(backend, mixer=None, hidden_states=None, output=None, 
     with torch.no_grad():
         conv_in, conv_out, dt, B = _mixer_prefill_inputs(backend, mixer, hidden_states, mup_vector,
                                                          use_triton_causal_conv, conv_states)
-        lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-        prefix = [int(n) for n in forward_batch.extend_prefix_lens_cpu]
-        starts = [0]
-        for n in lens[:-1]:
-            starts.append(starts[-1] + n)
-        slots = backend.forward_metadata.mamba_cache_indices.tolist()
-        rows = [(starts[r], lens[r], int(slots[r]) if prefix[r] > 0 else -1, plan[r]) for r in sorted(plan)]
+        rows = extend_rows(backend, forward_batch, plan)
         A = -torch.exp(mixer.A_log.float())
         write_mamba1_checkpoints(conv_in, conv_out, dt, B, A, conv_states, ssm_states, rows,
                                  width=int(mixer.conv_kernel_size) - 1)
