@@ -9,7 +9,7 @@ batched together), with a client abort beside some batches; then each one to the
 server alone. Small pools, so that states and KV are evicted (asserted from ``/server_info``),
 and per kind one capacity feature: the host tier (Gated DeltaNet, Mamba2: the configuration of
 an unconfirmed mismatch seen once on Nemotron-H), int8 states (KDA), plain eviction (short
-conv).
+conv, Mamba1, lightning attention).
 
 Both servers run in float32 (``--dtype float32``): the plugin's hits start a prefill from a
 cached state instead of the prompt's start, which changes float rounding, and in float16 that
@@ -187,6 +187,23 @@ class TestLfm2Differential(DifferentialServing, unittest.TestCase):
     """Short conv: 10 SSM slots, 1,200 device KV tokens."""
 
     ARCH = "lfm2"
+    PLUGIN_FLAGS = ("--max-mamba-cache-size", "10", "--max-total-tokens", "1200")
+
+
+
+class TestMiniCPMSalaDifferential(DifferentialServing, unittest.TestCase):
+    """Lightning attention (MiniCPM-SALA, the plugin's lightning writer): 10 SSM slots, 1,200
+    device KV tokens (no host tier: SGLang's model override refuses it for the class, "MiniCPM
+    SALA does not support hierarchical cache", ``arg_groups/model_overrides/minicpm.py:26``)."""
+
+    ARCH = "minicpm"
+    PLUGIN_FLAGS = ("--max-mamba-cache-size", "10", "--max-total-tokens", "1200")
+
+
+class TestFalconMambaDifferential(DifferentialServing, unittest.TestCase):
+    """Mamba1 (Falcon-Mamba, the plugin's Mamba1 writer; no attention layer): 10 SSM slots."""
+
+    ARCH = "falcon_mamba"
     PLUGIN_FLAGS = ("--max-mamba-cache-size", "10", "--max-total-tokens", "1200")
 
 
