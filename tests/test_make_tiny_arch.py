@@ -141,6 +141,17 @@ LINEAR_AND_FULL["kimi_k3"] = lambda c: c["linear_attn_config"]["kda_layers"] == 
     "full_attn_layers"] == [2, 4] and c["linear_attn_config"]["use_full_rank_gate"] and c["attn_res_block_size"] == 2
 MODEL_TYPE["kimi_k3"] = "kimi_linear"
 WRITTEN = WRITTEN + ("kimi_k3",)
+# MiniCPM-V 4.6 / 4.7 (issue 40, hf_tiny_minicpmv): Qwen3.5's dense text model behind a one-layer
+# vision tower; vocab_size in text_config only (SGLang's config has it as a read-only property),
+# the processor's eight special tokens at ids 760-767
+for _v, _mt in (("minicpmv", "minicpmv4_6"), ("minicpmv4_7", "minicpmv4_7")):
+    EXPECTED[_v] = (f"MiniCPMV{_mt[8:]}ForConditionalGeneration", "model.language_model.layers.0.linear_attn.in_proj_qkv.weight",
+                    (128, 64))
+    LINEAR_AND_FULL[_v] = lambda c: c["text_config"]["layer_types"] == ["linear_attention", "full_attention"] * 2 \
+        and "vocab_size" not in c and c["vision_config"]["num_hidden_layers"] == 1
+    MODEL_TYPE[_v] = _mt
+    VLM_PROCESSOR_FILES[_v] = ("preprocessor_config.json", "video_preprocessor_config.json")
+TEXT_VOCAB_ONLY = ("minicpmv", "minicpmv4_7")
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
@@ -188,12 +199,18 @@ class TestMakeTinyArch(unittest.TestCase):
                 self.assertEqual(cfg["model_type"], MODEL_TYPE.get(arch, arch))
                 self.assertEqual(cfg["architectures"], [EXPECTED[arch][0]])
                 self.assertEqual(cfg["torch_dtype"], "float16")
-                self.assertEqual(cfg["vocab_size"], 768)
+                self.assertEqual((cfg["text_config"] if arch in TEXT_VOCAB_ONLY else cfg)["vocab_size"], 768)
                 self.assertTrue(LINEAR_AND_FULL[arch](cfg), cfg)
                 with open(os.path.join(self.dirs[arch], "tokenizer_config.json")) as f:
                     self.assertIn("<|im_start|>", json.load(f)["chat_template"])
                 for name in VLM_PROCESSOR_FILES.get(arch, ()):
                     self.assertTrue(os.path.exists(os.path.join(self.dirs[arch], name)), name)
+                if arch in TEXT_VOCAB_ONLY:  # the processor's special tokens, as transformers reads them
+                    with open(os.path.join(self.dirs[arch], "tokenizer_config.json")) as f:
+                        self.assertEqual(json.load(f)["extra_special_tokens"]["image_id_end_token"], "</image_id>")
+                    with open(os.path.join(self.dirs[arch], "tokenizer.json")) as f:
+                        added = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+                    self.assertEqual((added["<image>"], added["</image_id>"]), (cfg["image_token_id"], 767))
 
     def test_weights_released_names_float16(self):
         for arch in ARCHS:

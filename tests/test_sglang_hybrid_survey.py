@@ -105,12 +105,15 @@ class TestListArchs(unittest.TestCase):
         served["minicpm"] = "MiniCPMSALAForCausalLM"  # MiniCPM-SALA, lightning attention
         served.update(falcon_mamba="FalconMambaForCausalLM", mamba="MambaForCausalLM")  # Mamba1, no attention
         served["kimi_k3"] = "KimiK3LinearForCausalLM"  # Kimi-K3's text class, KDA (declared by the plugin)
+        served.update(minicpmv="MiniCPMV4_6ForConditionalGeneration",  # MiniCPM-V on Qwen3.5, GDN
+                      minicpmv4_7="MiniCPMV4_7ForConditionalGeneration")
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)
             self.assertEqual(arch_class(name), arch)
         self.assertEqual(arch_module("qwen3_5_moe_text"), "qwen3_5_text")
         self.assertEqual(arch_module("qwen3_5_moe"), "qwen3_5")
         self.assertEqual(arch_module("nemotron_h_puzzle"), "nemotron_h")
+        self.assertEqual(arch_module("minicpmv4_7"), "minicpmv")
         self.assertEqual(set(SERVED_ARCHS), set(served))
         build_only = {c.arch for c in SGLANG_HYBRID_CLASSES if arch_status(c) == "build only"}
         self.assertEqual(build_only, {arch_class(a) for a in set(ARCHS) - set(SERVED_ARCHS)})

@@ -35,6 +35,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from sglang_mamba_ext.models.hf_tiny_kimi_k3 import kimi_k3_family
+from sglang_mamba_ext.models import hf_tiny_minicpmv
 from sglang_mamba_ext.models.hf_tiny_written import written_families
 
 __all__ = ["ARCHS", "SERVED_ARCHS", "MARKER_KEY", "LOGIT_STD", "SGLANG_HYBRID_CLASSES", "SGLangHybridClass",
@@ -48,6 +49,7 @@ SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granite
                 "nemotron_h_puzzle", "interns2preview", "gigachat35", "bailing_moe_v3", "interns2_mobius",
                 "bailing_mm_v3", "bailing_moe_linear", "minicpm", "kimi_k3")
 SERVED_ARCHS += ("falcon_mamba", "mamba")  # Mamba1 (issue 40)
+SERVED_ARCHS += ("minicpmv", "minicpmv4_7")  # MiniCPM-V 4.6 / 4.7 (issue 40, hf_tiny_minicpmv.py)
 #: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
 #: served yet would follow the served ones, status ``build only``).
 ARCHS = SERVED_ARCHS
@@ -350,6 +352,9 @@ _FAMILIES["interns2_mobius"]["config"]["text_config"] = _vlm_text("qwen3_5_moe_t
                                                                   num_blocks=_FAMILIES["interns2_mobius"]["banks"],
                                                                   dtype="float16")
 _FAMILIES["lfm2_vl"]["config"]["text_config"] = _vlm_text("lfm2")
+_FAMILIES.update(hf_tiny_minicpmv.minicpmv_families(_HIDDEN))
+for _v in ("minicpmv", "minicpmv4_7"):
+    _FAMILIES[_v]["config"]["text_config"] = _vlm_text("qwen3_5_text")
 
 
 #: A fixed prompt (token ids) for sizing the LM head.
@@ -482,16 +487,22 @@ def build_hf_tiny_models(out_dirs: Dict[str, str], seed: int = 0, timeout: float
 
 def _build_main(arch: str, out_dir: str, seed: int) -> None:
     _block_kernel_packages()
-    from sglang_mamba_ext.models.tiny_builder import BOS, EOS, PAD, SPECIAL_TOKENS, build_tokenizer, write_tokenizer_files
+    from sglang_mamba_ext.models.tiny_builder import (BOS, EOS, PAD, SPECIAL_TOKENS, TOKENIZER_VOCAB_SIZE,
+                                                      build_tokenizer, write_tokenizer_files)
 
     config_json = family_config(arch)
     os.makedirs(out_dir, exist_ok=True)
-    tok = build_tokenizer()
+    extra_tokens = _FAMILIES[arch].get("special_tokens", {})
+    tok = build_tokenizer(TOKENIZER_VOCAB_SIZE - len(extra_tokens))
+    if extra_tokens:  # the family's processor tokens at the vocabulary's end (hf_tiny_minicpmv)
+        tok.add_special_tokens(list(extra_tokens.values()))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     common = dict(vocab_size=tok.get_vocab_size(), bos_token_id=ids[BOS], eos_token_id=ids[EOS],
                   pad_token_id=ids[PAD], max_position_embeddings=4096, tie_word_embeddings=False,
                   initializer_range=0.02)
     config_json.update(common)
+    for key in _FAMILIES[arch].get("top_level_drop", ()):  # kept in the sub-config only
+        config_json.pop(key, None)
     sub = _FAMILIES[arch].get("sub")
     if sub:  # a VLM: its text model reads these from its own sub-config
         config_json[sub].update(common)
@@ -517,7 +528,8 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
         saved = json.load(f)
     # The released format first (what SGLang's config classes read), then transformers' own
     # derived keys where they do not clash.
-    merged = {k: v for k, v in saved.items() if k not in _FAMILIES[arch].get("drop", ())}
+    merged = {k: v for k, v in saved.items()
+              if k not in _FAMILIES[arch].get("drop", ()) + _FAMILIES[arch].get("top_level_drop", ())}
     for k, v in config_json.items():  # sub-configs (a VLM's text / vision) merged key by key
         if isinstance(v, dict) and isinstance(merged.get(k), dict):
             merged[k] = {**merged[k], **v}
@@ -529,6 +541,8 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
         json.dump(merged, f, indent=2, sort_keys=True)
         f.write("\n")
     write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
+    if extra_tokens:
+        hf_tiny_minicpmv.add_special_tokens_config(out_dir, extra_tokens)
     if _FAMILIES[arch].get("sub"):
         _write_processor_configs(arch, out_dir)
 
@@ -607,6 +621,9 @@ def _write_processor_configs(arch: str, out_dir: str) -> None:
     """A VLM's image (and video) processor configs, which SGLang's tokenizer manager loads at
     start-up for a multimodal class (``AutoProcessor``) even when only text is sent: the family's
     transformers processors at the tiny vision tower's patch and merge sizes."""
+    if _FAMILIES[arch].get("processor") == "minicpmv":
+        hf_tiny_minicpmv.write_processor_configs(out_dir)
+        return
     if arch == "lfm2_vl":
         from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
 

@@ -578,4 +578,7 @@ def register_cpu_bridges() -> None:
     from sglang_mamba_ext.plugin.cpu_bridges_kimi_k3 import register_kimi_k3_bridges
 
     register_kimi_k3_bridges(HookRegistry, HookType)  # Kimi-K3's text class (cpu_bridges_kimi_k3.py)
+    from sglang_mamba_ext.plugin.cpu_bridges_minicpmv import register_minicpmv_bridges
+
+    register_minicpmv_bridges(HookRegistry, HookType)  # MiniCPM-V 4.6 / 4.7 (cpu_bridges_minicpmv.py)
     _installed = True

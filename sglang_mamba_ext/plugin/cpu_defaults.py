@@ -76,7 +76,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "InternS2MobiusForConditionalGeneration", "BailingMoeV3VLForConditionalGeneration",
     "BailingMoeV2_5ForCausalLM", "MiniCPMSALAForCausalLM", "MiniCPMForCausalLM",
     "FalconMambaForCausalLM", "MambaForCausalLM",
-    "KimiK3LinearForCausalLM",
+    "KimiK3LinearForCausalLM", "MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration",
 )
 
 #: Classes whose MoE runner SGLang sets to ``triton_kernel`` unasked, a layout its CPU MoE path

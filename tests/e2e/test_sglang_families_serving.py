@@ -462,6 +462,30 @@ class TestKimiK3Serving(DeclaredHybrid, FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "kimi_k3", "KDAAttnBackend", "KimiK3LinearForCausalLM"
 
 
+class TestMiniCPMV46Serving(FamilyServing, unittest.TestCase):
+    """MiniCPM-V 4.6 (``MiniCPMV4_6ForConditionalGeneration``, ``--arch minicpmv``; issue 40):
+    Qwen3.5's dense text model behind a one-layer vision tower, served text-only on
+    ``GDNAttnBackend``; the plugin's CPU bridges for its merger's device and its loaded module's
+    shared-experts layout (``plugin/cpu_bridges_minicpmv.py``); launched, resent (against
+    transformers' class in float32), next turn, abort (the branch point is Qwen3-Next's: the
+    suite's time budget)."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "minicpmv", "GDNAttnBackend", "MiniCPMV4_6ForConditionalGeneration"
+
+
+@unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
+                     "MiniCPM-V 4.7 is a MiniCPM-V 4.6 subclass with nothing of its own (minicpmv.py): the same "
+                     "plugin paths as TestMiniCPMV46Serving; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestMiniCPMV47Serving(FamilyServing, unittest.TestCase):
+    """MiniCPM-V 4.7 (``MiniCPMV4_7ForConditionalGeneration``, ``--arch minicpmv4_7``); opt-in."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "minicpmv4_7", "GDNAttnBackend", "MiniCPMV4_7ForConditionalGeneration"
+
+
 class LongExtendServing(FamilyServing):
     """Issue 39: with prompts in one extend (``--chunked-prefill-size 512``), checkpoints past a
     row's first 64-token chunk start from the prefill kernel's own chunk states (GDN / KDA ``h``,
