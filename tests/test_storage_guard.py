@@ -5,6 +5,7 @@ mooncake (``tests/test_storage_mooncake.py`` kills and restarts a real master)."
 
 import threading
 import time
+import os
 import unittest
 
 from conftest import SGLANG_INSTALLED
@@ -181,6 +182,40 @@ class TestGuardedStore(unittest.TestCase):
         settings = {}
         _take_storage_backend(args, settings, refuse=None)
         self.assertEqual(settings["storage_backend"], "mooncake")
+
+    @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang (its extra-config parser)")
+    def test_file_backend_extra_config_checked_at_start_up(self):
+        """A fresh-user check found these accepted with ``file`` and the scheduler dying with a
+        traceback after the model load: each is now a FlagError at the flag step."""
+        import tempfile
+        from types import SimpleNamespace
+
+        from sglang_mamba_ext.plugin.args import _take_storage_backend
+        from sglang_mamba_ext.plugin.startup_errors import FlagError
+
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        args = SimpleNamespace(hicache_storage_backend="file", enable_hierarchical_cache=True, tp_size=1, dp_size=1,
+                               hicache_host_memory_mode="cache")
+        bad = {
+            '{"file_storage_path": /tmp/x': "extra-config: Expecting value",
+            "[1,2]": "expected a JSON object",
+            "@" + os.path.join(tmp.name, "missing.json"): "No such file",
+            '{"file_storage_path": "/proc/nope/hc"}': "file_storage_path '/proc/nope/hc' cannot be made",
+            '{"storage_call_timeout_s": 3}': "apply to --hicache-storage-backend mooncake only",
+            '{"storage_call_timout_s": 3}': "apply to --hicache-storage-backend mooncake only",
+        }
+        for extra, message in bad.items():
+            with self.subTest(extra=extra):
+                args.hicache_storage_backend_extra_config = extra
+                args.hicache_storage_backend = "file"
+                with self.assertRaisesRegex(FlagError, message):
+                    _take_storage_backend(args, {}, refuse=None)
+        store = os.path.join(tmp.name, "a", "b")
+        args.hicache_storage_backend_extra_config = '{"file_storage_path": "%s"}' % store
+        settings = {}
+        _take_storage_backend(args, settings, refuse=None)
+        self.assertEqual((settings["storage_backend"], os.path.isdir(store)), ("file", True))
 
 
 if __name__ == "__main__":

@@ -41,13 +41,12 @@ def _take_storage_backend(server_args, settings, refuse) -> None:
     if getattr(server_args, "hicache_host_memory_mode", "cache") not in (None, "cache"):
         return  # refused below with SGLang's reason
     extra = getattr(server_args, "hicache_storage_backend_extra_config", None)
-    if storage == "mooncake":
-        from sglang_mamba_ext.plugin.host_tier import check_guard_settings
+    from sglang_mamba_ext.plugin.host_tier import check_guard_settings
 
-        try:
-            check_guard_settings(extra)
-        except ValueError as e:
-            raise FlagError(str(e)) from None
+    try:
+        check_guard_settings(extra, storage)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
     settings["storage_backend"] = storage
     settings["storage_extra_config"] = extra
     server_args.hicache_storage_backend = None

@@ -205,13 +205,20 @@ def _guard_settings(extra: dict):
     return tuple(out)
 
 
-def check_guard_settings(extra_config) -> None:
-    """The launcher's check of :data:`GUARD_KEYS` in ``--hicache-storage-backend-extra-config``
-    (a JSON string, SGLang's ``@file`` form, or a dict), so a bad value fails at start-up
-    rather than in the scheduler after the model load.
+def check_guard_settings(extra_config, backend: str = "mooncake") -> None:
+    """The launcher's check of ``--hicache-storage-backend-extra-config`` (a JSON string,
+    SGLang's ``@file`` form, or a dict) for the storage tier's ``backend``, so a bad value fails
+    at start-up rather than in the scheduler after the model load: it must parse (SGLang's
+    parser) to a JSON object; for ``mooncake`` its :data:`GUARD_KEYS` are checked; ``file``
+    takes no guard key (its calls are not guarded) and its ``file_storage_path`` must be a
+    directory that exists or can be made (made here, as SGLang's ``HiCacheFile`` would).
 
     Raises:
-        ValueError: as :func:`_guard_settings`, or extra config that is not valid JSON."""
+        ValueError: as :func:`_guard_settings`; extra config that is not valid JSON, an
+            unreadable ``@file`` or not an object; a guard key with ``file``; a
+            ``file_storage_path`` that cannot be made."""
+    import os
+
     if not extra_config:
         return
     if isinstance(extra_config, dict):
@@ -221,9 +228,28 @@ def check_guard_settings(extra_config) -> None:
 
         try:
             extra = HybridCacheController.parse_storage_backend_extra_config(extra_config)[0] or {}
-        except Exception as e:  # SGLang's parser: JSON or an unreadable @file
+        except (TypeError, AttributeError):  # SGLang's parser pops keys: a list, a number, ...
+            raise ValueError("--hicache-storage-backend-extra-config: expected a JSON object "
+                             f"(keys and values), got {extra_config!r}") from None
+        except Exception as e:  # SGLang's parser: JSON, an unreadable @file
             raise ValueError(f"--hicache-storage-backend-extra-config: {e}") from e
-    _guard_settings(extra)
+    if not isinstance(extra, dict):
+        raise ValueError(f"--hicache-storage-backend-extra-config: expected a JSON object, got {extra!r}")
+    if backend != "file":
+        _guard_settings(extra)
+        return
+    guard = sorted(k for k in extra if str(k).startswith("storage_"))
+    if guard:
+        raise ValueError(f"--hicache-storage-backend-extra-config: {', '.join(guard)}: the plugin's storage_* "
+                         "keys apply to --hicache-storage-backend mooncake only (the file backend's calls are "
+                         "not guarded); drop them")
+    path = extra.get("file_storage_path")
+    if path is not None:
+        try:
+            os.makedirs(str(path), exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--hicache-storage-backend-extra-config: file_storage_path {path!r} cannot be "
+                             f"made ({e.strerror}); give a writable directory") from None
 
 
 def _check_mooncake_config(config) -> None:
