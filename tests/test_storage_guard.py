@@ -218,5 +218,41 @@ class TestGuardedStore(unittest.TestCase):
         self.assertEqual((settings["storage_backend"], os.path.isdir(store)), ("file", True))
 
 
+class TestModelFingerprint(unittest.TestCase):
+    """Storage values carry the model's fingerprint in their digest (``host_tier.storage_layout_tag``):
+    a fresh-user check replaced a model's weights in place and the restarted server hit the old
+    weights' states from storage (wrong outputs)."""
+
+    def test_changes_with_the_weights_not_otherwise(self):
+        import tempfile
+        import time
+
+        from sglang_mamba_ext.plugin.host_tier import model_fingerprint
+
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        d = tmp.name
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write('{"a": 1}')
+        with open(os.path.join(d, "model.safetensors"), "wb") as f:
+            f.write(b"x" * 64)
+        first = model_fingerprint(d)
+        self.assertEqual(len(first), 16)
+        self.assertEqual(model_fingerprint(d), first)  # stable: a restart on the same files hits
+        with open(os.path.join(d, "tokenizer.json"), "w") as f:  # not a weight file
+            f.write("{}")
+        self.assertEqual(model_fingerprint(d), first)
+        time.sleep(0.01)
+        with open(os.path.join(d, "model.safetensors"), "wb") as f:  # same size, new bytes
+            f.write(b"y" * 64)
+        second = model_fingerprint(d)
+        self.assertNotEqual(second, first)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write('{"a": 2}')
+        self.assertNotIn(model_fingerprint(d), (first, second))
+        self.assertEqual(model_fingerprint("org/hub-model"), "")
+        self.assertEqual(model_fingerprint(None), "")
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -551,7 +551,8 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         except RuntimeError:  # not published (an offline build of the cache)
             rank, size = 0, 1
         attach_storage_tier(cache.core, storage, current_settings().get("storage_extra_config"),
-                            getattr(sa, "served_model_name", None) or getattr(sa, "model_path", None), rank, size)
+                            getattr(sa, "served_model_name", None) or getattr(sa, "model_path", None), rank, size,
+                            model_path=getattr(sa, "model_path", None))
     from sglang_mamba_ext.plugin.tp_digest import maybe_digest_check
 
     cache.tp_digest = maybe_digest_check(cache.core, getattr(params, "tp_cache_group", None))

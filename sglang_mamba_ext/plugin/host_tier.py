@@ -105,7 +105,8 @@ def _kv_buffers(kv_allocator):
     return buffers, page_size
 
 
-def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_rank: int = 0, tp_size: int = 1):
+def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_rank: int = 0, tp_size: int = 1,
+                        model_path=None):
     """``--hicache-storage-backend file`` or ``mooncake`` (``docs/design.md``, "Storage
     tier"): give the tree (``core``, with its host tier attached) SGLang's own storage
     backend, built by SGLang's ``StorageBackendFactory`` from a ``HiCacheStorageConfig`` as
@@ -114,7 +115,8 @@ def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_ra
     ``extra_config``: SGLang's ``--hicache-storage-backend-extra-config`` (JSON or
     ``@file``), parsed by SGLang. SGLang's ``MooncakeStore`` is reached through
     :class:`~.storage_mooncake.MooncakeValues` (one object per key, through a registered
-    staging buffer). Returns the tier's backend.
+    staging buffer). ``model_path``: the served model's directory, whose
+    :func:`model_fingerprint` is part of every value's digest. Returns the tier's backend.
 
     Raises:
         ValueError: a mooncake setting the tier cannot serve (:func:`_check_mooncake_config`)."""
@@ -155,7 +157,7 @@ def attach_storage_tier(core, backend_name: str, extra_config, model_name, tp_ra
         return get_storage_hash_str(RadixKey(list(tokens), ek, cache_salt=salt), None, page_size=page)
 
     page_keys([0] * page, None)  # SGLang builds its native hasher on first use: at start-up, not at a spill
-    core.attach_storage(backend, page_keys, layout_tag=storage_layout_tag(core),
+    core.attach_storage(backend, page_keys, layout_tag=storage_layout_tag(core, model_path),
                         discard=discard, state_suffix=f".{PoolName.MAMBA.value}")
     logger.info(
         "sglang-mamba-ext: storage tier %s (%s) under the host tier: %d-byte states, %d-byte KV pages",
@@ -271,13 +273,47 @@ def _check_mooncake_config(config) -> None:
         )
 
 
-def storage_layout_tag(core) -> bytes:
-    """What a stored value's bytes mean: the host tiers' tensor shapes and dtypes and the page
-    size (part of every stored value's digest: another layout reads as a miss)."""
+def storage_layout_tag(core, model_path=None) -> bytes:
+    """What a stored value's bytes mean: the host tiers' tensor shapes and dtypes, the page
+    size and the model's :func:`model_fingerprint` (part of every stored value's digest: another
+    layout, or other weights at the same path, reads as a miss)."""
     parts = [f"page={core.page_size}"]
     parts += [f"s{tuple(t.shape[1:])}:{t.dtype}" for t in core.mamba_host_pool.host]
     parts += [f"k{tuple(t.shape[1:])}:{t.dtype}" for t in core.kv_host_pool.host_buffers]
+    parts.append(f"model={model_fingerprint(model_path)}")
     return ";".join(parts).encode()
+
+
+#: Weight files :func:`model_fingerprint` reads the size and modification time of.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def model_fingerprint(model_path) -> str:
+    """A short hex digest of a local model directory: its ``config.json`` bytes and each
+    weight file's name, size and modification time (ns) — not the weights' bytes, which
+    would take minutes to read for a large model. Replacing the weights at the same path (a
+    new copy, a re-download) changes it, so the storage tier's values written for the old
+    weights read as misses, never as states of another model (found by a fresh-user check:
+    SGLang's storage keys name the path only). ``""`` for a path that is not a directory (a hub
+    name: its files are not known here)."""
+    import hashlib
+    import os
+
+    if not model_path or not os.path.isdir(str(model_path)):
+        return ""
+    h = hashlib.sha256()
+    root = str(model_path)
+    config = os.path.join(root, "config.json")
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            h.update(f.read())
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith(WEIGHT_SUFFIXES):
+                st = os.stat(os.path.join(dirpath, name))
+                h.update(f"{os.path.relpath(os.path.join(dirpath, name), root)}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
 
 
 def _file_discard(backend):
