@@ -241,6 +241,7 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         creq = req_bridge.pull(req) if cow else None
         # A copy-on-write slot may evict a state (and its leaf's KV): one batched free.
         group = self._free_group_begin() if cow else False
+        loaded = (getattr(self.core, "host_kv_loaded_total", 0), getattr(self.core, "storage_kv_pages_loaded_total", 0))
         try:
             res = self.core.match_prefix(CoreRadixKey(tokens, ns), cow_mamba=cow, req=creq)
         finally:
@@ -248,6 +249,9 @@ class MambaRadixCacheAdapter(BasePrefixCache):
                 self.token_to_kv_pool_allocator.free_group_end()
         if cow:
             req_bridge.push_mamba(req, creq, self.device)
+            self._cache_breakdown(req, res.prefix_len, getattr(self.core, "host_kv_loaded_total", 0) - loaded[0],
+                                  (getattr(self.core, "storage_kv_pages_loaded_total", 0) - loaded[1])
+                                  * self.core.page_size)
             fill = getattr(req, "full_untruncated_fill_ids", None)
             try:
                 self._matched[req] = self.core.hit_of(len(fill) if fill is not None else len(tokens), res)
@@ -275,6 +279,23 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             mamba_branching_seqlen=branching,
             full_kv_hit_length=res.kv_match_len,
         )
+
+    @staticmethod
+    def _cache_breakdown(req, prefix_len: int, host_tokens: int, storage_tokens: int) -> None:
+        """SGLang's per-tier split of a request's cached prefix (``meta_info.cached_tokens_details``:
+        device / host / storage tokens; ``ScheduleBatch.prepare_for_extend`` computes it from its
+        own tree's host and storage hit fields, which the plugin's tree does not fill): where this
+        match loaded KV from the host tier (``host_tokens``, of which ``storage_tokens`` were read
+        from storage first), the split is set here and marked computed. A match that loaded
+        nothing leaves SGLang's computation (all device) alone."""
+        if host_tokens <= 0:
+            return
+        host = min(host_tokens, prefix_len)
+        storage = min(storage_tokens, host)
+        req.cached_tokens_device = prefix_len - host
+        req.cached_tokens_host = host - storage
+        req.cached_tokens_storage = storage
+        req._cache_breakdown_computed = True
 
     def _free_group_begin(self) -> bool:
         """Open a free group on the KV allocator (SGLang's ``free_group_begin`` /

@@ -80,8 +80,14 @@ class TestStorageTier(GreedyHits, unittest.TestCase):
         self.assertGreaterEqual(info["storage_states_written"], 2 * FLOOD - 16)
         self.assertGreater(info["storage_kv_pages_written"], PROMPT_LEN)
         loads = info["storage_loads"]
-        again = self.gen(prompt)
+        r = self.server.generate(input_ids=prompt, max_new_tokens=self.NEW, return_logprob=True)
+        again = (r["output_ids"], r["meta_info"]["cached_tokens"],
+                 [lp[0] for lp in r["meta_info"]["output_token_logprobs"]])
         self.assertEqual(again[1], PROMPT_LEN - 1)
+        # SGLang's per-tier split: every cached token came back from storage (a fresh-user check
+        # found them all reported as device hits)
+        details = r["meta_info"]["cached_tokens_details"]
+        self.assertEqual((details["device"], details["host"], details["storage"]), (0, 0, PROMPT_LEN - 1))
         info = self.info()
         self.assertEqual(info["storage_loads"] - loads, 1)
         self.assertEqual(info["storage_rejected"], 0)
