@@ -16,6 +16,15 @@ from sglang_mamba_ext.models.hf_tiny_written import written_families
 _HIDDEN = 64
 _LAYERS = 4
 
+def _qwen_gdn_layers() -> Dict:
+    """The attention and Gated DeltaNet sizes Qwen3-Next and Qwen3.5 share (a fresh dict: the
+    families' configs are changed in place by the VLM entries below)."""
+    return dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
+                full_attention_interval=2, layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
+                linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4)
+
+
 # Per family: transformers class name and the config in the family's released format. Layer
 # order alternates linear / full attention so that both kinds sit before and after each other.
 _FAMILIES: Dict[str, Dict] = {
@@ -23,11 +32,7 @@ _FAMILIES: Dict[str, Dict] = {
         cls="Qwen3NextForCausalLM",
         config=dict(
             model_type="qwen3_next", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
-            full_attention_interval=2,
-            layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
-            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4,
+            **_qwen_gdn_layers(),
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
             norm_topk_prob=True, partial_rotary_factor=0.25, rope_theta=10000.0,
@@ -112,11 +117,7 @@ _FAMILIES: Dict[str, Dict] = {
         cls="Qwen3_5ForCausalLM",
         config=dict(
             model_type="qwen3_5_text", hidden_size=_HIDDEN, intermediate_size=128, num_hidden_layers=_LAYERS,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
-            full_attention_interval=2,
-            layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
-            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4,
+            **_qwen_gdn_layers(),
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
             partial_rotary_factor=0.25, rope_theta=10000.0, attn_output_gate=True,
             rms_norm_eps=1e-6, attention_bias=False,
@@ -131,11 +132,7 @@ _FAMILIES: Dict[str, Dict] = {
         cls="Qwen3_5MoeForCausalLM", module="qwen3_5_text",
         config=dict(
             model_type="qwen3_5_moe_text", hidden_size=_HIDDEN, num_hidden_layers=_LAYERS,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
-            full_attention_interval=2,
-            layer_types=["linear_attention", "full_attention"] * (_LAYERS // 2),
-            linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_num_key_heads=2, linear_num_value_heads=4,
+            **_qwen_gdn_layers(),
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=32, norm_topk_prob=True,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
