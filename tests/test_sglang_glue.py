@@ -322,6 +322,42 @@ class TestFlags(unittest.TestCase):
                 self.assertIn(f"--mamba-track-interval ({interval}) must be a positive number of tokens",
                               str(cm.exception))
 
+    def test_replayssm_refused_for_narrow_key_heads(self):
+        """Issue 42: SGLang's ReplaySSM decode kernel needs key heads of at least 32 channels
+        (it raises at the first decode step otherwise, with or without the plugin); a local
+        model with narrower ones is refused at start-up, naming the dim and the kernel's error.
+        Kimi-K3's tiny config (``linear_attn_config.head_dim`` 16) is refused; a 32-channel GDN
+        model and the tiny model on the plugin's torch backend are not."""
+        from sglang_mamba_ext.plugin import args_combos
+        from sglang_mamba_ext.plugin.startup_errors import FlagError
+
+        cases = [
+            ({"model_type": "kimi_linear", "linear_attn_config": {"head_dim": 16}}, 16),
+            ({"model_type": "qwen3_5", "text_config": {"linear_key_head_dim": 16}}, 16),
+            ({"model_type": "qwen3_next", "linear_key_head_dim": 32}, None),
+            ({"model_type": "tiny_hybrid", "architectures": ["TinyHybridGDNForCausalLM"]}, 16),
+            ({"model_type": "tiny_hybrid", "architectures": ["TinyHybridGDNForCausalLM"],
+              "linear_key_head_dim": 32}, None),
+            ({"model_type": "tiny_hybrid", "architectures": ["TinyHybridForCausalLM"]}, None),
+            ({"model_type": "llama"}, None),
+        ]
+        for cfg, refused_dim in cases:
+            with self.subTest(cfg=cfg), tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, "config.json"), "w") as f:
+                    json.dump(cfg, f)
+                sa = SimpleNamespace(model_path=d)
+                if refused_dim is None:
+                    args_combos._check_replayssm_key_dim(sa)
+                    continue
+                with self.assertRaises(FlagError) as cm:
+                    args_combos._check_replayssm_key_dim(sa)
+                self.assertEqual(str(cm.exception),
+                                 f"--enable-linear-replayssm: the model's linear key heads have {refused_dim} "
+                                 "channels, and SGLang's ReplaySSM decode kernel needs at least 32 (it raises "
+                                 "'BKT=8 must be >=16 for tl.dot' at the first decode step, kernels/ops/attention/"
+                                 "linear/fused_recurrent_linear_replayssm.py:572); drop --enable-linear-replayssm "
+                                 "for this model")
+
     def test_replayssm_flags(self):
         """Issue 42: the ReplaySSM decode ring runs with the plugin's cache under SGLang's
         strategy (no_buffer); an explicit extra_buffer is refused with SGLang's reason; the

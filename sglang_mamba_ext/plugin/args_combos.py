@@ -52,6 +52,61 @@ def _take_storage_backend(server_args, settings, refuse) -> None:
     server_args.hicache_storage_backend = None
 
 
+#: SGLang's ReplaySSM decode kernel tiles a key head in ``nk = 2`` blocks of at least 16 channels
+#: for ``tl.dot`` (``kernels/ops/attention/linear/fused_recurrent_linear_replayssm.py:566-572``)
+REPLAYSSM_MIN_KEY_DIM = 32
+
+
+def linear_key_head_dim(cfg: dict):
+    """Key head dim (channels) of a config's GDN / KDA layers, or None where the config names none.
+
+    Reads ``linear_key_head_dim`` (Qwen3-Next / Qwen3.5 / GigaChat, the tiny model),
+    ``linear_attn_config.head_dim`` (Kimi-Linear, Kimi-K3) or ``linear_head_dim``, at the top level
+    or in ``text_config`` (a VLM)."""
+    for c in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else None):
+        if not c:
+            continue
+        for key in ("linear_key_head_dim", "linear_head_dim"):
+            if isinstance(c.get(key), int):
+                return c[key]
+        lac = c.get("linear_attn_config")
+        if isinstance(lac, dict) and isinstance(lac.get("head_dim"), int):
+            return lac["head_dim"]
+    return None
+
+
+def _check_replayssm_key_dim(server_args) -> None:
+    """Refuse ``--enable-linear-replayssm`` at start-up for a local model whose GDN / KDA key
+    heads are narrower than SGLang's ReplaySSM decode kernel takes: without this, the first
+    decode step raises inside the scheduler (``ValueError: BKT=8 must be >=16 for tl.dot``,
+    ``fused_recurrent_linear_replayssm.py:572``; with or without the plugin). Models served
+    by the plugin's own torch backend (the tiny model's default kernels) never run that kernel.
+
+    Raises:
+        FlagError: key head dim below :data:`REPLAYSSM_MIN_KEY_DIM`."""
+    from sglang_mamba_ext.plugin.cpu_defaults import TINY_MODEL_TYPE, local_model_config
+
+    cfg = local_model_config(getattr(server_args, "model_path", None))
+    if not cfg:
+        return
+    if cfg.get("model_type") == TINY_MODEL_TYPE:
+        from sglang_mamba_ext.models.tiny_builder import DEFAULT_CONFIG
+        from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
+
+        if not any(a in SGLANG_KERNEL_ARCHITECTURES for a in cfg.get("architectures") or []):
+            return
+        cfg = dict(DEFAULT_CONFIG, **cfg)
+    dim = linear_key_head_dim(cfg)
+    if dim is not None and dim < REPLAYSSM_MIN_KEY_DIM:
+        bkt = (1 << max(0, dim - 1).bit_length()) // 2  # the kernel's BK // nk
+        raise FlagError(
+            f"--enable-linear-replayssm: the model's linear key heads have {dim} channels, and SGLang's "
+            f"ReplaySSM decode kernel needs at least {REPLAYSSM_MIN_KEY_DIM} (it raises 'BKT={bkt} "
+            "must be >=16 for tl.dot' at the first decode step, kernels/ops/attention/linear/"
+            "fused_recurrent_linear_replayssm.py:572); drop --enable-linear-replayssm for this model"
+        )
+
+
 def _map_replayssm(server_args) -> None:
     """SGLang's ReplaySSM flags under the flag (``docs/flags.md``, "ReplaySSM").
 
@@ -70,6 +125,7 @@ def _map_replayssm(server_args) -> None:
         FlagError: ``--enable-linear-replayssm`` with an explicit ``extra_buffer`` strategy
             (SGLang's reason), or the spec flag where deferred mode cannot run."""
     if getattr(server_args, "enable_linear_replayssm", False):
+        _check_replayssm_key_dim(server_args)
         strategy = server_args.mamba_radix_cache_strategy
         if strategy == "auto":
             server_args.mamba_radix_cache_strategy = "no_buffer"
