@@ -126,6 +126,11 @@ LINEAR_AND_FULL["minicpm"] = lambda c: c["mixer_types"] == ["lightning-attn", "m
     "lightning_head_dim"] == 128 and "sparse_config" not in c
 MODEL_TYPE["minicpm"] = "minicpm_sala"
 WRITTEN = WRITTEN + ("minicpm",)
+# MiniCPMForCausalLM (issue 40): MiniCPM-SALA's alias class, the same config and weights (its own
+# load is checked end to end by TestMiniCPMCausalServing, opt-in)
+EXPECTED["minicpm_causal"] = ("MiniCPMForCausalLM",) + EXPECTED["minicpm"][1:]
+LINEAR_AND_FULL["minicpm_causal"] = LINEAR_AND_FULL["minicpm"]
+MODEL_TYPE["minicpm_causal"] = "minicpm_sala"
 # Mamba1 (issue 40): no attention layer, every layer a selective-scan mixer (x_proj: dt rank 4 +
 # B, C of 16 each); Falcon-Mamba with its B / C / dt RMSNorm epsilon, Mamba without it
 EXPECTED["falcon_mamba"] = ("FalconMambaForCausalLM", "backbone.layers.0.mixer.x_proj.weight", (36, 128))

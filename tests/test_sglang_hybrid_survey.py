@@ -103,6 +103,7 @@ class TestListArchs(unittest.TestCase):
                   "bailing_mm_v3": "BailingMoeV3VLForConditionalGeneration"}
         served["bailing_moe_linear"] = "BailingMoeV2_5ForCausalLM"  # Ling 2.5, lightning attention
         served["minicpm"] = "MiniCPMSALAForCausalLM"  # MiniCPM-SALA, lightning attention
+        served["minicpm_causal"] = "MiniCPMForCausalLM"  # its alias in the same module
         served.update(falcon_mamba="FalconMambaForCausalLM", mamba="MambaForCausalLM")  # Mamba1, no attention
         served["kimi_k3"] = "KimiK3LinearForCausalLM"  # Kimi-K3's text class, KDA (declared by the plugin)
         served.update(minicpmv="MiniCPMV4_6ForConditionalGeneration",  # MiniCPM-V on Qwen3.5, GDN
@@ -114,6 +115,7 @@ class TestListArchs(unittest.TestCase):
         self.assertEqual(arch_module("qwen3_5_moe"), "qwen3_5")
         self.assertEqual(arch_module("nemotron_h_puzzle"), "nemotron_h")
         self.assertEqual(arch_module("minicpmv4_7"), "minicpmv")
+        self.assertEqual(arch_module("minicpm_causal"), "minicpm")
         self.assertEqual(set(SERVED_ARCHS), set(served))
         build_only = {c.arch for c in SGLANG_HYBRID_CLASSES if arch_status(c) == "build only"}
         self.assertEqual(build_only, {arch_class(a) for a in set(ARCHS) - set(SERVED_ARCHS)})

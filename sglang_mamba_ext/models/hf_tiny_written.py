@@ -417,4 +417,8 @@ def written_families(hidden: int, layers: int) -> Dict[str, Dict]:
             scale_depth=1.4, dim_model_base=256, rms_norm_eps=1e-6, rope_theta=10000.0,
         ),
     )
+    # MiniCPMForCausalLM: SGLang's minicpm module registers it as a subclass of
+    # MiniCPMSALAForCausalLM with nothing of its own (models/minicpm.py:626-630), so a checkpoint
+    # naming it is served by the same code; the same config and weights under that name.
+    _FAMILIES["minicpm_causal"] = dict(_FAMILIES["minicpm"], cls="MiniCPMForCausalLM", module="minicpm")
     return _FAMILIES

@@ -364,6 +364,17 @@ class TestMiniCPMSalaServing(FamilyServing, unittest.TestCase):
 
 
 @unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
+                     "MiniCPMForCausalLM is MiniCPMSALAForCausalLM's subclass with nothing of its own "
+                     "(models/minicpm.py:626-630): the same plugin paths as TestMiniCPMSalaServing; "
+                     "SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestMiniCPMCausalServing(TestMiniCPMSalaServing):
+    """``MiniCPMForCausalLM`` (``--arch minicpm_causal``; issue 40): MiniCPM-SALA's checkpoint under
+    the alias name SGLang's minicpm module also registers; declared by the plugin; opt-in."""
+
+    ARCH, MODEL_CLASS = "minicpm_causal", "MiniCPMForCausalLM"
+
+
+@unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
                      "Ling-V3's VLM runs the same plugin paths as TestBailingMoeV3Serving (KDA between MLA layers) "
                      "behind a VLM wrapper (TestQwen35VlServing's); SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
 class TestBailingMmV3Serving(FamilyServing, unittest.TestCase):
