@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 from conftest import SGLANG_INSTALLED, requires_sglang
 from sglang_glue_fixtures import ExtendMode, planned_pool_standin, small_cache_params
@@ -126,6 +127,11 @@ class TestInchunkHookKda(unittest.TestCase):
         return LAYOUTS[self.LAYOUT].replay_views(c.conv[0], c.temporal)
 
     def test_planned_checkpoints_written_before_sglang_forward(self):
+        self._written_before_sglang_forward()
+
+    def _written_before_sglang_forward(self, lower_bound=None):
+        for layer in self.layers:
+            layer.lower_bound = lower_bound
         ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
         self.assertTrue(self.rtp.prefix_checkpoint_writer)
         self.assertEqual(getattr(self.backend, ic.WRITER_ATTR), self.LAYOUT)
@@ -152,6 +158,9 @@ class TestInchunkHookKda(unittest.TestCase):
             for row, src, items in ((0, None, [(7, 4), (19, 5)]), (1, 3, [(4, 6)])):
                 lo, n = starts[row], self.lens[row]
                 g, beta = m.activate_gates(a2[lo:lo + n], b2[lo:lo + n])
+                if lower_bound is not None:  # SGLang's safe gate (fla/kda.py:1028), per key channel
+                    f = (a2[lo:lo + n].float() + m.dt_bias.float()).unflatten(-1, (2, 8))
+                    g = lower_bound * torch.sigmoid(m.A_log.float().exp()[:, None] * f)
                 got = {}
                 c0 = None if src is None else before[l][0][src]
                 s0 = None if src is None else before[l][1][src].float()
@@ -184,7 +193,7 @@ class TestInchunkHookKda(unittest.TestCase):
         self.assertIsNone(ic.why_not_writer(self.backend, mr))  # overlap: every write is in a forward
         mr = _model_runner(self.rtp)
         mr.model_config.hf_config.kda_safe_gate = True
-        self.assertIn("safe gate", ic.why_not_writer(self.backend, mr))
+        self.assertIsNone(ic.why_not_writer(self.backend, mr))  # written through safe_gate_as_raw
         mr = _model_runner(self.rtp)
         mr.device = "cpu"
         with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "0", ic.IMPL_ENV: "triton"}):
@@ -207,12 +216,26 @@ class TestInchunkHookKda(unittest.TestCase):
         sub = type("Sub", (base,), {"forward_extend": lambda self, *a, **k: None})
         self.assertIn("overrides forward_extend", ic.why_not_writer(sub.__new__(sub), _model_runner(self.rtp)))
 
-    def test_safe_gate_layer_raises(self):
-        ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
-        self.layers[0].lower_bound = -5.0
-        mq, a, b = self._inputs()[0]
-        with self.assertRaisesRegex(RuntimeError, "safe gate"):
-            ic.forward_extend_before(self.backend, self.layers[0], self.fb, mq, a, b)
+    def test_safe_gate_checkpoints_equal_the_token_scan(self):
+        """The KDA safe gate (``lower_bound``: Kimi-K3, GLM-5-Next, Ling-V3's ``kda_safe_gate``):
+        every planned slot equals the token scan with ``lower_bound * sigmoid(exp(A_log) * (a +
+        dt_bias))`` as its decay (the writer reads the raw gate ``safe_gate_as_raw`` gives)."""
+        if self.LAYOUT != "kda":
+            self.skipTest("the safe gate is KDA's")
+        self._written_before_sglang_forward(lower_bound=-5.0)
+
+    def test_safe_gate_as_raw_inverts_the_gate(self):
+        torch.manual_seed(1)
+        HV, K = 3, 4
+        A_log, dt = torch.randn(HV) * 2, torch.randn(HV * K)
+        a = torch.cat([torch.randn(50, HV * K) * 4, torch.full((1, HV * K), -80.0), torch.full((1, HV * K), 80.0)])
+        for lb in (-5.0, -0.1):
+            raw = ic.safe_gate_as_raw(a.half(), A_log, dt, lb)
+            self.assertEqual((raw.dtype, raw.shape), (torch.float32, a.shape))
+            x = (a.half().float() + dt).unflatten(-1, (HV, K))
+            want = lb * torch.sigmoid(A_log.exp()[:, None] * x)
+            got = -A_log.exp()[:, None] * F.softplus((raw + dt).unflatten(-1, (HV, K)))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 class TestInchunkHookGdn(TestInchunkHookKda):

@@ -143,7 +143,8 @@ LINEAR_AND_FULL["mamba"] = lambda c: c["intermediate_size"] == 128 and c["time_s
 # (full-rank KDA gate, latent MoE, attention residuals)
 EXPECTED["kimi_k3"] = ("KimiK3LinearForCausalLM", "model.layers.1.mlp.routed_expert_down_proj.weight", (32, 64))
 LINEAR_AND_FULL["kimi_k3"] = lambda c: c["linear_attn_config"]["kda_layers"] == [1, 3] and c["linear_attn_config"][
-    "full_attn_layers"] == [2, 4] and c["linear_attn_config"]["use_full_rank_gate"] and c["attn_res_block_size"] == 2
+    "full_attn_layers"] == [2, 4] and c["linear_attn_config"]["use_full_rank_gate"] and c["attn_res_block_size"] == 2 \
+    and c["linear_attn_config"]["gate_lower_bound"] == -5.0  # the safe gate, as the released checkpoint
 MODEL_TYPE["kimi_k3"] = "kimi_linear"
 WRITTEN = WRITTEN + ("kimi_k3",)
 # MiniCPM-V 4.6 / 4.7 (issue 40, hf_tiny_minicpmv): Qwen3.5's dense text model behind a one-layer

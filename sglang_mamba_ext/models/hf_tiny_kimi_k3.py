@@ -8,9 +8,10 @@ The config (:func:`kimi_k3_family`) is Kimi-Linear's format (SGLang's ``KimiLine
 
 - KDA layers with the **full-rank output gate** (``linear_attn_config.use_full_rank_gate``:
   ``g_proj`` of ``heads * head_dim`` rows, no low-rank ``g_a`` / ``g_b``), the layout SGLang's
-  code calls K3's (``KimiK3DeltaAttention``, "For the full-rank gate (K3)"); no safe gate
-  (``gate_lower_bound``, which the released checkpoint trains with, per the same file): the
-  plugin's in-chunk checkpoint writer does not implement it (``plugin/inchunk_checkpoints.py``);
+  code calls K3's (``KimiK3DeltaAttention``, "For the full-rank gate (K3)"), and the **safe
+  gate** the released checkpoint trains with (``linear_attn_config.gate_lower_bound`` -5, per the
+  same file, ``kimi_k3.py:1795-1796``: decay ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``;
+  the plugin's in-chunk writer takes it through ``inchunk_checkpoints.safe_gate_as_raw``);
 - MLA full attention without rope (K3's MLA passes ``skip_rope``), with the sigmoid output gate
   (``mla_use_output_gate``: ``self_attn.g_proj``);
 - Latent MoE (``routed_expert_hidden_size``: routed experts run in a narrower latent space
@@ -103,7 +104,7 @@ def kimi_k3_family(hidden: int, layers: int) -> Dict[str, Dict]:
             mla_use_nope=True, mla_use_output_gate=True,
             linear_attn_config=dict(kda_layers=list(range(1, layers + 1, 2)),
                                     full_attn_layers=list(range(2, layers + 1, 2)), num_heads=4, head_dim=16,
-                                    short_conv_kernel_size=4, use_full_rank_gate=True),
+                                    short_conv_kernel_size=4, use_full_rank_gate=True, gate_lower_bound=-5.0),
             first_k_dense_replace=1, moe_layer_freq=1, num_experts=4, num_experts_per_token=2,
             moe_intermediate_size=32, num_shared_experts=1, moe_router_activation_func="sigmoid",
             moe_renormalize=True, use_grouped_topk=True, num_expert_group=1, topk_group=1,

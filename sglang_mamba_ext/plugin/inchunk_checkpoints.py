@@ -8,8 +8,8 @@ rounds a branch point down to the grid and has no prompt-end checkpoint. Under
 
 - AFTER ``KDAAttnBackend.__init__`` / ``GDNAttnBackend.__init__`` (:func:`backend_init_after`):
   when the backend can be helped (the extend not captured in SGLang's breakable prefill CUDA graph;
-  no KDA safe gate, ``lower_bound``, which the kernel does not implement; the class does not
-  override ``forward_extend``), it sets the pool's ``prefix_checkpoint_writer`` so that the
+  the class does not override ``forward_extend``; a KDA safe gate, ``lower_bound``, is
+  rewritten as a raw gate of KDA's usual form, :func:`safe_gate_as_raw`), it sets the pool's ``prefix_checkpoint_writer`` so that the
   core plans exact positions (``MambaRadixReqToTokenPool._plan_prefix_checkpoints``);
 - BEFORE ``forward_extend`` (:func:`forward_extend_before`): for an extend batch with planned
   checkpoints (``MambaRadixReqToTokenPool.prefix_checkpoint_plan``), *before* SGLang's forward
@@ -169,13 +169,8 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
     if (not device.startswith("cuda") and writer_impl(device) == "triton"
             and os.environ.get("TRITON_INTERPRET") != "1"):
         return f"device {device} with {IMPL_ENV}=triton (the Triton writer needs CUDA, or TRITON_INTERPRET=1)"
-    hf = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
-    for cfg in (hf, getattr(hf, "text_config", None)):
-        if cfg is not None and getattr(cfg, "kda_safe_gate", False):
-            return "the KDA safe gate (kda_safe_gate / lower_bound)"
-        # Kimi-K3 / GLM-5-Next set the layers' lower_bound from here (models/kimi_k3.py:1796, glm5_next.py:595)
-        if cfg is not None and (getattr(cfg, "linear_attn_config", None) or {}).get("gate_lower_bound") is not None:
-            return "the KDA safe gate (linear_attn_config.gate_lower_bound / lower_bound)"
+    # the KDA safe gate (Kimi-K3 / GLM-5-Next's gate_lower_bound, Ling-V3's kda_safe_gate; the
+    # layers' lower_bound) is written through safe_gate_as_raw
     if name == "kda":
         try:
             from sglang.srt.layers.attention.hybrid_linear_attn_backend import (
@@ -297,6 +292,37 @@ def _writes_and_host(backend, forward_batch, plan: Dict[int, List[Tuple[int, int
     return writes, host
 
 
+def safe_gate_as_raw(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
+    """The raw KDA gate ``a'`` (float32, ``a``'s shape) for which KDA's usual gate equals the
+    safe gate of ``a``: ``-exp(A_log) * softplus(a' + dt_bias) == lower_bound *
+    sigmoid(exp(A_log) * (a + dt_bias))`` (SGLang's safe gate: ``kernels/ops/attention/fla/
+    kda.py:1028``, ``fused_recurrent.py:492``; Kimi-K3 / GLM-5-Next's ``gate_lower_bound``,
+    Ling-V3's ``kda_lower_bound``). With ``s = -lower_bound * sigmoid(..) / exp(A_log) > 0``,
+    ``a' = softplus^-1(s) - dt_bias = s + log(-expm1(-s)) - dt_bias`` (float32; ``s`` floored at
+    1e-30, a log decay of about -1e-30 where the safe gate gives 0).
+
+    Args:
+        a: ``[..., HV*K]`` or ``[..., HV, K]`` raw gate (any float dtype), ``A_log``: ``[HV]``,
+            ``dt_bias``: ``[HV*K]``;
+            ``lower_bound``: negative, the largest log decay magnitude.
+    """
+    HV = A_log.numel()
+    x = a.float().reshape(-1, HV, dt_bias.numel() // HV) + dt_bias.float().reshape(HV, -1)
+    ea = A_log.float().reshape(HV, 1).exp()
+    s = (-float(lower_bound) * torch.sigmoid(ea * x) / ea).clamp_min(1e-30)
+    raw = s + torch.log(-torch.expm1(-s)) - dt_bias.float().reshape(HV, -1)
+    return raw.reshape(a.shape)
+
+
+def _raw_gate(layer, a: torch.Tensor) -> torch.Tensor:
+    """``a`` as the writer reads it: unchanged, or through :func:`safe_gate_as_raw` for a
+    layer with the KDA safe gate (``layer.lower_bound``, SGLang's ``kda_backend.py``)."""
+    lower_bound = getattr(layer, "lower_bound", None)
+    if lower_bound is None:
+        return a
+    return safe_gate_as_raw(a, layer.A_log, layer.dt_bias, lower_bound)
+
+
 def write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b,
                             plan: Dict[int, List[Tuple[int, int]]], impl: str = "triton") -> None:
     """Write this layer's planned checkpoints (``plan``: ``{batch row: [(offset, slot)]}``,
@@ -305,16 +331,19 @@ def write_layer_checkpoints(backend, layer, forward_batch, mixed_qkv, a, b,
     ``[.., T, HV*K]`` KDA / ``[T, HV]`` GDN, ``b`` ``[.., T, HV]``). Must run before SGLang's
     forward advances the working slots.
 
+    A layer with the KDA safe gate (``layer.lower_bound``) has its raw gate rewritten first
+    (:func:`safe_gate_as_raw`), so the writer's ``-exp(A_log) softplus`` gate gives the safe
+    gate's values.
+
     Raises:
-        RuntimeError: the layer has a KDA safe gate, or the extend is being captured in a CUDA
-            graph (the backend should not have been marked a writer).
+        RuntimeError: the extend is being captured in a CUDA graph (the backend should not have
+            been marked a writer).
     """
     from sglang_mamba_ext.speculative.deferred import LAYOUTS
     from sglang_mamba_ext.speculative.ops.inchunk import write_checkpoints
 
     layout = LAYOUTS[getattr(backend, WRITER_ATTR)]
-    if getattr(layer, "lower_bound", None) is not None:
-        raise RuntimeError("mamba-radix in-chunk checkpoints: the KDA safe gate (lower_bound) is not implemented")
+    a = _raw_gate(layer, a)
     if getattr(backend, "prefill_graph_metadata", None) is not None or (
             mixed_qkv.is_cuda if isinstance(mixed_qkv, torch.Tensor) else False) and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("mamba-radix in-chunk checkpoints: extend captured in a CUDA graph")
@@ -488,6 +517,7 @@ def _stash_tail(backend, layer, mixed_qkv, a, b, tail) -> None:
     from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks
 
     layout = LAYOUTS[getattr(backend, WRITER_ATTR)]
+    a = _raw_gate(layer, a)
     if isinstance(mixed_qkv, (tuple, list)):
         mixed_qkv = torch.cat(list(mixed_qkv), dim=-1)
     T = mixed_qkv.shape[0]

@@ -70,7 +70,7 @@ class FamilyServing(GreedyHits):
     def setUpClass(cls):
         tmp = tempfile.TemporaryDirectory(prefix=f"{cls.ARCH}-e2e-")
         cls.addClassCleanup(tmp.cleanup)
-        cls.model = tiny_arch(cls.ARCH)  # built once per test run (conftest.tiny_arch)
+        cls.model = cls.model_dir(tmp.name)
         cls.server = Server(cls.model, ["--device", "cpu", "--enable-mamba-radix", *cls.PLUGIN_FLAGS],
                             os.path.join(tmp.name, f"{cls.ARCH}.log"), env=dict(CHECKED_ENV))
         servers = [cls.server]
@@ -93,6 +93,11 @@ class FamilyServing(GreedyHits):
         start_together(cls, servers)
         cls.rng = random.Random(cls.SEED)
         cls.salt = 0
+
+    @classmethod
+    def model_dir(cls, tmp: str) -> str:
+        """The checkpoint served: ``ARCH``'s, built once per test run (conftest.tiny_arch)."""
+        return tiny_arch(cls.ARCH)
 
     def assert_same_as_stock(self, ids, got, stock_cached=None):
         """SGLang's own cache serves ``ids`` as the plugin did (``got``: tokens, and logprobs
@@ -457,7 +462,8 @@ class TestNemotronHPuzzleServing(FamilyServing, unittest.TestCase):
 
 class TestKimiK3Serving(DeclaredHybrid, FamilyServing, unittest.TestCase):
     """Kimi-K3's text class (``KimiK3LinearForCausalLM``, ``--arch kimi_k3``; issue 40): K3's KDA
-    (the full-rank output gate) on ``KDAAttnBackend`` between MLA layers with an output gate,
+    (the full-rank output gate, and the safe gate the released checkpoint trains with,
+    ``gate_lower_bound`` -5, written through ``inchunk_checkpoints.safe_gate_as_raw``) on ``KDAAttnBackend`` between MLA layers with an output gate,
     latent MoE with SiTU experts, attention residuals; declared hybrid-cached by the plugin
     (SGLang lists only the VLM class, ``overrides.py:369-398``), its side streams and
     attention-residual mixture bridged on CPU (``plugin/cpu_bridges_kimi_k3.py``). All five tests. No transformers class: weights written
@@ -471,6 +477,28 @@ class TestKimiK3Serving(DeclaredHybrid, FamilyServing, unittest.TestCase):
     REFERENCE = False
     HIT_ATOL = 0.1
     ARCH, BACKEND, MODEL_CLASS = "kimi_k3", "KDAAttnBackend", "KimiK3LinearForCausalLM"
+
+
+@unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
+                     "Kimi-K3 without its safe gate: KDA's usual gate, checked by the KDA classes; "
+                     "SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestKimiK3PlainGateServing(TestKimiK3Serving):
+    """Kimi-K3's tiny checkpoint without the safe gate (``gate_lower_bound`` removed: KDA's usual
+    ``-exp(A_log) * softplus(a + dt_bias)`` decay); opt-in."""
+
+    @classmethod
+    def model_dir(cls, tmp: str) -> str:
+        import json
+        import shutil
+
+        d = os.path.join(tmp, "kimi_k3_plain_gate")
+        shutil.copytree(tiny_arch(cls.ARCH), d)
+        with open(os.path.join(d, "config.json")) as f:
+            cfg = json.load(f)
+        del cfg["linear_attn_config"]["gate_lower_bound"]
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+        return d
 
 
 class TestMiniCPMV46Serving(FamilyServing, unittest.TestCase):
