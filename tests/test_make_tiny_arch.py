@@ -158,6 +158,12 @@ for _v, _mt in (("minicpmv", "minicpmv4_6"), ("minicpmv4_7", "minicpmv4_7")):
     MODEL_TYPE[_v] = _mt
     VLM_PROCESSOR_FILES[_v] = ("preprocessor_config.json", "video_preprocessor_config.json")
 TEXT_VOCAB_ONLY = ("minicpmv", "minicpmv4_7")
+# ZAYA1 (issue 40, hf_tiny_zaya): written by hand in the ZAYA1-base names; CCA attention on even
+# layers (conv_qk's grouped second stage: head_dim input channels per output), MoE on odd layers
+EXPECTED["zaya"] = ("ZayaForCausalLM", "model.layers.0.self_attn.qkv.conv_qk.1.weight", (96, 16, 2))
+LINEAR_AND_FULL["zaya"] = lambda c: c["num_hidden_layers"] == 4 and "zaya_layers" not in c and c["cca"] and (
+    c["cca_time0"], c["cca_time1"]) == (2, 2) and c["num_query_groups"] == c["num_key_value_heads"] == 2
+WRITTEN = WRITTEN + ("zaya",)
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification

@@ -108,6 +108,7 @@ class TestListArchs(unittest.TestCase):
         served["kimi_k3"] = "KimiK3LinearForCausalLM"  # Kimi-K3's text class, KDA (declared by the plugin)
         served.update(minicpmv="MiniCPMV4_6ForConditionalGeneration",  # MiniCPM-V on Qwen3.5, GDN
                       minicpmv4_7="MiniCPMV4_7ForConditionalGeneration")
+        served["zaya"] = "ZayaForCausalLM"  # ZAYA1, CCA (the plugin's CCA writer)
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)
             self.assertEqual(arch_class(name), arch)

@@ -88,7 +88,8 @@ SGLANG_HYBRID_CLASSES: Tuple[SGLangHybridClass, ...] = (
     _C("inkling", "InklingForConditionalGeneration", "InklingMMConfig", "short conv",
        "sconv on attention / MLP outputs when use_sconv; VLM + audio"),
     _C("zaya", "ZayaForCausalLM", "ZayaConfig", "CCA conv",
-       "compressed convolutional attention: a conv state inside the attention layers"),
+       "compressed convolutional attention: a conv state (last two q||k inputs, previous hidden state) "
+       "beside the KV cache of the attention layers; MoE"),
 )
 del _C
 

@@ -245,6 +245,8 @@ _FAMILIES: Dict[str, Dict] = {
 # no float32 reference.
 _FAMILIES.update(written_families(_HIDDEN, _LAYERS))
 _FAMILIES.update(kimi_k3_family(_HIDDEN, _LAYERS))
+from sglang_mamba_ext.models.hf_tiny_zaya import zaya_family  # noqa: E402
+_FAMILIES.update(zaya_family(_HIDDEN, _LAYERS))  # ZAYA1's CCA (hf_tiny_zaya.py)
 
 
 def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:
