@@ -344,7 +344,7 @@ class TestCommitReplayPath(unittest.TestCase):
             self.pool.mamba_cache.temporal.normal_()
             self.pool.mamba_cache.conv[0].normal_()
 
-    def _verify(self, bs):
+    def _verify(self, bs, lower_bound=None):
         """Capture every layer's raw inputs of a bs x T verify batch; returns them. The stand-in
         for SGLang's verify scribbles over the main conv windows of the batch, as SGLang's conv
         kernel rolls them in place; the hook must restore them."""
@@ -362,7 +362,7 @@ class TestCommitReplayPath(unittest.TestCase):
             with torch.no_grad():
                 mq, a, b = m.project_raw(x)
             layer = SimpleNamespace(layer_id=layer_id, conv_weights=m.conv_weight, bias=None, A_log=m.A_log,
-                                    dt_bias=m.dt_bias, lower_bound=None)
+                                    dt_bias=m.dt_bias, lower_bound=lower_bound)
             fb = SimpleNamespace(spec_info=SimpleNamespace(ragged_verify_layout=None, draft_token_num=self.T),
                                  forward_mode=SimpleNamespace(is_target_verify=lambda: True))
             backend = SimpleNamespace(req_to_token_pool=self.rtp, forward_metadata=SimpleNamespace(mamba_cache_indices=slots))
@@ -374,6 +374,30 @@ class TestCommitReplayPath(unittest.TestCase):
         self.assertEqual(calls, [1, 3])  # SGLang's own verify still runs
         torch.testing.assert_close(self.pool.mamba_cache.conv[0], conv_before, rtol=0, atol=0)  # main windows restored
         return recs
+
+    def test_safe_gate_captured_as_its_raw_form(self):
+        """A layer with the KDA safe gate (``lower_bound``) is captured as the raw gate whose
+        usual decay equals it (``safe_gate_as_raw``; before: refused at the verify call)."""
+        from sglang_mamba_ext.plugin.inchunk_checkpoints import safe_gate_as_raw
+
+        if self.LAYOUT != "kda":
+            self.skipTest("the safe gate is KDA's")
+        rows = torch.tensor([1, 2, 3])
+        recs = self._verify(3, lower_bound=-5.0)
+        T = self.T
+        batch = SimpleNamespace(forward_mode=_Mode(), req_pool_indices=rows, seq_lens=torch.tensor([14, 9, 30]),
+                                mamba_track_indices=torch.tensor([5, 1, 2]), tree_cache=SimpleNamespace(page_size=1))
+        worker = SimpleNamespace(model_runner=SimpleNamespace(req_to_token_pool=self.rtp))
+        with mock.patch("sglang.srt.runtime_context.mamba_track_grid", return_value=16):
+            hooks.commit_around(None, worker, batch, torch.tensor([3, 1, 2]),
+                                torch.tensor([[0, 2, 4], [T, -1, -1], [2 * T, 2 * T + 3, -1]]), T)
+        st = self.state.stash
+        for l, ((_, a, _), m) in enumerate(zip(recs, self.mixers)):
+            want = safe_gate_as_raw(a, m.A_log, m.dt_bias, -5.0).reshape(a.shape[0], -1)
+            torch.testing.assert_close(st.g_raw[l, 1, :3].float(), want[[0, 2, 4]].to(st.g_raw.dtype).float(),
+                                       rtol=0, atol=0)
+            torch.testing.assert_close(st.g_raw[l, 3, :2].float(), want[[2 * T, 2 * T + 3]].to(st.g_raw.dtype).float(),
+                                       rtol=0, atol=0)
 
     def test_commit_then_replay_then_release(self):
         rows = torch.tensor([1, 2, 3])

@@ -81,7 +81,8 @@ given, read by an AFTER hook on ``ServerArgs.from_cli_args`` into
 scheduler/worker processes with the pickled ServerArgs and read there through
 ``runtime_context.get_server_args()``).
 
-Not covered here: the KDA safe gate (``lower_bound``), ragged verify
+The KDA safe gate (``lower_bound``) is captured as a raw gate of KDA's usual form
+(``plugin/inchunk_checkpoints.py::safe_gate_as_raw``). Not covered here: ragged verify
 layouts, overlap scheduling, tensor parallelism of the stash (per-rank shapes work,
 untested), SGLang's ReplaySSM ring or fused-accept verify together with the on-chip variant
 (refused at the verify call). The pending workspace and the verify buffers are preallocated

@@ -413,13 +413,13 @@ def _verify_deferred(backend, layer, forward_batch, mixed_qkv, a, b, run):
     spec_info = forward_batch.spec_info
     if getattr(spec_info, "ragged_verify_layout", None) is not None:
         raise DeferredSpecConfigError(f"{FLAG} deferred: ragged verify layouts are not supported")
-    if getattr(layer, "lower_bound", None) is not None:
-        raise DeferredSpecConfigError(
-            f"{FLAG} deferred: the KDA safe gate (lower_bound) is not implemented in replay"
-        )
+    from sglang_mamba_ext.plugin.inchunk_checkpoints import _raw_gate
+
     rtp = backend.req_to_token_pool
+    # the KDA safe gate (layer.lower_bound) is captured as the raw gate whose usual KDA decay equals
+    # it (inchunk_checkpoints.safe_gate_as_raw), so the replay's gate math is unchanged
     capture_verify_inputs(rtp, layer.layer_id, layer.conv_weights, layer.bias, layer.A_log, layer.dt_bias,
-                          mixed_qkv, a, b)
+                          mixed_qkv, _raw_gate(layer, a), b)
     state = _state_of(rtp)
     if state.on_chip:
         from sglang_mamba_ext.plugin.speculative.onchip_dispatch import run_onchip
