@@ -164,6 +164,18 @@ EXPECTED["zaya"] = ("ZayaForCausalLM", "model.layers.0.self_attn.qkv.conv_qk.1.w
 LINEAR_AND_FULL["zaya"] = lambda c: c["num_hidden_layers"] == 4 and "zaya_layers" not in c and c["cca"] and (
     c["cca_time0"], c["cca_time1"]) == (2, 2) and c["num_query_groups"] == c["num_key_value_heads"] == 2
 WRITTEN = WRITTEN + ("zaya",)
+# Qwen4-Exp (issue 40, hf_tiny_qwen4_exp): transformers' class (its QSA indexer dropped from the served
+# files), bfloat16 (SGLang's hyper-connection and n-gram weights are bfloat16 whatever the model's dtype),
+# each n-gram table as SGLang's one-shard name; transformers' own files in hf_reference/
+EXPECTED["qwen4_exp"] = ("Qwen4ExpForConditionalGeneration",
+                         "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight", (512, 16))
+LINEAR_AND_FULL["qwen4_exp"] = lambda c: c["text_config"]["layer_types"] == ["linear_attention", "full_attention"] * 2 \
+    and c["text_config"]["ple_layer_ids"] == [1, 3] and not any(k.startswith("indexer_") for k in c["text_config"])
+VLM_PROCESSOR_FILES["qwen4_exp"] = ("preprocessor_config.json", "video_preprocessor_config.json",
+                                    "hf_reference/model.safetensors")
+WRITTEN = WRITTEN + ("qwen4_exp",)
+#: checkpoints not in float16
+DTYPE = {"qwen4_exp": "bfloat16"}
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
@@ -210,7 +222,7 @@ class TestMakeTinyArch(unittest.TestCase):
                 self.assertEqual(cfg[MARKER_KEY], arch)
                 self.assertEqual(cfg["model_type"], MODEL_TYPE.get(arch, arch))
                 self.assertEqual(cfg["architectures"], [EXPECTED[arch][0]])
-                self.assertEqual(cfg["torch_dtype"], "float16")
+                self.assertEqual(cfg["torch_dtype"], DTYPE.get(arch, "float16"))
                 self.assertEqual((cfg["text_config"] if arch in TEXT_VOCAB_ONLY else cfg)["vocab_size"], 768)
                 self.assertTrue(LINEAR_AND_FULL[arch](cfg), cfg)
                 with open(os.path.join(self.dirs[arch], "tokenizer_config.json")) as f:
@@ -231,7 +243,7 @@ class TestMakeTinyArch(unittest.TestCase):
                 with safe_open(os.path.join(self.dirs[arch], "model.safetensors"), "pt") as f:
                     self.assertIn(name, set(f.keys()))
                     self.assertEqual(tuple(f.get_slice(name).get_shape()), shape)
-                    self.assertEqual(str(f.get_tensor(name).dtype), "torch.float16")
+                    self.assertEqual(str(f.get_tensor(name).dtype), "torch." + DTYPE.get(arch, "float16"))
                     self.assertEqual(tuple(f.get_slice("lm_head.weight").get_shape()), (768, 64))
                 self.assertLess(os.path.getsize(os.path.join(self.dirs[arch], "model.safetensors")), 1 << 20)
 

@@ -109,6 +109,7 @@ class TestListArchs(unittest.TestCase):
         served.update(minicpmv="MiniCPMV4_6ForConditionalGeneration",  # MiniCPM-V on Qwen3.5, GDN
                       minicpmv4_7="MiniCPMV4_7ForConditionalGeneration")
         served["zaya"] = "ZayaForCausalLM"  # ZAYA1, CCA (the plugin's CCA writer)
+        served["qwen4_exp"] = "Qwen4ExpForConditionalGeneration"  # Qwen4-Exp: GDN + PLE (the plugin's PLE writer)
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)
             self.assertEqual(arch_class(name), arch)

@@ -49,6 +49,7 @@ SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granite
                 "bailing_mm_v3", "bailing_moe_linear", "minicpm", "kimi_k3")
 SERVED_ARCHS += ("falcon_mamba", "mamba")  # Mamba1 (issue 40)
 SERVED_ARCHS += ("minicpmv", "minicpmv4_7")  # MiniCPM-V 4.6 / 4.7 (issue 40, hf_tiny_minicpmv.py)
+SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
 SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
 SERVED_ARCHS += ("minicpm_causal",)  # MiniCPMForCausalLM, MiniCPM-SALA's alias (issue 40, hf_tiny_written.py)
 #: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
@@ -221,12 +222,14 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
         return
     model = _transformers_model(arch, config_json, seed)
     _spread_weights(model, seed, experts=_FAMILIES[arch].get("spread_experts", False))
-    if _FAMILIES[arch].get("tune"):  # a family's own adjustment of the drawn weights
-        globals()[_FAMILIES[arch]["tune"]](model)
+    if _FAMILIES[arch].get("tune"):  # a family's own adjustment of the drawn weights (a name here, or the function)
+        tune = _FAMILIES[arch]["tune"]
+        (tune if callable(tune) else globals()[tune])(model)
     if _FAMILIES[arch].get("banks"):
         _tie_routed_experts_to_banks(model, _FAMILIES[arch]["banks"])
     _scale_lm_head(model)
-    model.half()
+    dtype = _FAMILIES[arch].get("dtype", "float16")  # bfloat16 where SGLang's class needs it (hf_tiny_qwen4_exp)
+    model.to(getattr(torch, dtype))
     model.save_pretrained(out_dir, safe_serialization=True)
     if _FAMILIES[arch].get("banks"):
         model.save_pretrained(os.path.join(out_dir, REFERENCE_SUBDIR), safe_serialization=True)
@@ -242,11 +245,13 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
             merged[k] = {**merged[k], **v}
         else:
             merged[k] = v
-    merged.update(architectures=[_FAMILIES[arch]["cls"]], torch_dtype="float16", dtype="float16")
+    merged.update(architectures=[_FAMILIES[arch]["cls"]], torch_dtype=dtype, dtype=dtype)
     merged[MARKER_KEY] = arch
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(merged, f, indent=2, sort_keys=True)
         f.write("\n")
+    if _FAMILIES[arch].get("rewrite"):  # transformers' files kept in REFERENCE_SUBDIR, the served ones rewritten
+        _FAMILIES[arch]["rewrite"](out_dir, REFERENCE_SUBDIR)
     write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
     if extra_tokens:
         hf_tiny_minicpmv.add_special_tokens_config(out_dir, extra_tokens)
@@ -392,7 +397,7 @@ def _reference_main() -> None:
         # transformers picks its checkpoint conversions (per-expert to fused weights) by model_type
         kw["config"].model_type = fam["hf_model_type"]
     model_dir = job["model_dir"]
-    if fam.get("banks"):  # its reference checkpoint in transformers' own layout, beside it
+    if fam.get("banks") or fam.get("writes_reference"):  # its reference checkpoint in transformers' layout, beside it
         model_dir = os.path.join(model_dir, REFERENCE_SUBDIR)
         kw.pop("config", None)
     model = cls.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()

@@ -308,3 +308,8 @@ _FAMILIES["lfm2_vl"]["config"]["text_config"] = _vlm_text("lfm2")
 _FAMILIES.update(hf_tiny_minicpmv.minicpmv_families(_HIDDEN))
 for _v in ("minicpmv", "minicpmv4_7"):
     _FAMILIES[_v]["config"]["text_config"] = _vlm_text("qwen3_5_text")
+# Qwen4-Exp (issue 40, hf_tiny_qwen4_exp): Qwen3.5's GDN / attention layers and MoE inside gated
+# hyper-connections, a PLE (n-gram embedding + dilated short conv) on each linear layer; bfloat16.
+from sglang_mamba_ext.models.hf_tiny_qwen4_exp import qwen4_exp_family  # noqa: E402
+
+_FAMILIES.update(qwen4_exp_family(_HIDDEN, _LAYERS, _qwen_gdn_layers(), _MROPE))

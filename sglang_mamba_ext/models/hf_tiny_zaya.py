@@ -6,7 +6,7 @@ layout, ``self_attn.qkv.*`` for CCA, ``zaya_block.experts.local_experts.<e>.line
 
 transformers 5.19 does have a ``zaya`` model, but it is a different layout (ZAYA1-8B: one
 ``layer_types`` list of merged attention + MoE layers, ``mlp.experts.gate_up_proj``, its own config
-fields); SGLang's ``configs/zaya.py:303-316`` re-registers ``zaya`` with its own config class. So
+fields); SGLang's ``configs/zaya.py:306-319`` re-registers ``zaya`` with its own config class. So
 there is no float32 reference for this family (as for the other hand-written ones).
 
 Layout (SGLang's ``_layer_class``, ``zaya.py:1414-1420``): even layers are CCA attention, odd layers
@@ -16,7 +16,7 @@ two-stage causal conv along time (``conv_qk.0`` depthwise, ``conv_qk.1`` grouped
 ``cca_time0`` / ``cca_time1`` = 2 each), mixed with the group means of the raw projections,
 RMS-normalised with a per-K-head temperature; ``v`` is ``[val_proj1(h_t), val_proj2(h_{t-1})]``.
 The per-request state is therefore the last ``(cca_time0 - 1) + (cca_time1 - 1)`` raw ``qk`` inputs
-and the previous hidden state (``configs/zaya.py:286-293``), kept in SGLang's Mamba pool beside the
+and the previous hidden state (``configs/zaya.py:284-303``), kept in SGLang's Mamba pool beside the
 layer's KV cache.
 
 The conv weights are drawn so that the state matters: ``conv_qk`` taps N(0, 1/2) (the lag-1 and

@@ -3,8 +3,8 @@
 (``srt/models/zaya.py``).
 
 CCA's attention layers keep, besides their KV cache, a per-request state in SGLang's Mamba pool
-(``configs/zaya.py:286-299``: ``Mamba2StateShape`` with two conv tensors and an empty temporal
-state), run by ``ShortConvAttnBackend`` (``layers/attention/attention_registry.py:498-525``),
+(``configs/zaya.py:284-303``: ``Mamba2StateShape`` with two conv tensors and an empty temporal
+state), run by ``ShortConvAttnBackend`` (``layers/attention/attention_registry.py:495-533``),
 which only hands out the slots (``conv_state_metadata``); the layer runs its own conv:
 
 - ``conv[0]`` ``[slots, C, P]``: the last ``P = (cca_time0 - 1) + (cca_time1 - 1)`` raw conv

@@ -120,6 +120,10 @@ def register_inchunk_hooks() -> None:
 
     for target, kind, name in inchunk_mamba1.HOOK_TARGETS:  # Mamba1 (Falcon-Mamba, Mamba) on Mamba2AttnBackend
         HookRegistry.register(target, getattr(inchunk_mamba1, name), getattr(HookType, kind))
+    from sglang_mamba_ext.plugin import inchunk_ple
+
+    for target, kind, name in inchunk_ple.HOOK_TARGETS:  # Qwen4-Exp's PLE side states (short conv, n-gram history)
+        HookRegistry.register(target, getattr(inchunk_ple, name), getattr(HookType, kind))
     from sglang_mamba_ext.plugin import inchunk_cca
 
     for target, kind, name in inchunk_cca.HOOK_TARGETS:  # ZAYA1's CCA conv state (ShortConvAttnBackend)

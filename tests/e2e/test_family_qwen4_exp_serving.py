@@ -1,0 +1,48 @@
+"""Qwen4-Exp served with the plugin (issue 40): SGLang 0.5.23's ``Qwen4ExpForConditionalGeneration``
+(``srt/models/qwen4_exp.py``) from the tiny checkpoint of ``scripts/make_tiny_model.py --arch
+qwen4_exp`` (``models/hf_tiny_qwen4_exp.py``: Qwen3.5's GDN / attention layers and MoE inside gated
+hyper-connections, a PLE with a dilated short conv on each GDN layer; bfloat16), text-only, with
+``--device cpu --enable-mamba-radix`` and no other flag.
+
+Exact checkpoints need three states per request here, all in SGLang's state pool under the
+request's mamba slot: the GDN conv window and SSM state (the in-chunk writer,
+``plugin/inchunk_checkpoints.py``), and the PLE's dilated conv window and n-gram history
+(``plugin/inchunk_ple.py``). ``TestQwen4ExpServing``: all five family tests (a new kind of state),
+opt-in (``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``: the class takes longer than the suite's ~45 s per
+class). ``TestQwen4ExpDifferential``: random multi-turn traffic against the same checkpoint without
+a cache, small pools; opt-in.
+"""
+
+import os
+import unittest
+
+import pytest
+from test_differential_serving import DifferentialServing
+from test_sglang_families_serving import FamilyServing
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+_ALL = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
+
+
+@unittest.skipUnless(_ALL, "Qwen4-Exp (GDN + PLE dilated short conv, bfloat16): SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestQwen4ExpServing(FamilyServing, unittest.TestCase):
+    """Qwen4-Exp (``--arch qwen4_exp``): launched (the GDN writer's start-up line), resent
+    (149 of 150 cached; against transformers' class in float32), a branch point at 77, the next
+    turn (``len + out - 1``), abort and idle checks; each hit's output equal to a cold run's."""
+
+    STOCK = False
+    ARCH, BACKEND, MODEL_CLASS = "qwen4_exp", "GDNAttnBackend", "Qwen4ExpForConditionalGeneration"
+
+
+@unittest.skipUnless(_ALL, "Qwen4-Exp differential traffic: SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestQwen4ExpDifferential(DifferentialServing, unittest.TestCase):
+    """GDN + PLE side states: 10 SSM slots (each carrying its PLE conv windows and n-gram
+    history), 1,200 device KV tokens, plain eviction."""
+
+    ARCH = "qwen4_exp"
+    PLUGIN_FLAGS = ("--max-mamba-cache-size", "10", "--max-total-tokens", "1200")
+
+
+if __name__ == "__main__":
+    unittest.main()
