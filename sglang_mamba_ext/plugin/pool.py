@@ -68,9 +68,11 @@ class SGLangStateMambaPool(CoreMambaPool):
         self._replayssm = replayssm.decode_ring(sglang_mamba_pool) is not None
 
     def state_tensors(self):
-        """SGLang's state tensors of a slot: every conv tensor and the temporal state."""
+        """SGLang's state tensors of a slot: every conv tensor and the temporal state, then the
+        side states a model registers on the pool (:func:`_slot_sibling_tensors`), so the host
+        and storage tiers, which copy these, carry them too."""
         cache = self.sglang_mamba_pool.mamba_cache
-        return [*cache.conv, cache.temporal]
+        return [*cache.conv, cache.temporal, *_slot_sibling_tensors(self.sglang_mamba_pool)]
 
     def alloc_list(self, need_size: int):
         """The core's allocation; under ``--enable-linear-replayssm`` each slot handed out
@@ -128,6 +130,26 @@ class SGLangCheckpointPool(CoreSlotPool):
 
     def load_to_active(self, active: "SGLangStateMambaPool", ckpt_slots, active_slots) -> None:
         self.sglang_ckpt_pool.load_to_active(active.sglang_mamba_pool, _index(ckpt_slots, self.device), _index(active_slots, self.device))
+
+
+def _slot_sibling_tensors(sglang_mamba_pool) -> List[torch.Tensor]:
+    """The tensors of the per-slot side states registered on SGLang's ``MambaPool``
+    (``register_slot_state``, ``mem_cache/memory_pool.py:516-519``; its own ``copy_from`` /
+    ``clear_slots`` / host copies carry them), each as ``[L, size + 1, ...]`` like the conv and
+    temporal tensors: Qwen4-Exp's PLE short-conv windows (``ShortConvPool.conv_state``
+    ``[PLE layers, size + 1, C, W]``) and n-gram history (``NGramPool.context`` ``[size + 1, K]``,
+    as a view with a leading axis of 1), ``mem_cache/ple_state_pool.py``. A sibling of another
+    kind is refused: the host tier would drop it."""
+    out = []
+    for sibling in getattr(sglang_mamba_pool, "_slot_siblings", ()):
+        if getattr(sibling, "conv_state", None) is not None:
+            out.append(sibling.conv_state)
+        elif getattr(sibling, "context", None) is not None:
+            out.append(sibling.context.unsqueeze(0))
+        else:
+            raise ValueError(f"sglang-mamba-ext: unknown per-slot side state {type(sibling).__name__} on "
+                             "SGLang's MambaPool (its host and storage copies would drop it)")
+    return out
 
 
 def _index(slots, device) -> torch.Tensor:

@@ -38,10 +38,23 @@ class TestQwen4ExpServing(FamilyServing, unittest.TestCase):
 @unittest.skipUnless(_ALL, "Qwen4-Exp differential traffic: SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
 class TestQwen4ExpDifferential(DifferentialServing, unittest.TestCase):
     """GDN + PLE side states: 10 SSM slots (each carrying its PLE conv windows and n-gram
-    history), 1,200 device KV tokens, plain eviction."""
+    history), 1,200 device KV tokens, a host tier of 2 states per slot (the PLE states ride the
+    host copies: ``plugin/pool.py``, ``_slot_sibling_tensors``).
+
+    In bfloat16, not float32 as the other kinds: SGLang builds the hyper-connection weights and
+    the n-gram tables in bfloat16 whatever ``--dtype`` says (``layers/hyperconnection.py``
+    ``HyperConnectionConfig.params_dtype``, ``models/qwen4_exp.py`` ``Qwen4ExpNGramEmbedding``), so
+    a float32 server would mix dtypes. A prefill that starts from a cached state splits the GDN
+    chunks differently from the baseline's, which moves bfloat16 rounding, so near-ties and
+    log-probabilities are compared at bfloat16's scale."""
 
     ARCH = "qwen4_exp"
-    PLUGIN_FLAGS = ("--max-mamba-cache-size", "10", "--max-total-tokens", "1200")
+    COMMON = ("--device", "cpu")
+    TIE_GAP = 5e-2
+    LP_ATOL = 5e-2
+    PLUGIN_FLAGS = ("--max-mamba-cache-size", "10", "--max-total-tokens", "1200", "--enable-hierarchical-cache",
+                    "--hicache-ratio", "2")
+    MUST_MOVE = ("evicted_ssm_states", "host_backups", "host_loads")
 
 
 if __name__ == "__main__":
