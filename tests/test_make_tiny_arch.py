@@ -176,6 +176,13 @@ VLM_PROCESSOR_FILES["qwen4_exp"] = ("preprocessor_config.json", "video_preproces
 WRITTEN = WRITTEN + ("qwen4_exp",)
 #: checkpoints not in float16
 DTYPE = {"qwen4_exp": "bfloat16"}
+# Jet-Nemotron (issue 40, hf_tiny_jet_nemotron): written by hand; Qwen2's stack with JetBlocks (the
+# dynamic conv's kernel generator w1 / w2) on even layers, GQA attention with q / k / v biases on odd
+EXPECTED["jet_nemotron"] = ("JetNemotronForCausalLM",
+                            "model.layers.0.self_attn.dynamic_conv1d.kernel_generator.w2.weight", (256, 8))
+LINEAR_AND_FULL["jet_nemotron"] = lambda c: c["layer_types"] == ["jet", "attn"] * 2 and c[
+    "efficient_attention_config"]["jet"]["conv_size"] == 4 and "swa" not in c["efficient_attention_config"]
+WRITTEN = WRITTEN + ("jet_nemotron",)
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
@@ -304,7 +311,8 @@ class TestMakeTinyArch(unittest.TestCase):
             with self.subTest(arch=arch):
                 self.assertEqual(got["class"], EXPECTED[arch][0])
                 self.assertEqual(got["unloaded"], [])
-                self.assertGreater(got["parameters"], 30 if arch == "minicpm" else 50)  # MiniCPM-SALA: 37
+                # MiniCPM-SALA: 37; Jet-Nemotron: 41
+                self.assertGreater(got["parameters"], {"minicpm": 30, "jet_nemotron": 35}.get(arch, 50))
 
     def test_arch_refuses_tiny_only_flags(self):
         proc = subprocess.run([sys.executable, SCRIPT, "--arch", "lfm2", "--out", os.path.join(self.tmp.name, "x"),

@@ -49,6 +49,7 @@ SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granite
                 "bailing_mm_v3", "bailing_moe_linear", "minicpm", "kimi_k3")
 SERVED_ARCHS += ("falcon_mamba", "mamba")  # Mamba1 (issue 40)
 SERVED_ARCHS += ("minicpmv", "minicpmv4_7")  # MiniCPM-V 4.6 / 4.7 (issue 40, hf_tiny_minicpmv.py)
+SERVED_ARCHS += ("jet_nemotron",)  # Jet-Nemotron: JetBlock, the plugin's Jet writer (issue 40, hf_tiny_jet_nemotron.py)
 SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
 SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
 SERVED_ARCHS += ("minicpm_causal",)  # MiniCPMForCausalLM, MiniCPM-SALA's alias (issue 40, hf_tiny_written.py)

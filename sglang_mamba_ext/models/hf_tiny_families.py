@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Dict
 
 from sglang_mamba_ext.models import hf_tiny_minicpmv
+from sglang_mamba_ext.models.hf_tiny_jet_nemotron import jet_nemotron_families
 from sglang_mamba_ext.models.hf_tiny_kimi_k3 import kimi_k3_family
 from sglang_mamba_ext.models.hf_tiny_written import written_families
 
@@ -245,6 +246,7 @@ _FAMILIES: Dict[str, Dict] = {
 # no float32 reference.
 _FAMILIES.update(written_families(_HIDDEN, _LAYERS))
 _FAMILIES.update(kimi_k3_family(_HIDDEN, _LAYERS))
+_FAMILIES.update(jet_nemotron_families(_HIDDEN, _LAYERS))  # Jet-Nemotron (hf_tiny_jet_nemotron.py)
 from sglang_mamba_ext.models.hf_tiny_zaya import zaya_family  # noqa: E402
 _FAMILIES.update(zaya_family(_HIDDEN, _LAYERS))  # ZAYA1's CCA (hf_tiny_zaya.py)
 

@@ -120,6 +120,10 @@ def register_inchunk_hooks() -> None:
 
     for target, kind, name in inchunk_mamba1.HOOK_TARGETS:  # Mamba1 (Falcon-Mamba, Mamba) on Mamba2AttnBackend
         HookRegistry.register(target, getattr(inchunk_mamba1, name), getattr(HookType, kind))
+    from sglang_mamba_ext.plugin import inchunk_jet
+
+    for target, kind, name in inchunk_jet.HOOK_TARGETS:  # Jet-Nemotron's JetBlock (on GDNAttnBackend, calls none of it)
+        HookRegistry.register(target, getattr(inchunk_jet, name), getattr(HookType, kind))
     from sglang_mamba_ext.plugin import inchunk_ple
 
     for target, kind, name in inchunk_ple.HOOK_TARGETS:  # Qwen4-Exp's PLE side states (short conv, n-gram history)
@@ -168,6 +172,11 @@ def why_not_writer(backend, model_runner) -> Optional[str]:
         if backend_kind != "seg_la":  # the writer reads the k / v seg_la receives; minimax not checked
             return f"linear_backend {backend_kind} (the lightning writer is checked with seg_la only)"
         return None  # torch ops on any device (inchunk_lightning.py)
+    if name == "gdn":
+        from sglang_mamba_ext.plugin.inchunk_jet import is_jet_model
+
+        if is_jet_model(model_runner):
+            return None  # the Jet writer: the layer's own recurrence, any device (inchunk_jet.py)
     if name == "mamba2":
         from sglang_mamba_ext.plugin.inchunk_mamba1 import is_mamba1_model
 
@@ -227,7 +236,11 @@ def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
         from sglang_mamba_ext.plugin.inchunk_mamba1 import is_mamba1_model
 
         layout = "mamba1" if is_mamba1_model(model_runner) else layout  # MambaMixer1 on Mamba2AttnBackend
-    if layout in ("lightning", "mamba1"):
+    if layout == "gdn":
+        from sglang_mamba_ext.plugin.inchunk_jet import is_jet_model
+
+        layout = "jet" if is_jet_model(model_runner) else layout  # JetBlocks on GDNAttnBackend (inchunk_jet.py)
+    if layout in ("lightning", "mamba1", "jet"):
         impl = "torch"  # these writers are torch ops on every device (inchunk_lightning.py, inchunk_mamba1.py)
     setattr(backend, WRITER_ATTR, layout)
     setattr(backend, IMPL_ATTR, impl)
