@@ -184,6 +184,16 @@ LINEAR_AND_FULL["jet_nemotron"] = lambda c: c["layer_types"] == ["jet", "attn"] 
     "efficient_attention_config"]["jet"]["conv_size"] == 4 and "swa" not in c["efficient_attention_config"]
 WRITTEN = WRITTEN + ("jet_nemotron",)
 
+# Inkling (issue 40, hf_tiny_inkling): written by hand; InklingMMConfig with the text model under
+# text_config (vocab_size there only: the MM config's is a read-only property), use_sconv on (four
+# convs per layer), no sliding-window layer, dense MLPs, no towers
+EXPECTED["inkling"] = ("InklingForConditionalGeneration", "llm.layers.0.attn.k_sconv.weight", (32, 1, 4))
+LINEAR_AND_FULL["inkling"] = lambda c: c["text_config"]["use_sconv"] and c["text_config"]["local_layer_ids"] == [] \
+    and c["text_config"]["dense_mlp_idx"] == c["text_config"]["num_hidden_layers"] == 2 and "vocab_size" not in c
+MODEL_TYPE["inkling"] = "inkling_mm_model"
+WRITTEN = WRITTEN + ("inkling",)
+INKLING_LM_HEAD = "llm.lm_head.weight"
+
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
 # (configs/hybrid_arch.py), as the server would see them at start-up.
@@ -230,7 +240,7 @@ class TestMakeTinyArch(unittest.TestCase):
                 self.assertEqual(cfg["model_type"], MODEL_TYPE.get(arch, arch))
                 self.assertEqual(cfg["architectures"], [EXPECTED[arch][0]])
                 self.assertEqual(cfg["torch_dtype"], DTYPE.get(arch, "float16"))
-                self.assertEqual((cfg["text_config"] if arch in TEXT_VOCAB_ONLY else cfg)["vocab_size"], 768)
+                self.assertEqual((cfg["text_config"] if arch in TEXT_VOCAB_ONLY + ("inkling",) else cfg)["vocab_size"], 768)
                 self.assertTrue(LINEAR_AND_FULL[arch](cfg), cfg)
                 with open(os.path.join(self.dirs[arch], "tokenizer_config.json")) as f:
                     self.assertIn("<|im_start|>", json.load(f)["chat_template"])
@@ -251,7 +261,7 @@ class TestMakeTinyArch(unittest.TestCase):
                     self.assertIn(name, set(f.keys()))
                     self.assertEqual(tuple(f.get_slice(name).get_shape()), shape)
                     self.assertEqual(str(f.get_tensor(name).dtype), "torch." + DTYPE.get(arch, "float16"))
-                    self.assertEqual(tuple(f.get_slice("lm_head.weight").get_shape()), (768, 64))
+                    self.assertEqual(tuple(f.get_slice(INKLING_LM_HEAD if arch == "inkling" else "lm_head.weight").get_shape()), (768, 64))
                 self.assertLess(os.path.getsize(os.path.join(self.dirs[arch], "model.safetensors")), 1 << 20)
 
     def test_deterministic_across_processes(self):
@@ -311,8 +321,8 @@ class TestMakeTinyArch(unittest.TestCase):
             with self.subTest(arch=arch):
                 self.assertEqual(got["class"], EXPECTED[arch][0])
                 self.assertEqual(got["unloaded"], [])
-                # MiniCPM-SALA: 37; Jet-Nemotron: 41
-                self.assertGreater(got["parameters"], {"minicpm": 30, "jet_nemotron": 35}.get(arch, 50))
+                # MiniCPM-SALA: 37; Inkling: 29 (two layers of 13); Jet-Nemotron: 41
+                self.assertGreater(got["parameters"], {"minicpm": 30, "inkling": 25, "jet_nemotron": 35}.get(arch, 50))
 
     def test_arch_refuses_tiny_only_flags(self):
         proc = subprocess.run([sys.executable, SCRIPT, "--arch", "lfm2", "--out", os.path.join(self.tmp.name, "x"),

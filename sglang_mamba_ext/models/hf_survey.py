@@ -86,7 +86,9 @@ SGLANG_HYBRID_CLASSES: Tuple[SGLangHybridClass, ...] = (
     _C("lfm2_moe", "Lfm2MoeForCausalLM", "Lfm2MoeConfig", "short conv", "MoE"),
     _C("lfm2_vl", "Lfm2VlForConditionalGeneration", "Lfm2VlConfig", "short conv", "VLM on Lfm2"),
     _C("inkling", "InklingForConditionalGeneration", "InklingMMConfig", "short conv",
-       "sconv on attention / MLP outputs when use_sconv; VLM + audio"),
+       "sconv on keys, values, attention and MLP outputs when use_sconv (six conv streams per layer on "
+       "its own InklingShortConvAttnBackend; every layer full or sliding-window attention with a "
+       "relative-position bias); VLM + audio"),
     _C("zaya", "ZayaForCausalLM", "ZayaConfig", "CCA conv",
        "compressed convolutional attention: a conv state (last two q||k inputs, previous hidden state) "
        "beside the KV cache of the attention layers; MoE"),

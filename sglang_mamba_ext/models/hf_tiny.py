@@ -49,6 +49,7 @@ SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granite
                 "bailing_mm_v3", "bailing_moe_linear", "minicpm", "kimi_k3")
 SERVED_ARCHS += ("falcon_mamba", "mamba")  # Mamba1 (issue 40)
 SERVED_ARCHS += ("minicpmv", "minicpmv4_7")  # MiniCPM-V 4.6 / 4.7 (issue 40, hf_tiny_minicpmv.py)
+SERVED_ARCHS += ("inkling",)  # Inkling, sconv (issue 40, hf_tiny_inkling.py)
 SERVED_ARCHS += ("jet_nemotron",)  # Jet-Nemotron: JetBlock, the plugin's Jet writer (issue 40, hf_tiny_jet_nemotron.py)
 SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
 SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
@@ -218,7 +219,7 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
     if _FAMILIES[arch].get("writer"):
         _build_written(arch, out_dir, config_json, seed)
         write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
-        if sub:
+        if sub and not _FAMILIES[arch].get("no_processor"):  # Inkling: multimodal off, no processor
             _write_processor_configs(arch, out_dir)
         return
     model = _transformers_model(arch, config_json, seed)

@@ -246,6 +246,8 @@ _FAMILIES: Dict[str, Dict] = {
 # no float32 reference.
 _FAMILIES.update(written_families(_HIDDEN, _LAYERS))
 _FAMILIES.update(kimi_k3_family(_HIDDEN, _LAYERS))
+from sglang_mamba_ext.models.hf_tiny_inkling import inkling_family  # noqa: E402
+_FAMILIES.update(inkling_family(_HIDDEN, 2))  # Inkling, sconv (hf_tiny_inkling.py)
 _FAMILIES.update(jet_nemotron_families(_HIDDEN, _LAYERS))  # Jet-Nemotron (hf_tiny_jet_nemotron.py)
 from sglang_mamba_ext.models.hf_tiny_zaya import zaya_family  # noqa: E402
 _FAMILIES.update(zaya_family(_HIDDEN, _LAYERS))  # ZAYA1's CCA (hf_tiny_zaya.py)

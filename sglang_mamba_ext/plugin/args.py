@@ -314,8 +314,12 @@ def _sglang_kernels_interpreted(hf_config) -> bool:
     from sglang_mamba_ext.plugin.tiny_hybrid import SGLANG_KERNEL_ARCHITECTURES
     from sglang_mamba_ext.plugin.triton_interpret import interpreting
 
+    from sglang_mamba_ext.plugin.cpu_defaults import INKLING_ARCHITECTURES
+
     archs = getattr(hf_config, "architectures", None) or []
-    return any(a in SGLANG_KERNEL_ARCHITECTURES for a in archs) and interpreting()
+    # Inkling's sconv backend writes the track windows in its own Triton kernels
+    # (models/inkling_common/sconv.py: fused_gather_scatter_to_sconv_cache, the decode kernel's track)
+    return any(a in SGLANG_KERNEL_ARCHITECTURES or a in INKLING_ARCHITECTURES for a in archs) and interpreting()
 
 
 def _ours(server_args_or_view) -> bool:

@@ -581,6 +581,9 @@ def register_cpu_bridges() -> None:
     from sglang_mamba_ext.plugin.cpu_bridges_minicpmv import register_minicpmv_bridges
 
     register_minicpmv_bridges(HookRegistry, HookType)  # MiniCPM-V 4.6 / 4.7 (cpu_bridges_minicpmv.py)
+    from sglang_mamba_ext.plugin.cpu_bridges_inkling import register_inkling_bridges
+
+    register_inkling_bridges(HookRegistry, HookType)  # Inkling (cpu_bridges_inkling.py)
     from sglang_mamba_ext.plugin.cpu_bridges_jet_nemotron import register_jet_nemotron_bridges
 
     register_jet_nemotron_bridges(HookRegistry, HookType)  # Jet-Nemotron (cpu_bridges_jet_nemotron.py)

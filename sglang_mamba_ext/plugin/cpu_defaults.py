@@ -80,7 +80,11 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "JetNemotronForCausalLM",
     "Qwen4ExpForConditionalGeneration",
     "ZayaForCausalLM",
+    "InklingForConditionalGeneration",
 )
+#: SGLang's Inkling class (``plugin/cpu_bridges_inkling.py``): attention backend ``triton`` and
+#: the ``extra_buffer`` strategy instead of ``torch_native`` / ``no_buffer``.
+INKLING_ARCHITECTURES = ("InklingForConditionalGeneration",)
 
 #: Classes whose MoE runner SGLang sets to ``triton_kernel`` unasked, a layout its CPU MoE path
 #: cannot run: on CPU the defaults name ``--moe-runner-backend triton`` (unless given).
@@ -197,8 +201,12 @@ def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
         argv.extend(items)
         added.append(" ".join(items))
 
+    archs = local_model_config(_flag_value(argv, "--model-path")).get("architectures") or []
+    inkling = any(a in INKLING_ARCHITECTURES for a in archs)
     if absent("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend"):
-        add("--attention-backend", "torch_native")
+        # Inkling's attention asserts the fa4 or triton backend (models/inkling_common/attn.py:744:
+        # relative-position score_mod); SGLang's Triton kernels run interpreted on CPU
+        add("--attention-backend", "triton" if inkling else "torch_native")
     if absent("--dtype") and _checkpoint_dtype(_flag_value(argv, "--model-path")) == "float32":
         add("--dtype", "float32")
     if absent("--max-total-tokens", "--mem-fraction-static"):
@@ -208,7 +216,13 @@ def cpu_default_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
     if sglang_kernels_without_cuda(argv) and sglang_hybrid_model(argv) and absent("--mamba-radix-cache-strategy"):
         # SGLang refuses its extra_buffer tracking on CPU for its own classes
         # (arg_groups/mamba_hook.py::validate_mamba_extra_buffer); no_buffer caches without it.
-        add("--mamba-radix-cache-strategy", "no_buffer")
+        # Inkling: its model asserts extra_buffer (models/inkling.py:977); its sconv backend writes
+        # SGLang's track windows itself, in Triton kernels the interpreter runs (plugin/args.py)
+        add("--mamba-radix-cache-strategy", "extra_buffer" if inkling else "no_buffer")
+        if inkling and absent("--disable-prefill-cuda-graph", "--cuda-graph-backend-prefill"):
+            # SGLang opts Inkling into full-graph prefill capture on every platform
+            # (arg_groups/cuda_graph_hook.py:349-372); its capture asks CUDA for a stream on CPU
+            add("--disable-prefill-cuda-graph")
         if absent("--chunked-prefill-size"):
             # a prefill chunk as long as the models' SSD chunk: the cache keeps a state at each
             # chunk's end (a resent prompt hits at the last multiple of 64 instead of nothing)

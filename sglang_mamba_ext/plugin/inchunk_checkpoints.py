@@ -120,6 +120,10 @@ def register_inchunk_hooks() -> None:
 
     for target, kind, name in inchunk_mamba1.HOOK_TARGETS:  # Mamba1 (Falcon-Mamba, Mamba) on Mamba2AttnBackend
         HookRegistry.register(target, getattr(inchunk_mamba1, name), getattr(HookType, kind))
+    from sglang_mamba_ext.plugin import inchunk_inkling
+
+    for target, kind, name in inchunk_inkling.HOOK_TARGETS:  # Inkling's sconv windows (its own backend)
+        HookRegistry.register(target, getattr(inchunk_inkling, name), getattr(HookType, kind))
     from sglang_mamba_ext.plugin import inchunk_jet
 
     for target, kind, name in inchunk_jet.HOOK_TARGETS:  # Jet-Nemotron's JetBlock (on GDNAttnBackend, calls none of it)
@@ -223,6 +227,10 @@ def backend_init_after(result, backend, model_runner, *args, **kwargs) -> None:
     one line naming the model class, the reason and the grid checkpoints stay on."""
     pool = getattr(model_runner, "req_to_token_pool", None)
     if not hasattr(pool, "prefix_checkpoint_writer"):
+        return result
+    from sglang_mamba_ext.plugin.inchunk_inkling import is_inkling_backend
+
+    if is_inkling_backend(backend):  # its own writer, marked after its own __init__ (inchunk_inkling.py)
         return result
     family, grid = _family_and_grid(backend, model_runner)
     reason = why_not_writer(backend, model_runner)

@@ -57,7 +57,14 @@ def check(model_dir: str, port: int = 29541) -> dict:
     apply_plugin()
     from sglang.srt.server_args import prepare_server_args
 
-    sa = prepare_server_args(["--model-path", model_dir, "--device", "cpu"])
+    argv = ["--model-path", model_dir, "--device", "cpu"]
+    with open(f"{model_dir}/config.json") as f:
+        archs = json.load(f).get("architectures") or []
+    if "InklingForConditionalGeneration" in archs:
+        # the class asserts SGLang's extra_buffer strategy (models/inkling.py:977), which SGLang
+        # refuses on CPU; the plugin's flag lets it through (plugin/args.py)
+        argv.append("--enable-mamba-radix")
+    sa = prepare_server_args(argv)
     _, cls, model = load_nan_filled(sa, model_dir, port, load_file(f"{model_dir}/model.safetensors"))
     params = dict(model.named_parameters())
     unloaded = sorted(n for n, p in params.items() if torch.isnan(p).any())
