@@ -46,9 +46,6 @@ class TestPdFlags(unittest.TestCase):
             # a role-switch server may become the decode side: it must be one the plugin serves
             ([*PREFILL, "--enable-pd-role-switch"],
              "--enable-mamba-radix with --enable-pd-role-switch needs --disaggregation-decode-enable-radix-cache"),
-            ([*PREFILL, "--enable-pd-role-switch", "--disaggregation-decode-enable-radix-cache",
-              "--enable-hierarchical-cache"],
-             "--enable-mamba-radix with --enable-pd-role-switch cannot be combined with --enable-hierarchical-cache"),
         ]
         for extra, needle in cases:
             with self.subTest(extra=extra):
@@ -68,11 +65,13 @@ class TestPdFlags(unittest.TestCase):
     def test_role_switch_accepted_with_the_decode_tree(self):
         """Served (``tests/e2e/test_pd_role_switch.py``): either role, with the decode-side tree;
         on CPU without overlap scheduling, as a PD prefill server runs there."""
-        for mode in ("prefill", "decode"):
-            with self.subTest(mode=mode):
+        for mode, host in (("prefill", ()), ("decode", ()), ("prefill", ("--enable-hierarchical-cache",))):
+            with self.subTest(mode=mode, host=host):
                 sa = F.parse_args(F.base_argv("--enable-mamba-radix", "--disaggregation-mode", mode,
-                                              "--disaggregation-decode-enable-radix-cache", "--enable-pd-role-switch"))
+                                              "--disaggregation-decode-enable-radix-cache", "--enable-pd-role-switch",
+                                              *host))
                 self.assertTrue(sa.enable_pd_role_switch)
+                self.assertEqual(sa.enable_hierarchical_cache, bool(host))
                 self.assertEqual(sa.radix_cache_backend, "mamba_radix_ext")
                 self.assertTrue(sa.disable_overlap_schedule)
 

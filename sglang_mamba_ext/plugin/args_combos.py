@@ -172,8 +172,9 @@ def _check_disaggregation(server_args) -> None:
             ``--disaggregation-decode-enable-radix-cache`` (SGLang then runs the decode server
             without a tree, so there is no cache for the flag to choose);
             ``--enable-pd-role-switch`` without
-            ``--disaggregation-decode-enable-radix-cache`` or with
-            ``--enable-hierarchical-cache`` (either role may become the decode side)."""
+            ``--disaggregation-decode-enable-radix-cache`` (either role may become the decode
+            side). With ``--enable-hierarchical-cache`` a flip empties the host tier too (the
+            pool's ``clear``, ``plugin/pool.py``)."""
     mode = getattr(server_args, "disaggregation_mode", "null")
     if mode == "decode":
         if not getattr(server_args, "disaggregation_decode_enable_radix_cache", False):
@@ -192,13 +193,6 @@ def _check_disaggregation(server_args) -> None:
                 "--disaggregation-decode-enable-radix-cache (either role may become the decode "
                 "side after a flip, and the plugin serves SGLang's decode path only with its "
                 f"decode-side tree): add it, or drop {ENABLE_FLAG}"
-            )
-        if getattr(server_args, "enable_hierarchical_cache", False):
-            raise FlagError(
-                f"{ENABLE_FLAG} with --enable-pd-role-switch cannot be combined with "
-                "--enable-hierarchical-cache (the plugin's host tier is served on a decode server, "
-                "but not tested across a flip, which resets the tree and clears the pools); drop "
-                "one of them"
             )
 
 

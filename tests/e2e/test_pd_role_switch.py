@@ -52,8 +52,10 @@ class TestPdRoleSwitch(unittest.TestCase):
         cls.a = Server(cls.model, [*PD_FLAGS, *SWITCH, "--disaggregation-mode", "prefill",
                                    "--disaggregation-bootstrap-port", str(cls.bootstrap_a)],
                        os.path.join(tmp, "a.log"), env=CHECKED_ENV)
+        # B keeps the plugin's host tier in both roles (a flip empties it with the pools)
         cls.b = Server(cls.model, [*PD_FLAGS, *SWITCH, "--disaggregation-mode", "decode",
-                                   "--disaggregation-bootstrap-port", str(cls.bootstrap_b)],
+                                   "--disaggregation-bootstrap-port", str(cls.bootstrap_b),
+                                   "--enable-hierarchical-cache", "--hicache-write-policy", "write_through"],
                        os.path.join(tmp, "b.log"), env=CHECKED_ENV)
         start_together(cls, [cls.a, cls.b])
         cls.pair = (cls.a, cls.bootstrap_a, cls.b)  # (prefill, its bootstrap port, decode)
@@ -99,6 +101,8 @@ class TestPdRoleSwitch(unittest.TestCase):
         self.assertEqual(again["meta_info"]["cached_tokens"], len(first) - 1)  # on A, the prefill server
         self.assertGreater(self.cache(self.b)["pd_decode_transfers"], 0)  # B's decode-side tree took it
         self.assertGreater(self.cache(self.b)["kv_tokens"], 0)
+        host = self.cache(self.b)  # write_through: the decode-side tree's states copied to B's host tier
+        self.assertGreater(host["host_ssm_states"], 0, host)
         type(self).first = first
 
     def test_2_flip_both_then_served_and_exact(self):
@@ -112,6 +116,10 @@ class TestPdRoleSwitch(unittest.TestCase):
             info = self.cache(server)
             self.assertEqual((info["kv_tokens"], info["ssm_states"]), (0, 0), info)
             self.assertEqual(info["ssm_slots_free"], info["ssm_slots_total"], info)
+        host = self.cache(self.b)  # B's host tier: emptied with the pools
+        self.assertGreater(host["host_ssm_slots_total"], 0, host)
+        self.assertEqual((host["host_ssm_states"], host["host_kv_tokens"]), (0, 0), host)
+        self.assertEqual(host["host_ssm_slots_free"], host["host_ssm_slots_total"], host)
         type(self).pair = (self.b, self.bootstrap_b, self.a)
         # B cached the first conversation as the decode side: gone with the flip, a miss now
         out = self.gen(self.first)
@@ -144,6 +152,7 @@ class TestPdRoleSwitch(unittest.TestCase):
             info = self.cache(server)
             self.assertEqual((info["kv_tokens"], info["ssm_states"], info["ssm_slots_free"]),
                              (0, 0, info["ssm_slots_total"]), info)
+            self.assertEqual((info["host_ssm_states"], info["host_kv_tokens"]), (0, 0), info)
         type(self).pair = (self.a, self.bootstrap_a, self.b)
         third = _ids(600, 30)
         self.assertEqual(self.gen(third)["meta_info"]["cached_tokens"], 0)
