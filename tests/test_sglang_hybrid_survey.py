@@ -110,6 +110,7 @@ class TestListArchs(unittest.TestCase):
         served.update(minicpmv="MiniCPMV4_6ForConditionalGeneration",  # MiniCPM-V on Qwen3.5, GDN
                       minicpmv4_7="MiniCPMV4_7ForConditionalGeneration")
         served["zaya"] = "ZayaForCausalLM"  # ZAYA1, CCA (the plugin's CCA writer)
+        served["inkling"] = "InklingForConditionalGeneration"  # Inkling, text-only: sconv (the plugin's Inkling writer)
         served["qwen4_exp"] = "Qwen4ExpForConditionalGeneration"  # Qwen4-Exp: GDN + PLE (the plugin's PLE writer)
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)
