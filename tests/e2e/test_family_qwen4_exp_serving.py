@@ -29,9 +29,15 @@ _ALL = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
 class TestQwen4ExpServing(FamilyServing, unittest.TestCase):
     """Qwen4-Exp (``--arch qwen4_exp``): launched (the GDN writer's start-up line), resent
     (149 of 150 cached; against transformers' class in float32), a branch point at 77, the next
-    turn (``len + out - 1``), abort and idle checks; each hit's output equal to a cold run's."""
+    turn (``len + out - 1``), abort and idle checks; each hit's output equal to a cold run's.
+    Log-probabilities within 0.1 nats (tokens equal): the next turn's hit reuses the KV and
+    states its first turn's decode steps wrote, which differ from a cold extend's by rounding,
+    here bfloat16's (measured: 0.033 nats at one of six steps, tokens equal; the resend's and the
+    branch point's hits, written by extends, matched their cold runs' log-probabilities to four
+    decimals). Kimi-K3's class allows the same for the same reason in float16."""
 
     STOCK = False
+    HIT_ATOL = 0.1
     ARCH, BACKEND, MODEL_CLASS = "qwen4_exp", "GDNAttnBackend", "Qwen4ExpForConditionalGeneration"
 
 
@@ -44,14 +50,16 @@ class TestQwen4ExpDifferential(DifferentialServing, unittest.TestCase):
     In bfloat16, not float32 as the other kinds: SGLang builds the hyper-connection weights and
     the n-gram tables in bfloat16 whatever ``--dtype`` says (``layers/hyperconnection.py``
     ``HyperConnectionConfig.params_dtype``, ``models/qwen4_exp.py`` ``Qwen4ExpNGramEmbedding``), so
-    a float32 server would mix dtypes. A prefill that starts from a cached state splits the GDN
-    chunks differently from the baseline's, which moves bfloat16 rounding, so near-ties and
-    log-probabilities are compared at bfloat16's scale."""
+    a float32 server would mix dtypes. In bfloat16 the batch a prefill runs in moves the rounding:
+    a request with nothing cached, batched with others on the plugin's server, differed from the
+    same prompt alone on the baseline by 0.063 nats at its first token (measured, 2026-12-06), so
+    near-ties and log-probabilities are compared at that scale; tokens must still be equal
+    wherever the baseline's top-2 gap is above ``TIE_GAP``."""
 
     ARCH = "qwen4_exp"
     COMMON = ("--device", "cpu")
-    TIE_GAP = 5e-2
-    LP_ATOL = 5e-2
+    TIE_GAP = 0.1
+    LP_ATOL = 0.15
     PLUGIN_FLAGS = ("--max-mamba-cache-size", "10", "--max-total-tokens", "1200", "--enable-hierarchical-cache",
                     "--hicache-ratio", "2")
     MUST_MOVE = ("evicted_ssm_states", "host_backups", "host_loads")
