@@ -194,6 +194,18 @@ MODEL_TYPE["inkling"] = "inkling_mm_model"
 WRITTEN = WRITTEN + ("inkling",)
 INKLING_LM_HEAD = "llm.lm_head.weight"
 
+# Kimi-K3's VLM (issue 40, hf_tiny_kimi_k3_vl): the kimi_k3 text model under language_model. behind
+# a one-block MoonViT3d tower; vocab_size in text_config only (KimiK3Config's read-only property),
+# K3's media tokens at ids 764-767 (<|media_pad|>: media_placeholder_token_id 767)
+EXPECTED["kimi_k3_vl"] = ("KimiK3ForConditionalGeneration", "vision_tower.encoder.blocks.0.wqkv.weight", (96, 32))
+LINEAR_AND_FULL["kimi_k3_vl"] = lambda c: LINEAR_AND_FULL["kimi_k3"](c["text_config"]) and "vocab_size" not in c \
+    and c["vision_config"]["vt_num_hidden_layers"] == 1 and c["media_placeholder_token_id"] == 767
+MODEL_TYPE["kimi_k3_vl"] = "kimi_k3"
+VLM_PROCESSOR_FILES["kimi_k3_vl"] = ("preprocessor_config.json",)
+TEXT_VOCAB_ONLY = TEXT_VOCAB_ONLY + ("kimi_k3_vl",)
+WRITTEN = WRITTEN + ("kimi_k3_vl",)
+LM_HEAD = {**globals().get("LM_HEAD", {}), "kimi_k3_vl": "language_model.lm_head.weight"}
+
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
 # (configs/hybrid_arch.py), as the server would see them at start-up.
@@ -246,7 +258,7 @@ class TestMakeTinyArch(unittest.TestCase):
                     self.assertIn("<|im_start|>", json.load(f)["chat_template"])
                 for name in VLM_PROCESSOR_FILES.get(arch, ()):
                     self.assertTrue(os.path.exists(os.path.join(self.dirs[arch], name)), name)
-                if arch in TEXT_VOCAB_ONLY:  # the processor's special tokens, as transformers reads them
+                if arch in TEXT_VOCAB_ONLY and arch.startswith("minicpmv"):  # the processor's special tokens, as transformers reads them
                     with open(os.path.join(self.dirs[arch], "tokenizer_config.json")) as f:
                         self.assertEqual(json.load(f)["extra_special_tokens"]["image_id_end_token"], "</image_id>")
                     with open(os.path.join(self.dirs[arch], "tokenizer.json")) as f:
@@ -261,7 +273,7 @@ class TestMakeTinyArch(unittest.TestCase):
                     self.assertIn(name, set(f.keys()))
                     self.assertEqual(tuple(f.get_slice(name).get_shape()), shape)
                     self.assertEqual(str(f.get_tensor(name).dtype), "torch." + DTYPE.get(arch, "float16"))
-                    self.assertEqual(tuple(f.get_slice(INKLING_LM_HEAD if arch == "inkling" else "lm_head.weight").get_shape()), (768, 64))
+                    self.assertEqual(tuple(f.get_slice(INKLING_LM_HEAD if arch == "inkling" else LM_HEAD.get(arch, "lm_head.weight")).get_shape()), (768, 64))
                 self.assertLess(os.path.getsize(os.path.join(self.dirs[arch], "model.safetensors")), 1 << 20)
 
     def test_deterministic_across_processes(self):

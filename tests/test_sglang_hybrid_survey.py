@@ -106,6 +106,7 @@ class TestListArchs(unittest.TestCase):
         served["minicpm_causal"] = "MiniCPMForCausalLM"  # its alias in the same module
         served.update(falcon_mamba="FalconMambaForCausalLM", mamba="MambaForCausalLM")  # Mamba1, no attention
         served["kimi_k3"] = "KimiK3LinearForCausalLM"  # Kimi-K3's text class, KDA (declared by the plugin)
+        served["kimi_k3_vl"] = "KimiK3ForConditionalGeneration"  # Kimi-K3's VLM, text-only (kimi_k3 module)
         served["jet_nemotron"] = "JetNemotronForCausalLM"  # JetBlock: dynamic conv + delta rule (the Jet writer)
         served.update(minicpmv="MiniCPMV4_6ForConditionalGeneration",  # MiniCPM-V on Qwen3.5, GDN
                       minicpmv4_7="MiniCPMV4_7ForConditionalGeneration")

@@ -54,6 +54,7 @@ SERVED_ARCHS += ("jet_nemotron",)  # Jet-Nemotron: JetBlock, the plugin's Jet wr
 SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
 SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
 SERVED_ARCHS += ("minicpm_causal",)  # MiniCPMForCausalLM, MiniCPM-SALA's alias (issue 40, hf_tiny_written.py)
+SERVED_ARCHS += ("kimi_k3_vl",)  # KimiK3ForConditionalGeneration, text-only (issue 40, hf_tiny_kimi_k3_vl.py)
 #: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
 #: served yet would follow the served ones, status ``build only``).
 ARCHS = SERVED_ARCHS
@@ -335,6 +336,9 @@ def _write_processor_configs(arch: str, out_dir: str) -> None:
     """A VLM's image (and video) processor configs, which SGLang's tokenizer manager loads at
     start-up for a multimodal class (``AutoProcessor``) even when only text is sent: the family's
     transformers processors at the tiny vision tower's patch and merge sizes."""
+    if callable(_FAMILIES[arch].get("processor")):  # the family's own writer (hf_tiny_kimi_k3_vl)
+        _FAMILIES[arch]["processor"](out_dir)
+        return
     if _FAMILIES[arch].get("processor") == "minicpmv":
         hf_tiny_minicpmv.write_processor_configs(out_dir)
         return

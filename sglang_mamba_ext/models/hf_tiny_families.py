@@ -246,6 +246,8 @@ _FAMILIES: Dict[str, Dict] = {
 # no float32 reference.
 _FAMILIES.update(written_families(_HIDDEN, _LAYERS))
 _FAMILIES.update(kimi_k3_family(_HIDDEN, _LAYERS))
+from sglang_mamba_ext.models.hf_tiny_kimi_k3_vl import kimi_k3_vl_family  # noqa: E402
+_FAMILIES.update(kimi_k3_vl_family(_HIDDEN, _LAYERS))  # Kimi-K3's VLM, text-only (hf_tiny_kimi_k3_vl.py)
 from sglang_mamba_ext.models.hf_tiny_inkling import inkling_family  # noqa: E402
 _FAMILIES.update(inkling_family(_HIDDEN, 2))  # Inkling, sconv (hf_tiny_inkling.py)
 _FAMILIES.update(jet_nemotron_families(_HIDDEN, _LAYERS))  # Jet-Nemotron (hf_tiny_jet_nemotron.py)

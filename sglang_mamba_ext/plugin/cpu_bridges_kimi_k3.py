@@ -82,3 +82,6 @@ def register_kimi_k3_bridges(registry, hook_type) -> None:
     :func:`.cpu_bridges.register_cpu_bridges`)."""
     registry.register(K3_MODEL_INIT, k3_model_init_around, hook_type.AROUND)
     registry.register(MIX_FUSED, mix_fused_around, hook_type.AROUND)
+    from sglang_mamba_ext.plugin.cpu_bridges_kimi_k3_vl import register_kimi_k3_vl_bridges
+
+    register_kimi_k3_vl_bridges(registry, hook_type)  # the VLM's processor (cpu_bridges_kimi_k3_vl.py)
