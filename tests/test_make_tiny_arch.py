@@ -210,7 +210,8 @@ LM_HEAD = {**globals().get("LM_HEAD", {}), "kimi_k3_vl": "language_model.lm_head
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
 # (configs/hybrid_arch.py), as the server would see them at start-up.
 _SGLANG_CONFIG_PROBE = r"""
-import json, sys
+import contextlib, json, sys, types
+from unittest import mock
 from sglang.srt.configs import hybrid_arch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.utils.hf_transformers import get_config
@@ -219,8 +220,15 @@ for arch, path in json.loads(sys.argv[1]).items():
     cfg = get_config(path, trust_remote_code=False)
     mc = ModelConfig(path)
     gdn = hybrid_arch.hybrid_gdn_config(mc)
+    with contextlib.ExitStack() as stack:
+        if cfg.model_type == "inkling_mm_model":
+            # Inkling's conv-state shapes read the server's --enable-scattered-sconv from the runtime
+            # context (configs/inkling.py:234), which a bare config load has not published: its default
+            stack.enter_context(mock.patch("sglang.srt.configs.inkling.get_exec", lambda: types.SimpleNamespace(
+                comm=types.SimpleNamespace(enable_scattered_sconv=False))))
+        mambaish = hybrid_arch.mambaish_config(mc) is not None
     out[arch] = dict(config_class=type(cfg).__name__, architectures=cfg.architectures,
-                     mambaish=hybrid_arch.mambaish_config(mc) is not None, gdn=gdn is not None,
+                     mambaish=mambaish, gdn=gdn is not None,
                      linear=list(gdn.linear_layer_ids) if gdn is not None else None,
                      full=list(gdn.full_attention_layer_ids) if gdn is not None else None,
                      rotary=getattr(cfg, "partial_rotary_factor", None), theta=getattr(cfg, "rope_theta", None))
