@@ -164,6 +164,24 @@ EXPECTED["zaya"] = ("ZayaForCausalLM", "model.layers.0.self_attn.qkv.conv_qk.1.w
 LINEAR_AND_FULL["zaya"] = lambda c: c["num_hidden_layers"] == 4 and "zaya_layers" not in c and c["cca"] and (
     c["cca_time0"], c["cca_time1"]) == (2, 2) and c["num_query_groups"] == c["num_key_value_heads"] == 2
 WRITTEN = WRITTEN + ("zaya",)
+# Nemotron-H Nano VL / Omni (issue 40, hf_tiny_nano_nemotron_vl): Nemotron-H's text model under
+# language_model (llm_config), a RADIO tower of ViT-Small size (SGLang's RadioConfig knows no
+# smaller one: configs/radio.py:25-30) and the projector; the omni class with RADIO's video embedder
+EXPECTED["nano_nemotron_vl"] = ("NemotronH_Nano_VL_V2", "language_model.backbone.layers.0.mixer.in_proj.weight", (196, 64))
+for _v, _c in (("nano_nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3"), ("nano_nemotron_omni_v3",
+                                                                           "NemotronH_Omni_Reasoning_V3")):
+    EXPECTED[_v] = (_c, "vision_model.radio_model.model.patch_generator.video_embedder.weight", (384, 1536))
+for _v, _mt in (("nano_nemotron_vl", "NemotronH_Nano_VL_V2"), ("nano_nemotron_omni", "NemotronH_Nano_Omni_Reasoning_V3"),
+                ("nano_nemotron_omni_v3", "nemotron_h_omni")):
+    LINEAR_AND_FULL[_v] = lambda c: c["llm_config"]["hybrid_override_pattern"] == "M*M-" and c["llm_config"][
+        "vocab_size"] == 768 and c["vision_config"]["args"]["model"] == "vit_small_patch16_224"
+    MODEL_TYPE[_v] = _mt
+    VLM_PROCESSOR_FILES[_v] = ("hf_reference/model.safetensors",)  # transformers' NemotronHForCausalLM
+    WRITTEN = WRITTEN + (_v,)
+#: the LM head's name where it is not lm_head.weight, and checkpoints over 1 MB (the RADIO tower:
+#: 28 M parameters at ViT-Small, the smallest SGLang's RadioConfig builds)
+LM_HEAD = {_v: "language_model.lm_head.weight" for _v in ("nano_nemotron_vl", "nano_nemotron_omni", "nano_nemotron_omni_v3")}
+MAX_BYTES = {_v: 60 << 20 for _v in LM_HEAD}
 # Qwen4-Exp (issue 40, hf_tiny_qwen4_exp): transformers' class (its QSA indexer dropped from the served
 # files), bfloat16 (SGLang's hyper-connection and n-gram weights are bfloat16 whatever the model's dtype),
 # each n-gram table as SGLang's one-shard name; transformers' own files in hf_reference/
@@ -281,8 +299,10 @@ class TestMakeTinyArch(unittest.TestCase):
                     self.assertIn(name, set(f.keys()))
                     self.assertEqual(tuple(f.get_slice(name).get_shape()), shape)
                     self.assertEqual(str(f.get_tensor(name).dtype), "torch." + DTYPE.get(arch, "float16"))
-                    self.assertEqual(tuple(f.get_slice(INKLING_LM_HEAD if arch == "inkling" else LM_HEAD.get(arch, "lm_head.weight")).get_shape()), (768, 64))
-                self.assertLess(os.path.getsize(os.path.join(self.dirs[arch], "model.safetensors")), 1 << 20)
+                    head = INKLING_LM_HEAD if arch == "inkling" else LM_HEAD.get(arch, "lm_head.weight")
+                    self.assertEqual(tuple(f.get_slice(head).get_shape()), (768, 64))
+                self.assertLess(os.path.getsize(os.path.join(self.dirs[arch], "model.safetensors")),
+                                MAX_BYTES.get(arch, 1 << 20))
 
     def test_deterministic_across_processes(self):
         other = os.path.join(self.tmp.name, "again")

@@ -49,15 +49,16 @@ SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granite
                 "bailing_mm_v3", "bailing_moe_linear", "minicpm", "kimi_k3")
 SERVED_ARCHS += ("falcon_mamba", "mamba")  # Mamba1 (issue 40)
 SERVED_ARCHS += ("minicpmv", "minicpmv4_7")  # MiniCPM-V 4.6 / 4.7 (issue 40, hf_tiny_minicpmv.py)
-SERVED_ARCHS += ("inkling",)  # Inkling, sconv (issue 40, hf_tiny_inkling.py)
 SERVED_ARCHS += ("jet_nemotron",)  # Jet-Nemotron: JetBlock, the plugin's Jet writer (issue 40, hf_tiny_jet_nemotron.py)
-SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
-SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
+SERVED_ARCHS += ("nano_nemotron_vl", "nano_nemotron_omni")  # Nemotron-H Nano VL / Omni (hf_tiny_nano_nemotron_vl.py)
 SERVED_ARCHS += ("minicpm_causal",)  # MiniCPMForCausalLM, MiniCPM-SALA's alias (issue 40, hf_tiny_written.py)
 SERVED_ARCHS += ("kimi_k3_vl",)  # KimiK3ForConditionalGeneration, text-only (issue 40, hf_tiny_kimi_k3_vl.py)
-#: Every ``--arch`` that builds a tiny checkpoint (all served today; one that builds but is not
-#: served yet would follow the served ones, status ``build only``).
-ARCHS = SERVED_ARCHS
+SERVED_ARCHS += ("inkling",)  # Inkling, sconv (issue 40, hf_tiny_inkling.py)
+SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
+SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
+#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those that build but are
+#: not served yet (status ``build only``).
+ARCHS = SERVED_ARCHS + ("nano_nemotron_omni_v3",)  # NemotronH_Omni_Reasoning_V3 (hf_tiny_nano_nemotron_vl.py)
 #: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
 MARKER_KEY = "sglang_mamba_ext_tiny"
 #: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
@@ -220,6 +221,11 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
     if _FAMILIES[arch].get("writer"):
         _build_written(arch, out_dir, config_json, seed)
         write_tokenizer_files(out_dir, tok, max_len=config_json["max_position_embeddings"])
+        if _FAMILIES[arch].get("tokenizer_extras"):  # unk_token named (hf_tiny_nano_nemotron_vl)
+            from sglang_mamba_ext.models.hf_tiny_nano_nemotron_vl import write_tokenizer_extras
+
+            write_tokenizer_extras(out_dir, extra_tokens)
+            return
         if sub and not _FAMILIES[arch].get("no_processor"):  # Inkling: multimodal off, no processor
             _write_processor_configs(arch, out_dir)
         return
@@ -322,7 +328,9 @@ def _build_written(arch: str, out_dir: str, config_json: Dict, seed: int) -> Non
     from sglang_mamba_ext.models import hf_tiny_written
 
     writer = _FAMILIES[arch]["writer"]  # a function of hf_tiny_written by name, or the function
-    weights = (writer if callable(writer) else getattr(hf_tiny_written, writer))(config_json, seed, LOGIT_STD)
+    # a writer that also saves the float32 reference's checkpoint (writes_reference) is given the directory
+    extra = {"out_dir": out_dir} if _FAMILIES[arch].get("writes_reference") else {}
+    weights = (writer if callable(writer) else getattr(hf_tiny_written, writer))(config_json, seed, LOGIT_STD, **extra)
     save_file({k: v.to(torch.float16).contiguous() for k, v in weights.items()},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(config_json, architectures=[_FAMILIES[arch]["cls"]], torch_dtype="float16", dtype="float16")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from sglang_mamba_ext.models import hf_tiny_minicpmv
+from sglang_mamba_ext.models import hf_tiny_minicpmv, hf_tiny_nano_nemotron_vl
 from sglang_mamba_ext.models.hf_tiny_jet_nemotron import jet_nemotron_families
 from sglang_mamba_ext.models.hf_tiny_kimi_k3 import kimi_k3_family
 from sglang_mamba_ext.models.hf_tiny_written import written_families
@@ -250,9 +250,9 @@ from sglang_mamba_ext.models.hf_tiny_kimi_k3_vl import kimi_k3_vl_family  # noqa
 _FAMILIES.update(kimi_k3_vl_family(_HIDDEN, _LAYERS))  # Kimi-K3's VLM, text-only (hf_tiny_kimi_k3_vl.py)
 from sglang_mamba_ext.models.hf_tiny_inkling import inkling_family  # noqa: E402
 _FAMILIES.update(inkling_family(_HIDDEN, 2))  # Inkling, sconv (hf_tiny_inkling.py)
-_FAMILIES.update(jet_nemotron_families(_HIDDEN, _LAYERS))  # Jet-Nemotron (hf_tiny_jet_nemotron.py)
 from sglang_mamba_ext.models.hf_tiny_zaya import zaya_family  # noqa: E402
 _FAMILIES.update(zaya_family(_HIDDEN, _LAYERS))  # ZAYA1's CCA (hf_tiny_zaya.py)
+_FAMILIES.update(jet_nemotron_families(_HIDDEN, _LAYERS))  # Jet-Nemotron (hf_tiny_jet_nemotron.py)
 
 
 def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:
@@ -314,6 +314,12 @@ _FAMILIES["lfm2_vl"]["config"]["text_config"] = _vlm_text("lfm2")
 _FAMILIES.update(hf_tiny_minicpmv.minicpmv_families(_HIDDEN))
 for _v in ("minicpmv", "minicpmv4_7"):
     _FAMILIES[_v]["config"]["text_config"] = _vlm_text("qwen3_5_text")
+# Nemotron-H Nano VL / Omni (issue 40, hf_tiny_nano_nemotron_vl): Nemotron-H's text model as
+# llm_config (its dtype written out: SGLang's wrapper casts the vision tower and projector to
+# the language model config's dtype, models/nano_nemotron_vl.py:91-116) behind a RADIO tower.
+_FAMILIES.update(hf_tiny_nano_nemotron_vl.nano_nemotron_families(_HIDDEN))
+for _v in ("nano_nemotron_vl", "nano_nemotron_omni", "nano_nemotron_omni_v3"):
+    _FAMILIES[_v]["config"]["llm_config"] = _vlm_text("nemotron_h", torch_dtype="float16", dtype="float16")
 # Qwen4-Exp (issue 40, hf_tiny_qwen4_exp): Qwen3.5's GDN / attention layers and MoE inside gated
 # hyper-connections, a PLE (n-gram embedding + dilated short conv) on each linear layer; bfloat16.
 from sglang_mamba_ext.models.hf_tiny_qwen4_exp import qwen4_exp_family  # noqa: E402

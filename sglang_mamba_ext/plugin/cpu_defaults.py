@@ -77,6 +77,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "BailingMoeV2_5ForCausalLM", "MiniCPMSALAForCausalLM", "MiniCPMForCausalLM",
     "FalconMambaForCausalLM", "MambaForCausalLM",
     "KimiK3LinearForCausalLM", "MiniCPMV4_6ForConditionalGeneration", "MiniCPMV4_7ForConditionalGeneration",
+    "NemotronH_Nano_VL_V2", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3",
     "KimiK3ForConditionalGeneration",  # Kimi-K3's VLM, text-only (hf_tiny_kimi_k3_vl.py)
     "JetNemotronForCausalLM",
     "Qwen4ExpForConditionalGeneration",

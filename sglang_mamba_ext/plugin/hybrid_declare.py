@@ -14,6 +14,9 @@ serves with its hybrid backends and state pool are missing from that list:
 - ``FalconMambaForCausalLM`` / ``MambaForCausalLM`` (pure Mamba1, no attention layer);
 - ``KimiK3LinearForCausalLM`` (Kimi-K3's text model: KDA beside MLA; SGLang lists its VLM,
   ``KimiK3ForConditionalGeneration``, not the text class);
+- ``NemotronH_Nano_VL_V2`` / ``NemotronH_Nano_Omni_Reasoning_V3`` (``models/nano_nemotron_vl.py``:
+  Nemotron-H behind a RADIO tower; SGLang lists only ``NemotronH_Omni_Reasoning_V3`` of that
+  module, though its hybrid detection takes all three configs, ``configs/hybrid_arch.py:96-97``);
 - ``MiniCPMSALAForCausalLM`` / ``MiniCPMForCausalLM`` (MiniCPM-SALA: lightning layers on SGLang's
   ``LightningAttentionBackend`` beside dense attention). SGLang's own model override also turns
   its radix cache off for every such config (``arg_groups/model_overrides/minicpm.py:24-27``, so
@@ -48,6 +51,8 @@ DECLARED_ARCHITECTURES = {
     "MiniCPMSALAForCausalLM": "MiniCPM-SALA: lightning layers beside dense attention",
     "MiniCPMForCausalLM": "MiniCPM-SALA: lightning layers beside dense attention",
     "KimiK3LinearForCausalLM": "Kimi-K3's text model: KDA layers beside MLA (its VLM class is listed)",
+    "NemotronH_Nano_VL_V2": "Nemotron-H's Mamba2 layers behind a RADIO vision tower (NemotronH_Omni_Reasoning_V3 is listed)",
+    "NemotronH_Nano_Omni_Reasoning_V3": "Nemotron-H's Mamba2 layers behind a RADIO vision tower (NemotronH_Omni_Reasoning_V3 is listed)",
 }
 #: Classes whose SGLang model override turns the radix cache off for every hybrid config
 #: (``arg_groups/model_overrides/minicpm.py:24-27``); under the plugin's flag, with dense attention
