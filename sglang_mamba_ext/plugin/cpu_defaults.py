@@ -88,6 +88,12 @@ SGLANG_HYBRID_ARCHITECTURES = (
 #: the ``extra_buffer`` strategy instead of ``torch_native`` / ``no_buffer``.
 INKLING_ARCHITECTURES = ("InklingForConditionalGeneration",)
 
+#: SGLang's Jet-Nemotron class: its JetBlock writes the conv window with an index put of the
+#: model's activations, no cast (``models/jet_nemotron.py:307-309``: "Index put requires the source
+#: and destination dtypes match" under ``--dtype float32`` with a float16 window), so on CPU the
+#: window takes a ``--dtype`` given on the command line.
+JET_ARCHITECTURES = ("JetNemotronForCausalLM",)
+
 #: Classes whose MoE runner SGLang sets to ``triton_kernel`` unasked, a layout its CPU MoE path
 #: cannot run: on CPU the defaults name ``--moe-runner-backend triton`` (unless given).
 CPU_MOE_RUNNER_TRITON = ("InternS2MobiusForConditionalGeneration",)
@@ -332,6 +338,10 @@ def _before_prepare_server_args(argv, *args, **kwargs):
             # SGLang's own classes: the checkpoint's half dtype (what the kernels write)
             ckpt = _checkpoint_dtype(_flag_value(new_argv, "--model-path"))
             conv = ckpt if ckpt in ("float16", "bfloat16") else conv
+            archs = local_model_config(_flag_value(new_argv, "--model-path")).get("architectures") or []
+            served = _flag_value(new_argv, "--dtype")
+            if any(a in JET_ARCHITECTURES for a in archs) and served in ("float16", "bfloat16", "float32"):
+                conv = served  # the JetBlock stores its window uncast (models/jet_nemotron.py:307-309)
         os.environ[CONV_DTYPE_ENV] = conv
         added.append(f"{CONV_DTYPE_ENV}={conv}")
     if _active(new_argv):

@@ -2,14 +2,14 @@
 checkpoints"): ``JetNemotronForCausalLM`` (``srt/models/jet_nemotron.py``) and the VLM on it,
 ``JetVLMForConditionalGeneration`` (``srt/models/jet_vlm.py``).
 
-Their linear layer, the **JetBlock** (``jet_nemotron.py:172-336``), rides SGLang's
+Their linear layer, the **JetBlock** (``jet_nemotron.py:190-336``), rides SGLang's
 ``GDNAttnBackend`` (``configs/hybrid_arch.py:55-68``, ``hybrid_gdn_config``) and its state pool
 (``JetNemotronConfig.mamba2_cache_params``: a Mamba2-shaped layout, ``conv [slots, 2 H K + H V,
 W]`` of which the JetBlock uses the last ``H V`` channels, ``temporal [slots, H, V, K]``), but
 calls none of the backend's methods: its ``forward`` reads the backend's ``forward_metadata``
 and the pool directly and runs
 
-1. a **dynamic short convolution** of ``v`` (``DynamicShortConvolution``, ``:72-170``): per
+1. a **dynamic short convolution** of ``v`` (``DynamicShortConvolution``, ``:74-187``): per
    token a kernel of ``W + 1`` taps per channel generated from the layer's input (``w2(silu(w1(x)))``),
    applied to the last ``W + 1`` raw ``v`` values, SiLU; its state is the raw ``v`` of the last
    ``W`` tokens (``conv[slot, -H V:, :]``, oldest first), so a checkpoint's window is the row's

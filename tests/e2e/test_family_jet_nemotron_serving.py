@@ -11,11 +11,13 @@ version (``plugin/cpu_bridges_jet_nemotron.py``, ``plugin/cpu_kernels_jet.py``).
 transformers class: weights written by hand (``models/hf_tiny_jet_nemotron.py``), outputs
 checked against cold runs.
 
-- :class:`TestJetNemotronServing`: all five family tests (a new kind of linear layer): resend of
+- :class:`TestJetNemotronServing` (opt-in, ``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``): all five family tests (a new kind of linear layer): resend of
   150 tokens hits 149, the branch point 77, the next turn ``len + out - 1`` (65), each output equal
   to a cold run; abort, then SGLang's strict idle checks.
 - :class:`TestJetNemotronDifferential` (opt-in, ``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``): random
-  multi-turn traffic against ``--disable-radix-cache`` in float32, small pools (states evicted).
+  multi-turn traffic against ``--disable-radix-cache`` in float32, small pools (states evicted). The
+  plugin's CPU defaults give the conv window the ``--dtype`` asked for (``plugin/cpu_defaults.py``,
+  ``JET_ARCHITECTURES``): the JetBlock stores its window uncast (``models/jet_nemotron.py:307-309``).
 """
 
 import os
@@ -30,6 +32,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ALL_FAMILIES = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
 
 
+@unittest.skipUnless(ALL_FAMILIES, "Jet-Nemotron's served class takes minutes on the shared 2-core machine: "
+                                   "SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
 class TestJetNemotronServing(FamilyServing, unittest.TestCase):
     """Jet-Nemotron (``JetNemotronForCausalLM``; issue 40): JetBlocks on ``GDNAttnBackend`` between
     GQA attention layers; the Jet writer makes the hits exact. All five tests."""
@@ -52,8 +56,7 @@ class TestJetNemotronServing(FamilyServing, unittest.TestCase):
         d = [b - a for a, b in zip(before, counters())]
         print(f"[jet_nemotron] checkpoint counters moved by {d}")
         # counted by the Jet writer only (the GDN writer's hooks never run for JetBlocks)
-        self.assertGreaterEqual(d[0], 1, d)
-        self.assertEqual(d[1:], [0, 0])
+        self.assertEqual(d, [1, 0, 0])
 
 @unittest.skipUnless(ALL_FAMILIES, "differential Jet-Nemotron traffic: SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
 class TestJetNemotronDifferential(DifferentialServing, unittest.TestCase):
