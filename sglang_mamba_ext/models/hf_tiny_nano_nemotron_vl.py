@@ -26,11 +26,11 @@ How the checkpoint is made (used by :mod:`.hf_tiny`, family key ``writer``):
   with no multimodal input), so it is the float32 reference.
 - **tokenizer**: the processor (``multimodal/processors/nano_nemotron_vl.py``), built at start-up
   for a multimodal class, reads the image / video context tokens and the image start / end tokens
-  (``:129-165``) and asserts a string ``unk_token`` (``:195-198``): ``<unk>``, ``<image>``,
+  (``:133-166``) and asserts a string ``unk_token`` (``:197-200``): ``<unk>``, ``<image>``,
   ``<video>``, ``<img>``, ``</img>`` take ids 763-767 (:data:`SPECIAL_TOKENS`; ``unk_token`` named
   in ``tokenizer_config.json``, :func:`write_tokenizer_extras`). transformers' ``AutoProcessor``
   knows no processor for these model types and returns the tokenizer, which the processor takes
-  (``:126-129``): no processor config is written.
+  (``:133-136``): no processor config is written.
 
 Only torch and transformers.
 """
@@ -85,7 +85,7 @@ def nano_nemotron_families(hidden: int) -> Dict[str, Dict]:
 
     # nemotron_h_omni is also transformers' own model type (models/nemotron_h_omni, 5.19), whose
     # config class AutoConfig resolves first and validates (SGLang's registration loses to it, and
-    # get_config then re-reads the file with SGLang's class, utils/hf_transformers/config.py:281-291):
+    # get_config then re-reads the file with SGLang's class, utils/hf_transformers/config.py:281-294):
     # its RADIO fields at the ViT-Small sizes too (one CLS token and 7 registers, as SGLang's
     # register_multiple 8 gives) and the video patch depth, equal in both places (transformers
     # refuses them unequal; SGLang then builds RADIO's video embedder, written too)
@@ -176,7 +176,7 @@ def nano_nemotron_weights(cfg: Dict, seed: int, logit_scale: float, out_dir: str
 def write_tokenizer_extras(out_dir: str, tokens: Dict[str, str]) -> None:
     """Name the ``unk_token`` of ``tokens`` in ``out_dir``'s ``tokenizer_config.json`` and
     ``special_tokens_map.json`` (SGLang's processor asserts a string ``unk_token``,
-    ``multimodal/processors/nano_nemotron_vl.py:195-198``; the project's tokenizer has none)."""
+    ``multimodal/processors/nano_nemotron_vl.py:197-200``; the project's tokenizer has none)."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         path = os.path.join(out_dir, name)
         with open(path, encoding="utf-8") as f:
