@@ -393,16 +393,6 @@ class TestFlags(unittest.TestCase):
             with self.subTest(extra=extra):
                 F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
         refused = {
-            # issue 42: the reason names LMCache's own CPU refusal and the way SGLang's own path serves
-            # (measured with lmcache 0.5.6 outside the project's environment: docs/flags.md, "LMCache")
-            ("--enable-lmcache",):
-                "--enable-mamba-radix cannot be combined with --enable-lmcache (SGLang builds its LMCache connector "
-                "into LMCacheUnifiedRadixCache only (mem_cache/registry.py, default_radix_cache_factory), never into "
-                "a registered --radix-cache-backend; LMCache itself runs on CPU: without --enable-mamba-radix "
-                "SGLang's own --enable-lmcache serves a hybrid model there with "
-                "LMCACHE_MP_TRANSFER_MODE=lmcache_driven and 'lmcache server --separate-object-groups' (LMCache's "
-                "CPU default, engine-driven transfer, refuses it: 'engine-driven transfer does not support multiple "
-                "KV transfer groups now'; docs/flags.md, \"LMCache\")); drop one of them",
             ("--enable-unified-memory",):
                 "--enable-mamba-radix cannot be combined with --enable-unified-memory (SGLang builds its unified",
             ("--enable-hierarchical-cache", "--hicache-host-memory-mode", "buffer_only"):
@@ -430,6 +420,16 @@ class TestFlags(unittest.TestCase):
                     F.parse_args(F.base_argv("--enable-mamba-radix", *extra))
                 self.assertIn(message, str(cm.exception))
                 self.assertTrue(str(cm.exception).endswith("drop one of them"), str(cm.exception))
+        # issue 42: --enable-lmcache is served by the plugin's connector (plugin/lmcache_connector.py,
+        # tests/e2e/test_lmcache_plugin.py); without the lmcache package it is refused naming it
+        from sglang_mamba_ext.plugin.lmcache_connector import lmcache_installed
+
+        if lmcache_installed():
+            self.assertTrue(F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-lmcache")).enable_lmcache)
+        else:
+            with self.assertRaises(ValueError) as cm:
+                F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-lmcache"))
+            self.assertIn("--enable-mamba-radix --enable-lmcache needs the lmcache package", str(cm.exception))
         with self.assertRaises(ValueError) as cm:  # 0.1 x 8 slots rounds to no host state
             F.parse_args(F.base_argv("--enable-mamba-radix", "--enable-hierarchical-cache", "--hicache-ratio", "0.1",
                                      "--max-mamba-cache-size", "8"))

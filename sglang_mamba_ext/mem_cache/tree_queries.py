@@ -5,13 +5,13 @@ the slots it holds (leak diagnostics) and the invariant checks of :mod:`.invaria
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
 from . import invariants
 from .req import CacheReq
-from .tree_node import EMPTY_INDICES, TreeNode
+from .tree_node import EMPTY_INDICES, KeyLike, TreeNode, match_len, split_key
 
 
 class TreeQueries:
@@ -45,6 +45,28 @@ class TreeQueries:
     def path_device_indices(self, node: TreeNode) -> torch.Tensor:
         """int64 KV slots of the tokens from the root to the end of ``node``."""
         return self._path_values(node)
+
+    def device_states_on_path(self, key: KeyLike) -> List[Tuple[int, TreeNode]]:
+        """``(seq_len, node)`` of each node on ``key``'s cached path whose state and KV are
+        both on the device (no host-tier copy only), shallowest first. Walks whole nodes
+        only (a node the key ends inside holds no state at the key's end), so it never
+        splits a node and changes nothing (an external store's view: which prefixes of a
+        sequence the tree can hand out with their state, ``plugin/lmcache_connector.py``)."""
+        tokens, extra_key = split_key(key)
+        out: List[Tuple[int, TreeNode]] = []
+        node, pos, end = self.root_node, 0, len(tokens)
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos, extra_key))
+            if child is None or child.value is None:
+                break
+            k = len(child.key)
+            if pos + k > end or match_len(child.key, tokens, pos, end, self.page_size) != k:
+                break
+            pos += k
+            node = child
+            if node.mamba_value is not None:
+                out.append((pos, node))
+        return out
 
     def all_values_flatten(self) -> torch.Tensor:
         """int64 device KV slots of every node (leak diagnostics; O(tree size))."""

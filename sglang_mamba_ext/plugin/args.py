@@ -162,17 +162,28 @@ def apply_flags(server_args, enable: bool, prompts_file) -> Dict[str, Any]:
          "UnifiedRadixCache and pools only (mem_cache/kv_cache_configurator.py), and on CPU it refuses "
          "the pair's implied --enable-page-major-kv-layout with a torch_native attention backend itself "
          "(arg_groups/kv_cache_hook.py)"),
-        ("enable_lmcache", "--enable-lmcache",
-         "SGLang builds its LMCache connector into LMCacheUnifiedRadixCache only "
-         "(mem_cache/registry.py, default_radix_cache_factory), never into a registered --radix-cache-backend; "
-         "LMCache itself runs on CPU: without --enable-mamba-radix SGLang's own --enable-lmcache serves a "
-         "hybrid model there with LMCACHE_MP_TRANSFER_MODE=lmcache_driven and 'lmcache server "
-         "--separate-object-groups' (LMCache's CPU default, engine-driven transfer, refuses it: 'engine-driven "
-         "transfer does not support multiple KV transfer groups now'; docs/flags.md, \"LMCache\")"),
     ]
     for field, flag, why in checks:
         if getattr(server_args, field, False):
             refuse(flag, f" ({why})")
+    if getattr(server_args, "enable_lmcache", False):
+        # served by the plugin's own connector (plugin/lmcache_connector.py; docs/flags.md,
+        # "LMCache"); SGLang's own refusals (int8 states: "LMCache is not int8-aware",
+        # arg_groups/mamba_hook.py; --enable-hierarchical-cache: "mutually exclusive",
+        # arg_groups/kv_cache_hook.py) still apply during resolution
+        from sglang_mamba_ext.plugin.lmcache_connector import lmcache_installed
+
+        if not lmcache_installed():
+            raise FlagError(
+                f"{ENABLE_FLAG} --enable-lmcache needs the lmcache package (pip install lmcache; measured with "
+                "lmcache 0.5.6, docs/flags.md, \"LMCache\")"
+            )
+        ranks = {n: int(getattr(server_args, f, 1) or 1) for n, f in (("--tp", "tp_size"), ("--pp", "pp_size"),
+                                                                       ("--dp", "dp_size"))}
+        if any(v > 1 for v in ranks.values()):
+            refuse("--enable-lmcache at " + " / ".join(f"{n} {v}" for n, v in ranks.items()),
+                   " (the plugin's LMCache connector serves one rank: its lookups and loads are not agreed "
+                   "across ranks, so the ranks' trees could differ; docs/flags.md, \"LMCache\")")
     _map_replayssm(server_args)
     _take_storage_backend(server_args, settings, refuse)
     host_ratio = getattr(server_args, "hicache_ratio", None)

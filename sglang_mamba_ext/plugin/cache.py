@@ -163,6 +163,12 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         self.replayssm_records_folded = 0
         #: final states given to the tree before their result (plugin/overlap_publish.py)
         self.finish_states_donated_early = 0
+        #: ``--enable-lmcache``: the fetch-and-store path to an LMCache server
+        #: (:mod:`.lmcache_connector`), set by :func:`build_tree_cache`; ``None`` otherwise.
+        self.lmcache = None
+        #: SGLang ``Req`` -> prompt tokens already looked up in LMCache (one lookup per
+        #: request and length; a waiting request is matched again each scheduling pass)
+        self._lmcache_looked_up = weakref.WeakKeyDictionary()
 
     # -- SGLang's hierarchical-cache protocol (--enable-hierarchical-cache) -------------
     #: The host tier is the core's (``docs/design.md``, "Host tier"): its copies are made
@@ -180,10 +186,51 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         return -1
 
     def clear_storage_backend(self) -> bool:
-        """Empty the storage tier (``--hicache-storage-backend``; SGLang's
-        ``POST /hicache/storage-backend/clear``); False without one."""
+        """Empty the storage tier (``--hicache-storage-backend``) or the LMCache server
+        (``--enable-lmcache``; SGLang's ``POST /hicache/storage-backend/clear``); False
+        without one."""
+        if self.lmcache is not None:
+            return self.lmcache.clear()
         storage = self.core.storage
         return bool(storage.clear()) if storage is not None else False
+
+    # -- SGLang's scheduler under --enable-lmcache (managers/scheduler.py: _prefetch_kvcache,
+    # get_next_batch_to_run's check_prefetch_progress, is_fully_idle): the plugin's connector
+    # looks up and loads inside the copy-on-write match (plugin/lmcache_connector.py), so there
+    # is no prefetch to start, poll or wait for.
+    hicache_storage_pass_prefix_keys = False
+
+    def is_backuped(self, node) -> bool:
+        return False
+
+    def is_root(self, node) -> bool:
+        return node is self.core.root_node
+
+    def get_last_hash_value(self, node):
+        return None
+
+    def get_prefix_hash_values(self, node):
+        return []
+
+    def prefetch_from_storage(self, *args, **kwargs) -> None:
+        """Nothing ahead of admission: the lookup runs in the admitting match."""
+        return None
+
+    def check_prefetch_progress(self, handle) -> bool:
+        return True
+
+    def pop_prefetch_loaded_span(self, handle):
+        """No tokens loaded outside the match (its split is set there, :meth:`_cache_breakdown`)."""
+        return 0, None
+
+    def has_pending_cache_operations(self) -> bool:
+        """Transfers complete inside the cache's calls: never pending."""
+        return False
+
+    def release_host_resources(self) -> None:
+        """Graceful shutdown: unregister from the LMCache server."""
+        if self.lmcache is not None:
+            self.lmcache.close()
 
     @property
     def token_to_kv_pool_host(self):
@@ -222,8 +269,12 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         return self.radix_sessions.close(session_id) if self.radix_sessions else 0
 
     def reset(self) -> None:
-        """Drop the tree (``Scheduler.flush_cache`` clears the pools right after)."""
+        """Drop the tree (``Scheduler.flush_cache`` clears the pools right after); LMCache
+        keeps what it stored."""
         self.core.reset()
+        if self.lmcache is not None:
+            self.lmcache.reset()
+            self._lmcache_looked_up = weakref.WeakKeyDictionary()
         if self.hybrid_metrics is not None:
             self.sync_metrics()
 
@@ -242,16 +293,20 @@ class MambaRadixCacheAdapter(BasePrefixCache):
         # A copy-on-write slot may evict a state (and its leaf's KV): one batched free.
         group = self._free_group_begin() if cow else False
         loaded = (getattr(self.core, "host_kv_loaded_total", 0), getattr(self.core, "storage_kv_pages_loaded_total", 0))
+        from_lmcache = 0
         try:
+            if cow and self.lmcache is not None:  # --enable-lmcache: past the tree's hit, from LMCache
+                from_lmcache = self._lmcache_fetch(req, tokens, ns, key)
             res = self.core.match_prefix(CoreRadixKey(tokens, ns), cow_mamba=cow, req=creq)
         finally:
             if group:
                 self.token_to_kv_pool_allocator.free_group_end()
         if cow:
             req_bridge.push_mamba(req, creq, self.device)
-            self._cache_breakdown(req, res.prefix_len, getattr(self.core, "host_kv_loaded_total", 0) - loaded[0],
+            self._cache_breakdown(req, res.prefix_len, getattr(self.core, "host_kv_loaded_total", 0) - loaded[0]
+                                  + from_lmcache,
                                   (getattr(self.core, "storage_kv_pages_loaded_total", 0) - loaded[1])
-                                  * self.core.page_size)
+                                  * self.core.page_size + from_lmcache)
             fill = getattr(req, "full_untruncated_fill_ids", None)
             try:
                 self._matched[req] = self.core.hit_of(len(fill) if fill is not None else len(tokens), res)
@@ -279,6 +334,24 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             mamba_branching_seqlen=branching,
             full_kv_hit_length=res.kv_match_len,
         )
+
+    def _lmcache_fetch(self, req, tokens, ns, key) -> int:
+        """``--enable-lmcache``: load LMCache's prefix of the prompt past the tree's hit into
+        the tree before the admitting match (:meth:`.lmcache_connector.LMCacheTreeConnector.fetch`);
+        once per request and prompt length. Returns the tokens loaded."""
+        try:
+            if self._lmcache_looked_up.get(req, -1) >= len(tokens):
+                return 0
+            self._lmcache_looked_up[req] = len(tokens)
+        except TypeError:  # a request object without weak references: looked up every time
+            pass
+        salt = self.lmcache.salt(key.cache_salt, key.extra_key)
+        group = self._free_group_begin()
+        try:
+            return self.lmcache.fetch(str(req.rid), tokens, CoreRadixKey(tokens, ns), salt)
+        finally:
+            if group:
+                self.token_to_kv_pool_allocator.free_group_end()
 
     @staticmethod
     def _cache_breakdown(req, prefix_len: int, host_tokens: int, storage_tokens: int) -> None:
@@ -333,11 +406,17 @@ class MambaRadixCacheAdapter(BasePrefixCache):
             self.radix_sessions.pin_finished(req, creq.last_node)
         req_bridge.push_prefix_checkpoints(pool, row, creq)
         req_bridge.push_checkpoint(req, creq, self.device, finished=finished)
+        if self.lmcache is not None and not getattr(req, "skip_radix_cache_insert", False):
+            ns = req_bridge.namespace(req.extra_key, req.cache_salt)
+            self.lmcache.store(str(req.rid), tokens, CoreRadixKey(tokens, ns),
+                               self.lmcache.salt(req.cache_salt, req.extra_key))
         if self.hybrid_metrics is not None:
             self.sync_metrics()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         end_streaming_turn(req)  # a streaming session's turn ended (plugin/sessions.py)
+        if self.lmcache is not None:
+            self.lmcache.release(str(req.rid))
         kv = req.kv
         if kv.mamba_pool_idx is None and kv.mamba_ping_pong_track_buffer is None:
             return
@@ -574,6 +653,12 @@ def build_tree_cache(ctx) -> MambaRadixCacheAdapter:
         attach_storage_tier(cache.core, storage, current_settings().get("storage_extra_config"),
                             getattr(sa, "served_model_name", None) or getattr(sa, "model_path", None), rank, size,
                             model_path=getattr(sa, "model_path", None))
+    from sglang.srt.runtime_context import get_memory
+
+    if get_memory().enable_lmcache:  # docs/flags.md, "LMCache"
+        from sglang_mamba_ext.plugin.lmcache_connector import build_connector
+
+        cache.lmcache = build_connector(cache, ctx, get_memory().lmcache_config_file)
     from sglang_mamba_ext.plugin.tp_digest import maybe_digest_check
 
     cache.tp_digest = maybe_digest_check(cache.core, getattr(params, "tp_cache_group", None))

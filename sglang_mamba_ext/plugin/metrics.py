@@ -263,6 +263,9 @@ def cache_server_info(cache) -> dict:
         **pd_decode.server_info_fields(cache, _kv_bytes_per_token(cache.token_to_kv_pool_allocator),
                                        core.state_pool.slot_bytes()),
         **core.stats_snapshot(),
+        # --enable-lmcache (plugin/lmcache_connector.py): lookups, loads, stores; absent without
+        **({f"lmcache_{k}": v for k, v in cache.lmcache.info().items()}
+           if getattr(cache, "lmcache", None) is not None else {}),
     }
 
 

@@ -453,6 +453,11 @@ class MambaRadixReqToTokenPool(HybridReqToTokenPool):
         branching = getattr(req, "mamba_branching_seqlen", None)
         # message boundaries the request names (chat template, or /generate kv_hints)
         boundaries = chat_boundaries.request_offsets(req)
+        lmcache = getattr(cache, "lmcache", None)
+        if lmcache is not None:  # --enable-lmcache: a state at the prompt's last chunk end can be stored
+            end = lmcache.boundary(prompt_len)
+            if end is not None:
+                boundaries = [end, *boundaries]
         cache.core.plan_prefix_checkpoints(creq, prompt_len, branching, boundaries)
         req_bridge.push_prefix_checkpoints(self, creq.req_pool_idx, creq)
 
