@@ -11,7 +11,7 @@ beside :mod:`.cpu_bridges_kimi_k3` (which registers it; gated like every CPU bri
   kernel, patch limits, mean / std; ``kimi_common.py:186-188`` and ``kimi_k3.py:262-266`` its
   ``media_tokens_calculator``). transformers has no Kimi processor: the released checkpoint ships
   it as remote code. Without it ``AutoProcessor`` hands back the bare tokenizer
-  (``get_processor``, ``processor.py:334-341``) and the server stops at start-up with
+  (``get_processor``, ``processor.py:340-346``) and the server stops at start-up with
   ``AttributeError: ... has no attribute 'media_processor'``. Where SGLang's answer for a
   ``kimi_k3`` checkpoint has no ``media_processor`` and the checkpoint's
   ``preprocessor_config.json`` holds a ``media_proc_cfg`` (the project's tiny checkpoint,
