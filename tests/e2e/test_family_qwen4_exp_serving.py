@@ -54,7 +54,9 @@ class TestQwen4ExpDifferential(DifferentialServing, unittest.TestCase):
     a request with nothing cached, batched with others on the plugin's server, differed from the
     same prompt alone on the baseline by 0.063 nats at its first token (measured, 2026-12-06), so
     near-ties and log-probabilities are compared at that scale; tokens must still be equal
-    wherever the baseline's top-2 gap is above ``TIE_GAP``."""
+    wherever the baseline's top-2 gap is above ``TIE_GAP``. Known to fail (2026-12-06, 4 rounds):
+    every compared token equal, but 5 near-ties against the mixin's budget of ``sent // 4`` (3),
+    since at a 0.1 gap this random tiny model has many; the budget for bfloat16 is open."""
 
     ARCH = "qwen4_exp"
     COMMON = ("--device", "cpu")
