@@ -81,6 +81,29 @@ def start_lmcache_server(cls, port: int, log_path: str) -> subprocess.Popen:
     return proc
 
 
+def remove_dead_shm_segments(before) -> None:
+    """Unlink the POSIX shared memory LMCache made for this class's servers
+    (``/dev/shm/lmcache_kv_<pid>_<n>``): a stopped server's process is killed, so LMCache's own
+    unlink (a finalizer) does not run. Only segments new since ``before`` whose process is gone."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    for name in set(os.listdir("/dev/shm")) - before:
+        parts = name.split("_")
+        if not name.startswith("lmcache_kv_") or len(parts) < 4 or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+
+
 @unittest.skipUnless(HAVE_LMCACHE, "needs the lmcache package (docs/flags.md, \"LMCache\")")
 class TestLMCachePlugin(GreedyHits, unittest.TestCase):
     NEW = 6
@@ -96,6 +119,7 @@ class TestLMCachePlugin(GreedyHits, unittest.TestCase):
             cls.tmp_dir = os.environ["LMCACHE_TEST_LOG_DIR"]
         cls.rng = random.Random(cls.SEED)
         cls.salt = 0
+        cls.addClassCleanup(remove_dead_shm_segments, set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set())
         port = free_port()
         cls.lmcache = start_lmcache_server(cls, port, os.path.join(cls.tmp_dir, "lmcache.log"))
         cls.config = os.path.join(cls.tmp_dir, "lmcache.yaml")
