@@ -21,9 +21,10 @@ draft as SGLang's MTP class loads it (``Qwen3NextForCausalLMMTP``, ``Qwen3_5ForC
 that it often agrees with it, for ``--speculative-algorithm NEXTN
 --speculative-draft-model-path DIR``.
 
-``--list-archs`` prints every hybrid causal-LM class of SGLang 0.5.23, one line each: SGLang's
-module name (the ``--arch`` name), architecture, linear-layer kind, status (``supported``,
-``build only`` or ``not yet``).
+``--list-archs`` prints every hybrid causal-LM class of SGLang 0.5.23, one line each: the
+``--arch`` value that builds it (``-`` for none; it differs from the module where one module
+holds several classes, e.g. ``kimi_k3_vl``), SGLang's module name, architecture, linear-layer
+kind, status (``supported``, ``build only`` or ``not yet``).
 
 ``--linear-gate gdn`` gives the linear layers Gated DeltaNet's per-head decay gate (Qwen3-Next)
 instead of KDA's per-channel one (Kimi-Linear, the default).
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
                         help="write a tiny checkpoint of this SGLang hybrid family instead of the tiny "
                              "hybrid model (no --draft-out, --linear-gate or --linear-kernels with it)")
     parser.add_argument("--list-archs", action="store_true",
-                        help="print SGLang's hybrid classes (module, architecture, linear-layer kind, status) "
+                        help="print SGLang's hybrid classes (--arch value, module, architecture, linear-layer kind, status) "
                              "and exit")
     args = parser.parse_args(argv)
     if args.list_archs:

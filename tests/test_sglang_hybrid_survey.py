@@ -143,15 +143,19 @@ class TestListArchs(unittest.TestCase):
         self.assertEqual(len(lines), len(SGLANG_HYBRID_CLASSES))
         parsed = set()
         for line, c in zip(lines, SGLANG_HYBRID_CLASSES):
-            module, arch = line.split()[:2]
+            name, module, arch = line.split()[:3]
             status = next(s for s in ("supported", "build only", "not yet") if line.endswith(s))
             kind = line[line.index(arch) + len(arch):len(line) - len(status)].strip()
             parsed.add(module)
             self.assertEqual((module, arch, kind, status), (c.module, c.arch, c.kind, arch_status(c)))
+            # the first column is the --arch value that builds the class (- where none does)
+            self.assertEqual(name, "-" if status == "not yet" else next(
+                a for a in ARCHS if (arch_module(a), arch_class(a)) == (module, arch)))
         self.assertEqual(parsed, set(scan_sglang_hybrid_modules()))
         for module, arch in SIX.items():
-            self.assertIn((module, arch, "supported"),
-                          {(ln.split()[0], ln.split()[1], ln.split()[-1]) for ln in lines})
+            self.assertIn((module, module, arch, "supported"),
+                          {tuple(ln.split()[:3]) + (ln.split()[-1],) for ln in lines})
+        self.assertIn("kimi_k3_vl", {ln.split()[0] for ln in lines})  # a second class of a module
 
     def test_list_archs_needs_no_out(self):
         proc = subprocess.run([sys.executable, SCRIPT], capture_output=True, text=True, timeout=120)

@@ -189,9 +189,21 @@ def arch_status(cls: SGLangHybridClass) -> str:
     return "not yet"
 
 
+def arch_name(cls: SGLangHybridClass) -> str:
+    """The ``--arch`` value that builds ``cls``'s tiny checkpoint (it differs from the module
+    name where one module holds several classes, e.g. ``kimi_k3_vl``), or ``-`` for none."""
+    from sglang_mamba_ext.models.hf_tiny import _FAMILIES
+
+    for name, fam in _FAMILIES.items():
+        if fam.get("module", name) == cls.module and fam["cls"] == cls.arch:
+            return name
+    return "-"
+
+
 def list_archs() -> List[str]:
-    """One line per class of :data:`SGLANG_HYBRID_CLASSES` (module, architecture, linear-layer
-    kind, status; columns padded), what ``make_tiny_model.py --list-archs`` prints."""
-    rows = [(c.module, c.arch, c.kind, arch_status(c)) for c in SGLANG_HYBRID_CLASSES]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return ["  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows]
+    """One line per class of :data:`SGLANG_HYBRID_CLASSES` (the ``--arch`` value that builds it
+    or ``-``, module, architecture, linear-layer kind, status; columns padded), what
+    ``make_tiny_model.py --list-archs`` prints."""
+    rows = [(arch_name(c), c.module, c.arch, c.kind, arch_status(c)) for c in SGLANG_HYBRID_CLASSES]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
