@@ -139,4 +139,8 @@ class TestWriterVsSGLangKernel(unittest.TestCase):
             self.assertTrue(torch.equal(w[7 + i], t[slots[i]]), f"row {i}")
 
 
-TestInklingWriterUnderInterpreter = triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED)
+# opt-in (the suite's budget; Inkling's served classes are opt-in too); the torch writer above runs in CI
+TestInklingWriterUnderInterpreter = unittest.skipUnless(
+    os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
+    "SGLang's Triton sconv kernel interpreted: SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it",
+)(triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED))

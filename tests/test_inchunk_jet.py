@@ -235,4 +235,9 @@ class TestJetRecurrenceVsTriton(WriterChecks, unittest.TestCase):
             torch.testing.assert_close(pools[1], pools[0], atol=1e-5, rtol=1e-4)
 
 
-TestJetUnderInterpreter = triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED)
+# opt-in (the suite's budget: about 2 minutes interpreted; Jet-Nemotron's served classes are opt-in
+# too); the torch writer and recurrence above run in CI
+TestJetUnderInterpreter = unittest.skipUnless(
+    os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
+    "SGLang's Triton recurrence interpreted (about 2 minutes): SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it",
+)(triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED))
