@@ -297,6 +297,18 @@ class TestInchunkFromChunkStates(TestInchunkHookKda):
         return conv, temp, temp[hs].transpose(-1, -2).unsqueeze(0)
 
     def test_tails_written_from_the_kernels_chunk_states(self):
+        self._tails_written_from_chunk_states()
+
+    def test_safe_gate_tails_written_from_the_kernels_chunk_states(self):
+        """The KDA safe gate on this path too: every slot equals the token scan fed the raw
+        gate :func:`safe_gate_as_raw` gives (whose inversion its own test checks)."""
+        if self.LAYOUT != "kda":
+            self.skipTest("the safe gate is KDA's")
+        self._tails_written_from_chunk_states(lower_bound=-5.0)
+
+    def _tails_written_from_chunk_states(self, lower_bound=None):
+        for layer in self.layers:
+            layer.lower_bound = lower_bound
         ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
         name = "TritonKDAKernel" if self.LAYOUT == "kda" else "TritonGDNKernel"
         self.backend.kernel_dispatcher = disp = self._dispatcher(name)
@@ -307,7 +319,9 @@ class TestInchunkFromChunkStates(TestInchunkHookKda):
             from sglang_mamba_ext.speculative.replay import ReplayWeights
 
             w = ReplayWeights.from_mixers([self.mixers[l]])
-            ref_conv, ref_temp, h = self._reference(l, w, mq, a, b, items, before)
+            ref_a = a if lower_bound is None else ic.safe_gate_as_raw(
+                a, self.mixers[l].A_log, self.mixers[l].dt_bias, lower_bound)
+            ref_conv, ref_temp, h = self._reference(l, w, mq, ref_a, b, items, before)
             ic.forward_extend_before(self.backend, layer, self.fb, mq, a, b)
             self.assertIn(layer.layer_id, ic._pending_map())  # 140 and 66 wait for h
             conv, temp = self._views(l)
@@ -346,6 +360,7 @@ class TestInchunkFromChunkStates(TestInchunkHookKda):
     test_inert_without_the_mamba_radix_pool = None
     test_refusals_keep_the_grid = None
     test_safe_gate_layer_raises = None
+    test_safe_gate_checkpoints_equal_the_token_scan = None  # this path's own safe-gate test above
 
 
 class TestInchunkFromChunkStatesGdn(TestInchunkFromChunkStates):
