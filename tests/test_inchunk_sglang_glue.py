@@ -31,6 +31,7 @@ if SGLANG_INSTALLED:
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
     from sglang_mamba_ext.plugin import inchunk_checkpoints as ic
+    from sglang_mamba_ext.plugin import inchunk_from_chunks as fc
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape
 from sglang_mamba_ext.speculative.deferred import LAYOUTS
@@ -323,20 +324,20 @@ class TestInchunkFromChunkStates(TestInchunkHookKda):
                 a, self.mixers[l].A_log, self.mixers[l].dt_bias, lower_bound)
             ref_conv, ref_temp, h = self._reference(l, w, mq, ref_a, b, items, before)
             ic.forward_extend_before(self.backend, layer, self.fb, mq, a, b)
-            self.assertIn(layer.layer_id, ic._pending_map())  # 140 and 66 wait for h
+            self.assertIn(layer.layer_id, fc._pending_map())  # 140 and 66 wait for h
             conv, temp = self._views(l)
             for slot in (4, 7):  # inside the first chunk: written before the forward
                 torch.testing.assert_close(temp[slot], ref_temp[slot], atol=1e-4, rtol=1e-4)
             kw = dict(layer_id=layer.layer_id, return_intermediate_states=False)
-            got = ic.dispatch_extend_before(disp, "q", layer_id=layer.layer_id, return_intermediate_states=False)
+            got = fc.dispatch_extend_before(disp, "q", layer_id=layer.layer_id, return_intermediate_states=False)
             run_kw = got[1] if got is not None else kw
             self.assertEqual(run_kw["return_intermediate_states"], self.LAYOUT == "kda")
             conv[[2, 3, 1]] = 9.0  # the kernel advances the working slots
             temp[[2, 3, 1]] = 9.0
             result = ("o", h) if self.LAYOUT == "kda" else ("o", None, h)
-            out = ic.dispatch_extend_after(result, disp, "q", **kw)
+            out = fc.dispatch_extend_after(result, disp, "q", **kw)
             self.assertEqual(out if out is not None else result, "o" if self.LAYOUT == "kda" else result)
-            self.assertNotIn(layer.layer_id, ic._pending_map())
+            self.assertNotIn(layer.layer_id, fc._pending_map())
             for slot in (4, 5, 6, 7, 8):
                 torch.testing.assert_close(conv[slot], ref_conv[slot].to(conv.dtype), atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(temp[slot], ref_temp[slot].to(temp.dtype), atol=1e-4, rtol=1e-4)
@@ -346,15 +347,15 @@ class TestInchunkFromChunkStates(TestInchunkHookKda):
     def test_other_kernels_and_the_switch_keep_the_chunked_pass(self):
         ic.backend_init_after(None, self.backend, _model_runner(self.rtp))
         self.backend.kernel_dispatcher = self._dispatcher("FlashInferKernel")
-        self.assertFalse(ic._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
+        self.assertFalse(fc._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
         self.backend.kernel_dispatcher = self._dispatcher("TritonKDAKernel" if self.LAYOUT == "kda"
                                                           else "TritonGDNKernel")
-        self.assertTrue(ic._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
+        self.assertTrue(fc._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
         with mock.patch.dict(os.environ, {ic.FROM_CHUNKS_ENV: "0"}):
-            self.assertFalse(ic._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
+            self.assertFalse(fc._kernel_gives_chunk_states(self.backend, self.layers[0], self.fb))
         with self.assertRaisesRegex(RuntimeError, "no chunk states"):
-            ic._pending_map()[99] = dict(backend=self.backend)
-            ic.dispatch_extend_after("o", None, layer_id=99)
+            fc._pending_map()[99] = dict(backend=self.backend)
+            fc.dispatch_extend_after("o", None, layer_id=99)
 
     test_planned_checkpoints_written_before_sglang_forward = None
     test_inert_without_the_mamba_radix_pool = None
@@ -385,14 +386,40 @@ class TestWriterImpl(unittest.TestCase):
 
 @requires_sglang
 class TestHookTargets(unittest.TestCase):
-    def test_targets_exist_in_sglang(self):
+    @staticmethod
+    def _all_targets():
+        """``(module, target, kind, name)`` for every writer's hook: this module's and each of
+        :data:`KIND_MODULES`' (what ``register_inchunk_hooks`` registers)."""
         import importlib
 
-        for target, kind, name in ic.HOOK_TARGETS:
-            mod, cls, attr = target.rsplit(".", 2)
-            self.assertTrue(callable(getattr(getattr(importlib.import_module(mod), cls), attr)), target)
-            self.assertTrue(callable(getattr(ic, name)))
-            self.assertIn(kind, ("AFTER", "BEFORE"))
+        mods = [ic] + [importlib.import_module("sglang_mamba_ext.plugin." + m) for m in ic.KIND_MODULES]
+        return [(m, *entry) for m in mods for entry in m.HOOK_TARGETS]
+
+    @staticmethod
+    def _resolve(target: str):
+        """The object a dotted target names: its longest importable module prefix, then
+        attributes (a method ``pkg.mod.Class.fn`` or a module function ``pkg.mod.fn``)."""
+        import importlib
+
+        parts = target.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                continue
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+            return obj
+        raise ImportError(target)
+
+    def test_targets_exist_in_sglang(self):
+        entries = self._all_targets()
+        self.assertEqual(len({m.__name__ for m, *_ in entries}), 1 + len(ic.KIND_MODULES))
+        for m, target, kind, name in entries:
+            with self.subTest(target=target, hook=name):
+                self.assertTrue(callable(self._resolve(target)), target)
+                self.assertTrue(callable(getattr(m, name)))
+                self.assertIn(kind, ("AFTER", "BEFORE", "AROUND"))
 
     def test_one_around_hook_per_target(self):
         """With the deferred verify's hooks, no SGLang target gets two AROUND hooks (SGLang's
@@ -401,7 +428,8 @@ class TestHookTargets(unittest.TestCase):
 
         from sglang_mamba_ext.plugin.speculative import HOOK_TARGETS as SPEC_TARGETS
 
-        arounds = Counter(t for t, kind, _ in [*ic.HOOK_TARGETS, *SPEC_TARGETS] if kind == "AROUND")
+        ours = [(t, kind) for _, t, kind, _ in self._all_targets()]
+        arounds = Counter(t for t, kind in [*ours, *((t, k) for t, k, _ in SPEC_TARGETS)] if kind == "AROUND")
         self.assertEqual([t for t, n in arounds.items() if n > 1], [])
 
 

@@ -224,6 +224,12 @@ TEXT_VOCAB_ONLY = TEXT_VOCAB_ONLY + ("kimi_k3_vl",)
 WRITTEN = WRITTEN + ("kimi_k3_vl",)
 LM_HEAD = {**globals().get("LM_HEAD", {}), "kimi_k3_vl": "language_model.lm_head.weight"}
 
+#: Families whose served class is opt-in (``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``, the suite's budget):
+#: their written-weights load check is opt-in with it (their opt-in served classes load them too)
+OPT_IN_LOADS = ("zaya", "nano_nemotron_vl", "nano_nemotron_omni", "nano_nemotron_omni_v3", "qwen4_exp", "jet_nemotron",
+                "inkling", "kimi_k3_vl")
+ALL_FAMILIES = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
+
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
 # config class it picks, the model class name, and its hybrid-GDN / Mamba-like classification
 # (configs/hybrid_arch.py), as the server would see them at start-up.
@@ -349,15 +355,17 @@ class TestMakeTinyArch(unittest.TestCase):
     def test_written_weights_fill_every_sglang_parameter(self):
         """A hand-written checkpoint (no transformers class) loads into SGLang's own class with
         no parameter left unfilled (SGLang's loaders skip unknown names silently). All in one
-        process (one SGLang import), each under its own server args."""
+        process (one SGLang import), each under its own server args. The families of
+        :data:`OPT_IN_LOADS` only with ``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``."""
+        archs = WRITTEN if ALL_FAMILIES else tuple(a for a in WRITTEN if a not in OPT_IN_LOADS)
         # a free port for its gloo group (the fixed default collided in a CI run: EADDRINUSE)
         proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.model_load",
-                               *(self.dirs[arch] for arch in WRITTEN), str(free_port())],
+                               *(self.dirs[arch] for arch in archs), str(free_port())],
                               capture_output=True, text=True, timeout=600)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"model"')]
-        self.assertEqual([x["model"] for x in lines], [self.dirs[arch] for arch in WRITTEN])
-        for arch, got in zip(WRITTEN, lines):
+        self.assertEqual([x["model"] for x in lines], [self.dirs[arch] for arch in archs])
+        for arch, got in zip(archs, lines):
             with self.subTest(arch=arch):
                 self.assertEqual(got["class"], EXPECTED[arch][0])
                 self.assertEqual(got["unloaded"], [])

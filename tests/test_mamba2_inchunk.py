@@ -13,6 +13,7 @@ import unittest
 
 import torch
 import torch.nn.functional as F
+from conftest import full_suite_only
 
 from sglang_mamba_ext.speculative.ops.inchunk import plan_writes
 from sglang_mamba_ext.testing.spec_pair import load_kernel_modules_for_cpu, run_interpreted, triton_subprocess_case
@@ -255,6 +256,9 @@ class TestMamba2TritonShortConv(unittest.TestCase):
         torch.testing.assert_close(a[:, 5], bx[:, 18:20].transpose(1, 2))
 
 
+@full_suite_only("scripts/gpu_check.sh's Mamba2 in-chunk section in its CPU mode: its kernels checked under the "
+                 "interpreter by TestUnderTritonInterpreter, the script's GDN / KDA section by "
+                 "tests/test_inchunk_checkpoints.py's TestGpuCheckTinyMode")
 class TestMamba2GpuCheckTinyMode(unittest.TestCase):
     def test_tiny_mode_runs(self):
         """``gpu_check_mamba2 --tiny`` (the GPU check's code path at toy shapes, interpreted):

@@ -9,6 +9,7 @@ import unittest
 
 import pytest
 import torch
+from conftest import full_suite_only
 
 from sglang_mamba_ext.models.linear_attn import GatedDeltaRuleMixer, LinearAttnShape, gated_delta_rule
 from sglang_mamba_ext.speculative.replay import ReplayWeights, replay
@@ -245,6 +246,9 @@ class TestTreeVerifyOnChipRealShapes(unittest.TestCase):
 
 
 @pytest.mark.slow
+@full_suite_only("scripts/gpu_check.sh's speculative section in its CPU mode: its kernels checked under the interpreter "
+                 "by TestUnderTritonInterpreter, the script's in-chunk section by tests/test_inchunk_checkpoints.py's "
+                 "TestGpuCheckTinyMode")
 class TestGpuCheckTinyMode(unittest.TestCase):
     """``python -m sglang_mamba_ext.speculative.ops.gpu_check --tiny`` (``scripts/gpu_check.sh``'s
     body at toy shapes, CPU, Triton's interpreter) runs to the end with every correctness check
@@ -262,8 +266,9 @@ class TestGpuCheckTinyMode(unittest.TestCase):
 
 
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_CAN_TRITON_INPROC)
-TestUnderTritonInterpreterRealShapes = pytest.mark.slow(
-    triton_subprocess_case(__file__, "RealShapes", skip=_CAN_TRITON_INPROC))
+TestUnderTritonInterpreterRealShapes = full_suite_only("the verify kernels at real model shapes, interpreted: "
+                                                       "TestUnderTritonInterpreter checks them at small shapes")(
+    pytest.mark.slow(triton_subprocess_case(__file__, "RealShapes", skip=_CAN_TRITON_INPROC)))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -56,13 +55,15 @@ HOOK_TARGETS = [
     (GDN_BACKEND + ".__init__", "AFTER", "backend_init_after"),
     (KDA_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
     (GDN_BACKEND + ".forward_extend", "BEFORE", "forward_extend_before"),
-    (KDA_DISPATCH + ".extend", "BEFORE", "dispatch_extend_before"),
-    (GDN_DISPATCH + ".extend", "BEFORE", "dispatch_extend_before"),
-    (KDA_DISPATCH + ".extend", "AFTER", "dispatch_extend_after"),
-    (GDN_DISPATCH + ".extend", "AFTER", "dispatch_extend_after"),
     (MAMBA2_BACKEND + ".__init__", "AFTER", "backend_init_after"),
     (SHORT_CONV_BACKEND + ".__init__", "AFTER", "backend_init_after"),
 ]
+#: The other writers' modules, each with its own ``HOOK_TARGETS`` (registered with these):
+#: SGLang's KDA / GDN kernel dispatchers (checkpoints from the prefill's chunk states), Mamba2 /
+#: short conv, lightning attention (Ling 2.5), Mamba1 (Falcon-Mamba, Mamba), Inkling's sconv
+#: windows, Jet-Nemotron's JetBlock, Qwen4-Exp's PLE side states, ZAYA1's CCA conv state.
+KIND_MODULES = ("inchunk_from_chunks", "inchunk_conv_ssd", "inchunk_lightning", "inchunk_mamba1", "inchunk_inkling",
+                "inchunk_jet", "inchunk_ple", "inchunk_cca")
 #: Attribute set on a backend the plugin writes checkpoints for: its layout name.
 WRITER_ATTR = "_mamba_radix_inchunk_layout"
 #: Attribute set beside :data:`WRITER_ATTR`: the writers' implementation, ``"triton"`` or
@@ -105,37 +106,18 @@ def backend_impl(backend) -> str:
 
 
 def register_inchunk_hooks() -> None:
-    """Register :data:`HOOK_TARGETS` with SGLang's HookRegistry (from ``install_mamba_radix``)."""
+    """Register :data:`HOOK_TARGETS` and those of each module of :data:`KIND_MODULES` with SGLang's
+    HookRegistry (from ``install_mamba_radix``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mamba_ext.plugin import inchunk_conv_ssd, inchunk_lightning
+    import importlib
 
     for target, kind, name in HOOK_TARGETS:
         HookRegistry.register(target, globals()[name], getattr(HookType, kind))
-    for target, kind, name in inchunk_conv_ssd.HOOK_TARGETS:  # Mamba2 / short conv: the kernels' inputs
-        HookRegistry.register(target, getattr(inchunk_conv_ssd, name), getattr(HookType, kind))
-    for target, kind, name in inchunk_lightning.HOOK_TARGETS:  # lightning attention (Ling 2.5)
-        HookRegistry.register(target, getattr(inchunk_lightning, name), getattr(HookType, kind))
-    from sglang_mamba_ext.plugin import inchunk_mamba1
-
-    for target, kind, name in inchunk_mamba1.HOOK_TARGETS:  # Mamba1 (Falcon-Mamba, Mamba) on Mamba2AttnBackend
-        HookRegistry.register(target, getattr(inchunk_mamba1, name), getattr(HookType, kind))
-    from sglang_mamba_ext.plugin import inchunk_inkling
-
-    for target, kind, name in inchunk_inkling.HOOK_TARGETS:  # Inkling's sconv windows (its own backend)
-        HookRegistry.register(target, getattr(inchunk_inkling, name), getattr(HookType, kind))
-    from sglang_mamba_ext.plugin import inchunk_jet
-
-    for target, kind, name in inchunk_jet.HOOK_TARGETS:  # Jet-Nemotron's JetBlock (on GDNAttnBackend, calls none of it)
-        HookRegistry.register(target, getattr(inchunk_jet, name), getattr(HookType, kind))
-    from sglang_mamba_ext.plugin import inchunk_ple
-
-    for target, kind, name in inchunk_ple.HOOK_TARGETS:  # Qwen4-Exp's PLE side states (short conv, n-gram history)
-        HookRegistry.register(target, getattr(inchunk_ple, name), getattr(HookType, kind))
-    from sglang_mamba_ext.plugin import inchunk_cca
-
-    for target, kind, name in inchunk_cca.HOOK_TARGETS:  # ZAYA1's CCA conv state (ShortConvAttnBackend)
-        HookRegistry.register(target, getattr(inchunk_cca, name), getattr(HookType, kind))
+    for mod_name in KIND_MODULES:
+        mod = importlib.import_module("sglang_mamba_ext.plugin." + mod_name)
+        for target, kind, name in mod.HOOK_TARGETS:
+            HookRegistry.register(target, getattr(mod, name), getattr(HookType, kind))
 
 
 def _backend_kinds():
@@ -435,13 +417,15 @@ def forward_extend_before(backend, layer, forward_batch, mixed_qkv, a, b, **kwar
     same arguments (a BEFORE hook, so it chains with the deferred verify's AROUND hook on
     ``GDNAttnBackend.forward_extend`` without SGLang's multiple-AROUND warning).
 
-    Where SGLang's extend kernel returns its chunk states (:func:`_kernel_gives_chunk_states`),
+    Where SGLang's extend kernel returns its chunk states (:mod:`.inchunk_from_chunks`),
     only the checkpoints inside each row's first chunk are written here; the others' raw
     inputs are copied aside (:func:`~sglang_mamba_ext.speculative.ops.inchunk.from_chunks.
-    gather_tail_blocks`) and written from ``h`` once the kernel ran (:func:`dispatch_extend_after`)."""
+    gather_tail_blocks`) and written from ``h`` once the kernel ran (:func:`.inchunk_from_chunks.dispatch_extend_after`)."""
     if getattr(backend, WRITER_ATTR, None) is not None:
         plan = _plan_for(backend, forward_batch)
         if plan:
+            from sglang_mamba_ext.plugin.inchunk_from_chunks import _split_for, _stash_tail
+
             split = _split_for(backend, layer, forward_batch, plan)
             if split is None:
                 first = sum(1 for items in plan.values() for o, _ in items if o < KERNEL_CHUNK)
@@ -474,131 +458,3 @@ def count_checkpoints(pool, forward_batch, from_start: int, from_chunks: int, ow
     pool.__dict__["_inchunk_counted"] = forward_batch
     for name, n in zip(CHECKPOINT_COUNTERS, (from_start, from_chunks, own_pass)):
         pool.__dict__[name] = pool.__dict__.get(name, 0) + int(n)
-
-
-#: ``{layer_id: pending tail write}`` between :func:`forward_extend_before` and the kernel
-#: dispatcher's ``extend`` (one forward at a time per scheduler thread).
-_pending = threading.local()
-
-
-def _pending_map() -> Dict[int, dict]:
-    m = getattr(_pending, "by_layer", None)
-    if m is None:
-        m = _pending.by_layer = {}
-    return m
-
-
-def _kernel_gives_chunk_states(backend, layer, forward_batch) -> bool:
-    """Whether this extend's kernel returns SGLang's per-chunk states ``h`` (``[1, NT, HV, V,
-    K]``): the Triton GDN kernel (``kernels/gdn_triton.py``, always) and the Triton KDA kernel
-    (``kernels/kda_triton.py``, when asked with ``return_intermediate_states``), off AMD, off
-    SGLang's CPU engine, outside multi-item scoring; and not turned off by
-    :data:`FROM_CHUNKS_ENV`."""
-    if os.environ.get(FROM_CHUNKS_ENV, "1").strip() == "0":
-        return False
-    disp = getattr(backend, "kernel_dispatcher", None)
-    if disp is None or getattr(backend, "mis_metadata", None) is not None:
-        return False
-    try:
-        from sglang.srt.utils import is_cpu, is_hip
-
-        if is_cpu() or is_hip():
-            return False
-        if getattr(backend, WRITER_ATTR, None) == "kda":
-            T = int(sum(forward_batch.extend_seq_lens_cpu))
-            kernel = disp.effective_extend_kernel(getattr(layer, "lower_bound", None), T,
-                                                  len(forward_batch.extend_seq_lens_cpu))
-            return type(kernel).__name__ == "TritonKDAKernel"
-        return type(disp.extend_kernel).__name__ == "TritonGDNKernel"
-    except Exception:  # an SGLang without these names: the writer's own chunked pass
-        return False
-
-
-def _split_for(backend, layer, forward_batch, plan):
-    """``(plan of the checkpoints with no chunk state below them, TailWrites)`` when the kernel
-    gives chunk states (:func:`~sglang_mamba_ext.speculative.ops.inchunk.from_chunks.split_plan`),
-    else None; computed once per forward batch."""
-    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import first_chunks_of, split_plan
-
-    cached = backend.__dict__.get("_mamba_radix_inchunk_split")
-    if cached is not None and cached[0] is forward_batch:
-        return cached[1]
-    split = None
-    if _kernel_gives_chunk_states(backend, layer, forward_batch):
-        lens = [int(n) for n in forward_batch.extend_seq_lens_cpu]
-        starts = [0]
-        for n in lens[:-1]:
-            starts.append(starts[-1] + n)
-        firsts = first_chunks_of(lens, KERNEL_CHUNK)
-        rows = sorted(plan)
-        (_, offs, dsts), tail = split_plan([starts[r] for r in rows], [[o for o, _ in plan[r]] for r in rows],
-                                           [[d for _, d in plan[r]] for r in rows], [lens[r] for r in rows],
-                                           [firsts[r] for r in rows], KERNEL_CHUNK)
-        now = {r: [(o, d) for o, d in zip(orow, drow) if o >= 0] for r, orow, drow in zip(rows, offs, dsts)}
-        split = ({r: items for r, items in now.items() if items}, tail)
-    backend.__dict__["_mamba_radix_inchunk_split"] = (forward_batch, split)
-    return split
-
-
-def _stash_tail(backend, layer, mixed_qkv, a, b, tail) -> None:
-    """Copy the tail checkpoints' raw inputs aside for :func:`dispatch_extend_after`."""
-    from sglang_mamba_ext.speculative.deferred import LAYOUTS
-    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import gather_tail_blocks
-
-    layout = LAYOUTS[getattr(backend, WRITER_ATTR)]
-    a = _raw_gate(layer, a)
-    if isinstance(mixed_qkv, (tuple, list)):
-        mixed_qkv = torch.cat(list(mixed_qkv), dim=-1)
-    T = mixed_qkv.shape[0]
-    w = _layer_weights(backend, layer, layout.per_head_gate)
-    blocks = gather_tail_blocks((mixed_qkv.unsqueeze(0), a.reshape(T, -1).unsqueeze(0), b.reshape(T, -1).unsqueeze(0)),
-                                tail, w.shape.conv_kernel, KERNEL_CHUNK)
-    pending = _pending_map()
-    if layer.layer_id in pending:  # an earlier forward raised between the two hooks
-        logger.warning("mamba-radix: layer %s: dropping a tail checkpoint write its forward never reached",
-                       layer.layer_id)
-    pending[layer.layer_id] = dict(backend=backend, layer=layer, blocks=blocks, weights=w, layout=layout)
-
-
-def dispatch_extend_before(dispatcher, *args, **kwargs):
-    """BEFORE SGLang's GDN / KDA kernel dispatcher ``extend``: with a pending tail write for
-    this layer (``layer_id``), ask the KDA kernel for its chunk states
-    (``return_intermediate_states=True``; GDN's kernel returns them anyway)."""
-    entry = _pending_map().get(kwargs.get("layer_id"))
-    if entry is None:
-        return None
-    entry["caller_wants_h"] = bool(kwargs.get("return_intermediate_states", False))
-    if getattr(entry["backend"], WRITER_ATTR, None) == "kda":
-        kwargs = dict(kwargs, return_intermediate_states=True)
-        return (dispatcher, *args), kwargs
-    return None
-
-
-def dispatch_extend_after(result, dispatcher, *args, **kwargs):
-    """AFTER SGLang's GDN / KDA kernel dispatcher ``extend``: write the layer's pending tail
-    checkpoints from the kernel's chunk states ``h`` (:func:`~sglang_mamba_ext.speculative.ops.
-    inchunk.from_chunks.write_tail_blocks`), and hand the caller the result it asked for (KDA:
-    ``h`` dropped when it did not ask).
-
-    Raises:
-        RuntimeError: the kernel returned no chunk states (a planned slot would hold garbage).
-    """
-    entry = _pending_map().pop(kwargs.get("layer_id"), None)
-    if entry is None:
-        return None
-    kda = getattr(entry["backend"], WRITER_ATTR, None) == "kda"
-    h = None
-    if isinstance(result, tuple):
-        h = result[1] if kda else (result[2] if len(result) > 2 else None)
-    if not isinstance(h, torch.Tensor):
-        raise RuntimeError("mamba-radix in-chunk checkpoints: SGLang's extend kernel returned no chunk states")
-    from sglang_mamba_ext.speculative.ops.inchunk.from_chunks import write_tail_blocks
-
-    backend, layer = entry["backend"], entry["layer"]
-    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
-    conv, temporal = entry["layout"].replay_views(cache.conv[0], cache.temporal)
-    write_tail_blocks(entry["blocks"], h.transpose(-1, -2), conv.unsqueeze(0), temporal.unsqueeze(0),
-                      entry["weights"], backend_impl(backend))
-    if kda and not entry.get("caller_wants_h", False):
-        return result[0]
-    return None

@@ -145,7 +145,14 @@ class DifferentialServing:
               f"cached, hits on {sorted(kinds_hit)}, {moved}")
         self.assertGreaterEqual(compared, sent * self.NEW // 2)
         self.assertLessEqual(ties, sent // 4)
-        self.assertTrue({"continue", "resend"} <= kinds_hit, kinds_hit)
+        # a random resend may find its state evicted (small pools, concurrent traffic: a miss is
+        # then right); the next turn's hit is the one random traffic must show
+        self.assertIn("continue", kinds_hit)
+        # and one resend with nothing in between: the last prompt again, alone, hits len - 1
+        last = prompts[-1]
+        out, want = self._gen(self.server, last), self._gen(self.base, last)
+        self.assertEqual(out["meta_info"]["cached_tokens"], len(last) - 1, "resend of the last prompt")
+        self._compare(last, out, want)
         for k, v in moved.items():
             self.assertGreater(v, 0, f"{k} did not move: the pools were not small enough ({after})")
         idle_and_checked(self.server)

@@ -33,7 +33,7 @@ import tempfile
 import unittest
 
 import pytest
-from conftest import tiny_arch
+from conftest import tiny_arch, full_suite_only
 from server_util import CHECKED_ENV, GreedyHits, Server, abort_mid_generation, idle_and_checked, start_together
 
 from sglang_mamba_ext.models.hf_tiny import reference_greedy
@@ -232,6 +232,7 @@ class TestLfm2Serving(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "lfm2", "ShortConvAttnBackend", "Lfm2ForCausalLM"
 
 
+@full_suite_only("Qwen3.5's GDN text model: the plugin paths of TestQwen3NextServing and (behind Qwen3.5's VLM wrapper) TestQwen35VlServing")
 class TestQwen35Serving(FamilyServing, unittest.TestCase):
     """Qwen3.5 dense text (``Qwen3_5ForCausalLM``; issue 40): Gated DeltaNet on SGLang's
     ``GDNAttnBackend``, the in-chunk writer Qwen3-Next's class runs; launched, resent, next
@@ -242,6 +243,7 @@ class TestQwen35Serving(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "qwen3_5_text", "GDNAttnBackend", "Qwen3_5ForCausalLM"
 
 
+@full_suite_only("Qwen3.5 MoE's GDN layers: the plugin paths of TestQwen3NextServing and TestQwen35VlServing")
 class TestQwen35MoeServing(FamilyServing, unittest.TestCase):
     """Qwen3.5 MoE text (``Qwen3_5MoeForCausalLM``, ``--arch qwen3_5_moe_text``; issue 40): the
     GDN layers of Qwen3.5 with a routed MoE and a gated shared expert; launched, resent, next
@@ -300,6 +302,7 @@ class TestInternS2PreviewServing(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "interns2preview", "GDNAttnBackend", "InternS2PreviewForConditionalGeneration"
 
 
+@full_suite_only("Intern-S2-Mobius's GDN layers behind a VLM wrapper: the plugin paths of TestQwen35VlServing (its strict loader: test_make_tiny_arch's written-weights check)")
 class TestInternS2MobiusServing(FamilyServing, unittest.TestCase):
     """Intern-S2-Mobius (``InternS2MobiusForConditionalGeneration``, ``--arch interns2_mobius``;
     issue 40): Qwen3.5 MoE VLM layers on ``GDNAttnBackend`` whose routed experts live in two
@@ -501,6 +504,7 @@ class TestKimiK3PlainGateServing(TestKimiK3Serving):
         return d
 
 
+@full_suite_only("MiniCPM-V 4.6's GDN text model behind a VLM wrapper: the plugin paths of TestQwen35VlServing (its CPU bridge: tests/test_cpu_bridges_minicpmv.py)")
 class TestMiniCPMV46Serving(FamilyServing, unittest.TestCase):
     """MiniCPM-V 4.6 (``MiniCPMV4_6ForConditionalGeneration``, ``--arch minicpmv``; issue 40):
     Qwen3.5's dense text model behind a one-layer vision tower, served text-only on

@@ -32,6 +32,7 @@ import unittest
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import full_suite_only
 
 from server_util import CHECKED_ENV, Server, idle_and_checked
 
@@ -241,6 +242,7 @@ class TestSpecDeferredTopk1(_SpecCase, unittest.TestCase):
         self.assertEqual(r["meta_info"]["cached_tokens"], len(p) + len(out), mi)
 
 
+@full_suite_only("the tiny pair's deferred top-k 2 verify on a paged tree: TestNemotronHMtpDeferredTopk2 (SGLang's MTP heads) serves the deferred top-k 2 verify")
 class TestSpecDeferredTopk2Paged(_SpecCase, unittest.TestCase):
     """Deferred mode, KDA target, a tree; pages of 8 tokens and a ping-pong checkpoint every
     8 tokens, so accepted runs cross track-interval boundaries and a finish state off the
