@@ -5,6 +5,7 @@ cache-update kernel (``models/inkling_common/kernels/sconv.py::update_sconv_cach
 under Triton's interpreter in a fresh process on CPU) leaves after the same prefix; and the
 BEFORE hook's guards."""
 
+import contextlib
 import os
 import types
 import unittest
@@ -98,6 +99,12 @@ class TestWhyNotWriter(unittest.TestCase):
 
         self.assertIsNone(why_not_writer(types.SimpleNamespace(device="cpu")))
         runner = types.SimpleNamespace(device="cuda", server_args=types.SimpleNamespace(tp_size=1))
+        graphs = "sglang.srt.model_executor.cuda_graph_config.check_cuda_graph_backend"
+        with mock.patch(graphs, side_effect=lambda phase, b: b == "full"):  # SGLang's default for Inkling
+            self.assertIn("full prefill CUDA graphs replay the layer", why_not_writer(runner))
+        stack = contextlib.ExitStack()
+        self.addCleanup(stack.close)
+        stack.enter_context(mock.patch(graphs, side_effect=lambda phase, b: b == "disabled"))
         with mock.patch.dict(os.environ, {"SGLANG_OPT_USE_INKLING_FUSED_ATTN_PROLOGUE": "1"}):
             self.assertIn("fused attention prologue", why_not_writer(runner))
         with mock.patch.dict(os.environ, {"SGLANG_OPT_USE_INKLING_FUSED_ATTN_PROLOGUE": "0"}):

@@ -217,6 +217,36 @@ class TestInchunkHookKda(unittest.TestCase):
         sub = type("Sub", (base,), {"forward_extend": lambda self, *a, **k: None})
         self.assertIn("overrides forward_extend", ic.why_not_writer(sub.__new__(sub), _model_runner(self.rtp)))
 
+    def test_in_layer_writers_refused_under_prefill_graphs(self):
+        """Jet-Nemotron / ZAYA1 / Qwen4-Exp / Inkling write from hooks inside the model's layer
+        code, which a captured prefill graph replays without calling: on CUDA with SGLang's
+        prefill graphs on (breakable, its default for text models; full, Inkling's) the writer
+        is refused; with them disabled, or off CUDA, it is not."""
+        from sglang_mamba_ext.plugin import inchunk_inkling
+
+        target = "sglang.srt.model_executor.cuda_graph_config.check_cuda_graph_backend"
+        for arch in ic.IN_LAYER_WRITER_CLASSES:
+            mr = _model_runner(self.rtp)
+            mr.device = "cuda"
+            mr.model_config.hf_config.architectures = [arch]
+            with self.subTest(arch=arch):
+                with mock.patch(target, side_effect=lambda phase, b: b == "breakable"):
+                    self.assertIn("breakable prefill CUDA graphs replay the layer", ic.why_not_writer(self.backend, mr))
+                with mock.patch(target, side_effect=lambda phase, b: b == "full"):
+                    self.assertIn("full prefill CUDA graphs", ic.prefill_graph_reason(mr))
+                    self.assertIn("full prefill CUDA graphs", inchunk_inkling.why_not_writer(mr))
+                with mock.patch(target, side_effect=lambda phase, b: b == "disabled"):
+                    self.assertIsNone(ic.prefill_graph_reason(mr))
+                mr.device = "cpu"
+                with mock.patch(target, side_effect=AssertionError("not asked off CUDA")):
+                    self.assertIsNone(ic.prefill_graph_reason(mr))
+        mr = _model_runner(self.rtp)  # any other class: the check is not made here
+        mr.device = "cuda"
+        mr.model_config.hf_config.architectures = ["Qwen3NextForCausalLM"]
+        with mock.patch(target, side_effect=lambda phase, b: b == "breakable"), \
+                mock.patch.dict(os.environ, {ic.IMPL_ENV: "torch"}):
+            self.assertNotIn("prefill CUDA graphs replay", ic.why_not_writer(self.backend, mr) or "")
+
     def test_safe_gate_checkpoints_equal_the_token_scan(self):
         """The KDA safe gate (``lower_bound``: Kimi-K3, GLM-5-Next, Ling-V3's ``kda_safe_gate``):
         every planned slot equals the token scan with ``lower_bound * sigmoid(exp(A_log) * (a +

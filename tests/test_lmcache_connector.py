@@ -16,6 +16,7 @@ slots, is a miss that leaves every slot free and no lookup lock held."""
 import contextlib
 import types
 import unittest
+import unittest.mock
 
 import torch
 
@@ -36,6 +37,22 @@ class _Future:
         return self.ok
 
 
+class _SlowFuture(_Future):
+    """A transfer still running past the connector's timeout until ``finished`` is set."""
+
+    def __init__(self, ok):
+        super().__init__(ok)
+        self.finished = False
+
+    def done(self):
+        return self.finished
+
+    def result(self, timeout=None):
+        if not self.finished:
+            raise TimeoutError("still running")
+        return self.ok
+
+
 class FakeLMCache:
     """LMCache's connector API, storing in dictionaries (module docstring)."""
 
@@ -50,6 +67,9 @@ class FakeLMCache:
         self.store_pos = {}
         self.locks = {}  # rid -> (start, end) held
         self.fail_load = False
+        self.slow = False  # transfers outlive the connector's timeout (a _SlowFuture each)
+        self.futures = []
+        self.complete_raises = False
         self.stored = []  # (start, end) of each store
 
     @staticmethod
@@ -95,9 +115,16 @@ class FakeLMCache:
             for t, s in zip(self.states, self.state[(lookup.salt, tuple(lookup.token_ids[: lookup.hit]))]):
                 t[:, int(slot)] = s
         self.locks.pop(lookup.request_id, None)  # a retrieve consumes its locks
-        return types.SimpleNamespace(future=_Future(ok))
+        return types.SimpleNamespace(future=self._future(ok))
+
+    def _future(self, ok):
+        f = _SlowFuture(ok) if self.slow else _Future(ok)
+        self.futures.append(f)
+        return f
 
     def complete_load(self, op):
+        if self.complete_raises:
+            raise RuntimeError("complete_load failed")
         return op.future.ok
 
     def get_store_start(self, rid, end):
@@ -115,7 +142,7 @@ class FakeLMCache:
         self.state[(cache_salt, tuple(tokens[:end]))] = [t[:, int(slot)].clone() for t in self.states]
         self.store_pos[rid] = end
         self.stored.append((start, end))
-        return types.SimpleNamespace(future=_Future(True))
+        return types.SimpleNamespace(future=self._future(True))
 
     def complete_store(self, op):
         return True
@@ -271,6 +298,55 @@ class TestLMCacheConnector(unittest.TestCase):
         self.assertEqual(self.conn.fetch("c", tokens + [1], RadixKey(tokens + [1]), "s"), 0)
         self.alloc.free(held)
         self.assert_all_free()
+        self.assertEqual(self.conn.fetch("d", tokens + [1], RadixKey(tokens + [1]), "s"), 24)
+
+    def test_a_retrieve_past_its_timeout_holds_its_slots_until_it_ends(self):
+        """LMCache may still copy into the slots of a retrieve past its timeout: they stay
+        allocated (quarantined) until its future is done, then a later call frees them."""
+        tokens = self.seq(24)
+        self.put(tokens)
+        self.conn.store("a", tokens, RadixKey(tokens), "s")
+        self.empty_tree()
+        kv_free, ssm_free = self.alloc.available_size(), self.core.mamba_pool.available_size()
+        self.fake.slow = True
+        self.assertEqual(self.conn.fetch("b", tokens + [1], RadixKey(tokens + [1]), "s"), 0)
+        self.assertEqual((self.conn.quarantined, self.conn.failures), (1, 1))
+        self.assertEqual(kv_free - self.alloc.available_size(), 24)  # held, not reused
+        self.assertEqual(ssm_free - self.core.mamba_pool.available_size(), 1)
+        self.assertEqual(self.core.total_size(), 0)  # and not in the tree
+        self.conn.fetch("c", [1], RadixKey([1]), "s")  # still running: still held
+        self.assertEqual(self.conn.quarantined, 1)
+        self.fake.futures[-1].finished = True
+        self.conn.fetch("d", [1], RadixKey([1]), "s")  # done now: freed at the next call
+        self.assertEqual(self.conn.quarantined, 0)
+        self.assert_all_free()
+
+    def test_a_store_past_its_timeout_keeps_its_node_locked_until_it_ends(self):
+        tokens = self.seq(16)
+        self.put(tokens)
+        self.fake.slow = True
+        self.assertEqual(self.conn.store("a", tokens, RadixKey(tokens), "s"), 0)
+        node = self.core.match_prefix(RadixKey(tokens)).last_node
+        self.assertEqual((self.conn.quarantined, node.full_lock_ref), (1, 1))
+        self.fake.futures[-1].finished = True
+        self.fake.slow = False
+        self.conn.store("b", [1], RadixKey([1]), "s")
+        self.assertEqual((self.conn.quarantined, node.full_lock_ref), (0, 0))
+
+    def test_an_error_after_the_transfer_frees_everything(self):
+        """An exception in ``complete_load`` or in the tree's insert is a miss, its slots freed."""
+        tokens = self.seq(24)
+        self.put(tokens)
+        self.conn.store("a", tokens, RadixKey(tokens), "s")
+        self.empty_tree()
+        self.fake.complete_raises = True
+        self.assertEqual(self.conn.fetch("b", tokens + [1], RadixKey(tokens + [1]), "s"), 0)
+        self.assert_all_free()
+        self.fake.complete_raises = False
+        with unittest.mock.patch.object(self.core, "insert", side_effect=ValueError("bad insert")):
+            self.assertEqual(self.conn.fetch("c", tokens + [1], RadixKey(tokens + [1]), "s"), 0)
+        self.assert_all_free()
+        self.assertEqual(self.conn.failures, 2)
         self.assertEqual(self.conn.fetch("d", tokens + [1], RadixKey(tokens + [1]), "s"), 24)
 
     def test_boundary_is_the_last_chunk_end_inside_the_prompt(self):

@@ -217,13 +217,15 @@ class MambaRadixCacheAdapter(TierProtocol, BasePrefixCache):
             _admit_warmup(req)
         cow = bool(params.cow_mamba) and req is not None
         creq = req_bridge.pull(req) if cow else None
-        # A copy-on-write slot may evict a state (and its leaf's KV): one batched free.
-        group = self._free_group_begin() if cow else False
         loaded = (getattr(self.core, "host_kv_loaded_total", 0), getattr(self.core, "storage_kv_pages_loaded_total", 0))
         from_lmcache = 0
+        if cow and self.lmcache is not None:
+            # --enable-lmcache: past the tree's hit, from LMCache; before the free group below,
+            # so that KV its allocation evicts is free for it at once
+            from_lmcache = self._lmcache_fetch(req, tokens, ns, key)
+        # A copy-on-write slot may evict a state (and its leaf's KV): one batched free.
+        group = self._free_group_begin() if cow else False
         try:
-            if cow and self.lmcache is not None:  # --enable-lmcache: past the tree's hit, from LMCache
-                from_lmcache = self._lmcache_fetch(req, tokens, ns, key)
             res = self.core.match_prefix(CoreRadixKey(tokens, ns), cow_mamba=cow, req=creq)
         finally:
             if group:

@@ -6,7 +6,7 @@ SGLang 0.5.23's scheduler makes on a hierarchical cache (``--enable-hierarchical
 connector (:mod:`.lmcache_connector`) all complete inside the cache's own calls
 (``docs/design.md``, "Host tier"; ``docs/flags.md``, "LMCache"). A mixin: it reads the
 adapter's ``core``, ``lmcache``, ``tp_digest``, ``_lmcache_looked_up``,
-``token_to_kv_pool_allocator`` and ``_free_group_begin()``.
+``token_to_kv_pool_allocator``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class TierProtocol:
     hicache_storage_pass_prefix_keys = False
 
     def is_backuped(self, node) -> bool:
+        """No node is backed up outside the cache's calls (the scheduler's storage checks)."""
         return False
 
     def is_root(self, node) -> bool:
@@ -103,9 +104,12 @@ class TierProtocol:
         except TypeError:  # a request object without weak references: looked up every time
             pass
         salt = self.lmcache.salt(key.cache_salt, key.extra_key)
-        group = self._free_group_begin()
-        try:
-            return self.lmcache.fetch(str(req.rid), tokens, CoreRadixKey(tokens, ns), salt)
-        finally:
-            if group:
-                self.token_to_kv_pool_allocator.free_group_end()
+        # no free group around it: the KV its allocation evicts must be free at once
+        return self.lmcache.fetch(str(req.rid), tokens, CoreRadixKey(tokens, ns), salt)
+
+    def release_aborted_request(self, handle) -> None:
+        """SGLang's abort of a request still waiting (``Scheduler._release_aborted_request``:
+        ``finish(handle, ABORT)``; ``BasePrefixCache.release_aborted_request``): under
+        ``--enable-lmcache`` its LMCache request state is released, as at a normal release."""
+        if self.lmcache is not None:
+            self.lmcache.release(str(handle.rid))

@@ -147,8 +147,42 @@ def _layout_name(backend) -> Optional[str]:
     return None
 
 
+#: Model classes whose writer hooks run inside the model's own layer code (Jet-Nemotron's
+#: ``JetBlock.forward``, ZAYA1's ``cca_extend``, Qwen4-Exp's PLE ``_short_conv``, Inkling's
+#: ``ShortConvolution.forward``), not at a linear-attention backend's call, where SGLang's
+#: breakable prefill graph breaks: a captured prefill graph would replay them without the hook.
+IN_LAYER_WRITER_CLASSES = ("JetNemotronForCausalLM", "JetVLMForConditionalGeneration", "ZayaForCausalLM",
+                           "Qwen4ExpForConditionalGeneration", "InklingForConditionalGeneration")
+
+
+def prefill_graph_reason(model_runner) -> Optional[str]:
+    """Why a writer hooked inside the model's layer code cannot run: a prefill CUDA graph (SGLang's
+    ``cuda_graph_config`` prefill backend ``full`` or ``breakable``, ``model_executor/
+    cuda_graph_config.py``; breakable is SGLang's default on CUDA for text models, full for
+    Inkling, ``arg_groups/cuda_graph_hook.py``) replays the layers without calling the hook, so a
+    planned slot would keep garbage. None off CUDA (no prefill graphs) or with them disabled
+    (``--disable-prefill-cuda-graph``)."""
+    if not str(getattr(model_runner, "device", "cuda")).startswith("cuda"):
+        return None
+    try:
+        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+
+        if check_cuda_graph_backend(Phase.PREFILL, Backend.DISABLED):
+            return None
+        which = "full" if check_cuda_graph_backend(Phase.PREFILL, Backend.FULL) else "breakable"
+        return (f"{which} prefill CUDA graphs replay the layer without the writer's hook "
+                "(--disable-prefill-cuda-graph gives exact checkpoints)")
+    except Exception as e:  # an SGLang without these names, or no runtime context
+        return f"could not check for prefill CUDA graphs ({type(e).__name__}: {e})"
+
+
 def why_not_writer(backend, model_runner) -> Optional[str]:
     """Why the plugin cannot write exact checkpoints for ``backend`` (None: it can)."""
+    hf = getattr(getattr(model_runner, "model_config", None), "hf_config", None)
+    if any(a in IN_LAYER_WRITER_CLASSES for a in (getattr(hf, "architectures", None) or ())):
+        reason = prefill_graph_reason(model_runner)
+        if reason is not None:
+            return reason
     name = _layout_name(backend)
     if name is None:
         method = next((m for cls, _, m in _backend_kinds() if isinstance(backend, cls)), None)

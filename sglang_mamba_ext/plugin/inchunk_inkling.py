@@ -131,6 +131,11 @@ def why_not_writer(model_runner):
     device = str(getattr(model_runner, "device", "cuda"))
     if not device.startswith("cuda"):
         return None
+    from sglang_mamba_ext.plugin.inchunk_checkpoints import prefill_graph_reason
+
+    reason = prefill_graph_reason(model_runner)  # SGLang captures Inkling's prefill in full graphs by default
+    if reason is not None:
+        return reason
     from sglang.srt.environ import envs
 
     if envs.SGLANG_OPT_USE_INKLING_FUSED_ATTN_PROLOGUE.get():

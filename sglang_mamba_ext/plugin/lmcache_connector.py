@@ -17,8 +17,9 @@ a ``UnifiedRadixCache`` whose lookup and load run across several scheduler passe
   if needed, the matched path locked meanwhile), LMCache copies the KV and the state at ``T``
   into them (``submit_load``, waited for, ``complete_load``), and the prefix is hung in the
   tree with its state (``MambaRadixCache.insert``, which frees the loaded KV the tree already
-  held). The adapter's match then hits it like any tree prefix. On any failure every slot is
-  freed and the request simply misses.
+  held). The adapter's match then hits it like any tree prefix. On any failure (an exception
+  anywhere in the path, a failed or refused transfer) every slot is freed and the request
+  simply misses.
 * **store** (:meth:`LMCacheTreeConnector.store`, after each ``checkpoint`` of a request): the
   deepest chunk-aligned prefix of the request's sequence whose state the tree holds on the
   device (``MambaRadixCache.device_states_on_path``) is written from its tree slots
@@ -32,8 +33,11 @@ a ``UnifiedRadixCache`` whose lookup and load run across several scheduler passe
 Keys are the token ids in the namespace ``build_cache_salt(cache_salt, extra_key)``, as
 SGLang's. Each transfer is waited for inside the call (the scheduler does not run a batch
 meanwhile): nothing is in flight between calls, so an abort, a ``/flush_cache`` or a failure
-never leaves a slot with LMCache; the LMCache session of a request ends when its transfer
-does (and its store position is forgotten when the request is released).
+never leaves a slot with LMCache. The one exception is a transfer that outlives its timeout
+(``operation_timeout``): its KV slots, SSM slot and node lock are then held (quarantined) until
+its future completes, checked at each later call, so LMCache never copies into or out of a slot
+that was handed to someone else. The LMCache session of a request ends when its transfer does
+(and its store position is forgotten when the request is released, aborted ones included).
 
 ``lmcache`` stays optional: this module imports it only when a connector is built.
 """
@@ -100,6 +104,9 @@ class LMCacheTreeConnector:
         self.stored_tokens = 0
         self.failures = 0
         self._closed = False
+        #: transfers past their timeout: ``(future, release)``, ``release()`` run once the
+        #: future is done (:meth:`_reap`)
+        self._quarantined = []
 
     # ------------------------------------------------------------------ planning
     def boundary(self, prompt_len: int) -> Optional[int]:
@@ -109,7 +116,44 @@ class LMCacheTreeConnector:
         return c if c > 0 else None
 
     def salt(self, cache_salt, extra_key) -> str:
+        """The LMCache key namespace of a request (``build_cache_salt``, as SGLang's)."""
         return self.connector.build_cache_salt(cache_salt, extra_key)
+
+    # ------------------------------------------------------------------ timeouts
+    @staticmethod
+    def _done(future) -> bool:
+        done = getattr(future, "done", None)
+        if callable(done):
+            return bool(done())
+        try:
+            future.result(timeout=0)
+        except TimeoutError:
+            return False
+        except Exception:  # noqa: BLE001 - finished, with an error
+            return True
+        return True
+
+    def _quarantine(self, future, release) -> None:
+        """Hold a timed-out transfer's resources until its future is done (module docstring)."""
+        self._quarantined.append((future, release))
+
+    def _reap(self) -> None:
+        """Release the resources of quarantined transfers that have finished."""
+        keep = []
+        for future, release in self._quarantined:
+            if self._done(future):
+                try:
+                    release()
+                except Exception:  # noqa: BLE001
+                    logger.warning("sglang-mamba-ext: releasing a timed-out LMCache transfer failed", exc_info=True)
+            else:
+                keep.append((future, release))
+        self._quarantined = keep
+
+    @property
+    def quarantined(self) -> int:
+        """Transfers past their timeout whose slots are still held."""
+        return len(self._quarantined)
 
     # ------------------------------------------------------------------ fetch
     def fetch(self, rid: str, tokens, key, salt: str) -> int:
@@ -118,6 +162,7 @@ class LMCacheTreeConnector:
         Returns the tokens added (0 on a miss or a failure)."""
         from sglang_mamba_ext.mem_cache import RadixKey
 
+        self._reap()
         chunk = self.chunk_size
         aligned = len(tokens) // chunk * chunk
         if aligned <= 0:
@@ -148,13 +193,15 @@ class LMCacheTreeConnector:
 
     def _wait_lookup(self, lookup) -> int:
         deadline = time.monotonic() + self.timeout
+        pause = 0.0005
         while True:
             hit = self.connector.poll_lookup(lookup)
             if hit is not None:
                 return int(hit)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"LMCache lookup not answered in {self.timeout:.0f} s")
-            time.sleep(0.0005)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)  # fewer status queries while a slow server answers
 
     def _unlock(self, rid: str, end: int) -> None:
         """Release the server's read locks of a lookup that will not be retrieved."""
@@ -171,47 +218,76 @@ class LMCacheTreeConnector:
             logger.debug("LMCache end_session failed for %s", rid, exc_info=True)
 
     def _load(self, rid, lookup, tokens, key, local, have: int, hit: int) -> int:
+        """Retrieve ``hit - have`` tokens' KV and the state at ``hit`` into fresh slots and hang
+        them in the tree. Any exception or failed transfer frees what was allocated and
+        releases the lookup's locks (a miss, 0); a transfer past its timeout keeps them until
+        it finishes (:meth:`_quarantine`). Returns the tokens added."""
         from sglang_mamba_ext.mem_cache import RadixKey
 
         core, conn, chunk = self.core, self.connector, self.chunk_size
         start = have // chunk * chunk
-        if start > 0:
-            # the chunks the tree holds already are not retrieved: their locks go now
-            conn.free_lookup_locks(rid, start=0, end=start)
-        anchor = local.last_node
-        core.inc_lock_ref(anchor)  # the allocations below may evict, never the matched path
         kv, slot = None, None
-        try:
-            kv = self._alloc_kv(hit - have)
-            slot = core._alloc_mamba_slot(protect=anchor) if kv is not None else None
-        finally:
-            core.dec_lock_ref(anchor)
-        if kv is None or slot is None:
+
+        def give_back():
             if kv is not None:
                 self.kv_allocator.free(kv)
-            logger.info("sglang-mamba-ext: LMCache hit of %d tokens for %s skipped: no free slots", hit, rid)
-            self._unlock_from(rid, lookup, hit)
-            return 0
-        slot_t = torch.tensor([slot], dtype=torch.int64, device=kv.device)
-        physical = self._translate(slot_t) if self._translate is not None else slot_t
-        ok = False
+            if slot is not None:
+                core.mamba_pool.free([slot])
+            self._unlock_from(rid, lookup, hit)  # a no-op once the retrieve consumed them
+
         try:
+            if start > 0:
+                # the chunks the tree holds already are not retrieved: their locks go now
+                conn.free_lookup_locks(rid, start=0, end=start)
+            anchor = local.last_node
+            core.inc_lock_ref(anchor)  # the allocations below may evict, never the matched path
+            try:
+                kv = self._alloc_kv(hit - have)
+                slot = core._alloc_mamba_slot(protect=anchor) if kv is not None else None
+            finally:
+                core.dec_lock_ref(anchor)
+            if kv is None or slot is None:
+                logger.info("sglang-mamba-ext: LMCache hit of %d tokens for %s skipped: no free slots", hit, rid)
+                give_back()
+                return 0
+            slot_t = torch.tensor([slot], dtype=torch.int64, device=kv.device)
+            physical = self._translate(slot_t) if self._translate is not None else slot_t
             if hasattr(conn, "reset_mamba_checkpoint_metadata"):
                 conn.reset_mamba_checkpoint_metadata(physical)
             groups = conn.device_indices_by_group(kv, mamba_value=slot_t, mamba_transfer_tokens=hit - start)
             load = conn.submit_load(lookup, groups, local_hit_tokens=have, owned_device_indices=kv)
-            ok = self._wait(load.future) and bool(conn.complete_load(load))
-        except Exception:  # noqa: BLE001 - a failed retrieve is a miss
+        except Exception:  # noqa: BLE001 - nothing submitted: a miss
+            logger.warning("sglang-mamba-ext: LMCache retrieve failed for %s", rid, exc_info=True)
+            self.failures += 1
+            give_back()
+            return 0
+        try:
+            ok = self._wait(load.future)
+        except TimeoutError:
+            logger.warning("sglang-mamba-ext: LMCache retrieve for %s past %.0f s: its slots are held until it "
+                           "ends", rid, self.timeout)
+            self.failures += 1
+            self._quarantine(load.future, give_back)
+            return 0
+        except Exception:  # noqa: BLE001 - the transfer ended with an error
             logger.warning("sglang-mamba-ext: LMCache retrieve failed for %s", rid, exc_info=True)
             ok = False
+        try:
+            ok = bool(conn.complete_load(load)) and ok  # always completed: LMCache's bookkeeping
+        except Exception:  # noqa: BLE001
+            logger.warning("sglang-mamba-ext: LMCache complete_load failed for %s", rid, exc_info=True)
+            ok = False
+        if ok:
+            try:
+                value = torch.cat([local.device_indices.to(kv.device), kv]) if have else kv
+                res = core.insert(RadixKey(list(tokens[:hit]), key.extra_key), value, slot, prev_prefix_len=have)
+            except Exception:  # noqa: BLE001
+                logger.warning("sglang-mamba-ext: inserting LMCache's prefix for %s failed", rid, exc_info=True)
+                ok = False
         if not ok:
             self.failures += 1
-            self.kv_allocator.free(kv)
-            core.mamba_pool.free([slot])
-            self._unlock_from(rid, lookup, hit)  # a no-op once the retrieve consumed them
+            give_back()
             return 0
-        value = torch.cat([local.device_indices.to(kv.device), kv]) if have else kv
-        res = core.insert(RadixKey(list(tokens[:hit]), key.extra_key), value, slot, prev_prefix_len=have)
         if res.mamba_exist:  # the tree has a state there already: ours is not needed
             core.mamba_pool.free([slot])
         self.loads += 1
@@ -235,8 +311,8 @@ class LMCacheTreeConnector:
         return alloc.alloc(n)
 
     def _wait(self, future) -> bool:
-        """Wait for a transfer's future; the device's copy is complete when it returns on
-        CPU (LMCache-driven transfer copies in the server before it answers)."""
+        """Wait for a transfer's future (at most ``operation_timeout``; ``TimeoutError`` past it)
+        and, on an accelerator, for the device's copies; True when the transfer succeeded."""
         if future is None:
             return False
         result = future.result(timeout=self.timeout)
@@ -247,38 +323,55 @@ class LMCacheTreeConnector:
 
     # ------------------------------------------------------------------ store
     def store(self, rid: str, tokens, key, salt: str) -> int:
-        """Store the deepest chunk-aligned prefix of ``tokens`` whose state the tree holds
-        on the device, past what this request stored or found already. Returns the tokens
-        sent (0 if none)."""
+        """Store the deepest chunk-aligned prefix of ``tokens`` (token ids; ``key``: the core's
+        :class:`~sglang_mamba_ext.mem_cache.RadixKey` of them) whose state the tree holds on the
+        device, past what this request stored or found already, from its tree slots (the node
+        locked meanwhile; past the timeout, until the transfer ends). Best effort: an exception
+        or failed transfer is logged and counted. Returns the tokens sent (0 if none)."""
         from sglang_mamba_ext.mem_cache import RadixKey
 
+        self._reap()
         conn, chunk = self.connector, self.chunk_size
         aligned = len(tokens) // chunk * chunk
         if aligned <= 0:
             return 0
-        points = [(n, node) for n, node in self.core.device_states_on_path(RadixKey(list(tokens[:aligned]),
-                                                                                     key.extra_key))
-                  if n % chunk == 0]
-        if not points:
-            return 0
-        end, node = points[-1]
-        start = conn.get_store_start(rid, end)
-        if end <= start:
-            return 0
-        self.core.inc_lock_ref(node)
+        node, op, timed_out = None, None, False
         try:
+            points = [(n, nd) for n, nd in self.core.device_states_on_path(RadixKey(list(tokens[:aligned]),
+                                                                                    key.extra_key))
+                      if n % chunk == 0]
+            if not points:
+                return 0
+            end, nd = points[-1]
+            start = conn.get_store_start(rid, end)
+            if end <= start:
+                return 0
+            node = nd
+            self.core.inc_lock_ref(node)
             kv = self.core.path_device_indices(node)[start:end]
             slot_t = torch.tensor([node.mamba_value], dtype=torch.int64, device=kv.device)
             groups = conn.device_indices_by_group(kv, mamba_value=slot_t)
             op = conn.submit_store(rid, list(tokens[:end]), groups, device_indices_start=start, cache_salt=salt)
             if op is None:
                 return 0
-            ok = self._wait(op.future) and bool(conn.complete_store(op))
+            try:
+                ok = self._wait(op.future)
+            except TimeoutError:
+                timed_out, ok = True, False
+            if not timed_out:
+                ok = bool(conn.complete_store(op)) and ok  # always completed: a failed range is retried
         except Exception:  # noqa: BLE001 - a failed store costs a later miss only
             logger.warning("sglang-mamba-ext: LMCache store failed for %s", rid, exc_info=True)
             ok = False
         finally:
-            self.core.dec_lock_ref(node)
+            if node is not None:
+                if timed_out:  # LMCache may still read the node's slots: locked until it ends
+                    logger.warning("sglang-mamba-ext: LMCache store for %s past %.0f s: its node stays locked "
+                                   "until it ends", rid, self.timeout)
+                    held = node
+                    self._quarantine(op.future, lambda: (self.core.dec_lock_ref(held), self._complete_quietly(op)))
+                else:
+                    self.core.dec_lock_ref(node)
             self._end(rid)
         if not ok:
             self.failures += 1
@@ -286,6 +379,12 @@ class LMCacheTreeConnector:
         self.stores += 1
         self.stored_tokens += end - start
         return end - start
+
+    def _complete_quietly(self, op) -> None:
+        try:
+            self.connector.complete_store(op)
+        except Exception:  # noqa: BLE001
+            logger.debug("LMCache complete_store failed", exc_info=True)
 
     # ------------------------------------------------------------------ lifecycle
     def release(self, rid: str) -> None:
@@ -307,6 +406,7 @@ class LMCacheTreeConnector:
         return bool(self.connector.clear())
 
     def close(self) -> None:
+        """Unregister from the LMCache server (graceful shutdown); idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -326,6 +426,7 @@ class LMCacheTreeConnector:
             "stores": self.stores,
             "stored_tokens": self.stored_tokens,
             "failures": self.failures,
+            "quarantined": self.quarantined,
         }
 
 
