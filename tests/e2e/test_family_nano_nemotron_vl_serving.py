@@ -27,7 +27,7 @@ import os
 import unittest
 
 import pytest
-from test_sglang_families_serving import DeclaredHybrid, FamilyServing
+from test_sglang_families_serving import CountsInchunkCheckpoints, DeclaredHybrid, FamilyServing
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ ALL_FAMILIES = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
 
 @unittest.skipUnless(ALL_FAMILIES, "Nemotron-H Nano VL served end to end (72-106 s here, over the suite's ~45 s per "
                                    "class); SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
-class TestNanoNemotronVLServing(DeclaredHybrid, FamilyServing, unittest.TestCase):
+class TestNanoNemotronVLServing(CountsInchunkCheckpoints, DeclaredHybrid, FamilyServing, unittest.TestCase):
     """``NemotronH_Nano_VL_V2`` (``--arch nano_nemotron_vl``): launched (declared hybrid-cached by the
     plugin), resent (149, against the float32 reference), next turn (65), abort and idle checks."""
 
@@ -47,7 +47,7 @@ class TestNanoNemotronVLServing(DeclaredHybrid, FamilyServing, unittest.TestCase
 
 @unittest.skipUnless(ALL_FAMILIES, "NemotronH_Nano_Omni_Reasoning_V3 runs the same language model and plugin paths as "
                                    "TestNanoNemotronVLServing; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
-class TestNanoNemotronOmniServing(DeclaredHybrid, FamilyServing, unittest.TestCase):
+class TestNanoNemotronOmniServing(CountsInchunkCheckpoints, DeclaredHybrid, FamilyServing, unittest.TestCase):
     """``NemotronH_Nano_Omni_Reasoning_V3`` (``--arch nano_nemotron_omni``); opt-in."""
 
     STOCK = False

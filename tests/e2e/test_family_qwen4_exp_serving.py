@@ -18,7 +18,7 @@ import unittest
 
 import pytest
 from test_differential_serving import DifferentialServing
-from test_sglang_families_serving import FamilyServing
+from test_sglang_families_serving import CountsInchunkCheckpoints, FamilyServing
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -26,7 +26,7 @@ _ALL = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
 
 
 @unittest.skipUnless(_ALL, "Qwen4-Exp (GDN + PLE dilated short conv, bfloat16): SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
-class TestQwen4ExpServing(FamilyServing, unittest.TestCase):
+class TestQwen4ExpServing(CountsInchunkCheckpoints, FamilyServing, unittest.TestCase):
     """Qwen4-Exp (``--arch qwen4_exp``): launched (the GDN writer's start-up line), resent
     (149 of 150 cached; against transformers' class in float32), a branch point at 77, the next
     turn (``len + out - 1``), abort and idle checks; each hit's output equal to a cold run's.

@@ -529,6 +529,33 @@ class TestMiniCPMV47Serving(FamilyServing, unittest.TestCase):
     ARCH, BACKEND, MODEL_CLASS = "minicpmv4_7", "GDNAttnBackend", "MiniCPMV4_7ForConditionalGeneration"
 
 
+def inchunk_counters(server):
+    """``/server_info``'s in-chunk checkpoint counters (``inchunk_checkpoints.CHECKPOINT_COUNTERS``):
+    ``[from the start state, from SGLang's chunk states, from the writer's own pass]``."""
+    import requests
+
+    r = requests.get(server.base_url + "/server_info", timeout=60)
+    r.raise_for_status()
+    info = r.json()["internal_states"][0]["mamba_radix"]
+    return [info[k] for k in ("inchunk_from_start_state", "inchunk_from_chunk_states", "inchunk_from_own_pass")]
+
+
+class CountsInchunkCheckpoints:
+    """A mixin for a family class: a fresh 150-token prompt's prefix checkpoints are written by
+    the plugin's in-chunk writer (``/server_info``'s ``inchunk_from_*`` counters, counted once per
+    forward batch by ``inchunk_checkpoints.count_checkpoints``): on CPU none from SGLang's kernel
+    chunk states (its Triton kernels do not return them here), at least one from the start state
+    or the writer's own pass (the prompt-end checkpoint at 149 is off every kernel grid)."""
+
+    def test_5_fresh_prompt_checkpoints_written_in_chunk(self):
+        before = inchunk_counters(self.server)
+        _, cached, _ = self.gen(list(range(600, 750)), cold=True)  # a fresh cache_salt: nothing to hit
+        self.assertEqual(cached, 0)
+        start, from_chunks, own = (b - a for a, b in zip(before, inchunk_counters(self.server)))
+        self.assertEqual(from_chunks, 0)
+        self.assertGreaterEqual(start + own, 1)
+
+
 class LongExtendServing(FamilyServing):
     """Issue 39: with prompts in one extend (``--chunked-prefill-size 512``), checkpoints past a
     row's first 64-token chunk start from the prefill kernel's own chunk states (GDN / KDA ``h``,
@@ -542,12 +569,7 @@ class LongExtendServing(FamilyServing):
     test_4_abort_then_idle_checks = None
 
     def counters(self):
-        import requests
-
-        r = requests.get(self.server.base_url + "/server_info", timeout=60)
-        r.raise_for_status()
-        info = r.json()["internal_states"][0]["mamba_radix"]
-        return [info[k] for k in ("inchunk_from_start_state", "inchunk_from_chunk_states", "inchunk_from_own_pass")]
+        return inchunk_counters(self.server)
 
     def gen_counted(self, ids, **kw):
         before = self.counters()
