@@ -53,10 +53,22 @@ MAX_ZYGOTES = 4
 # ---------------------------------------------------------------------------------------------
 
 
-def _preload() -> None:
-    """What every launch imports before it serves (measured: everything else is < 1 s)."""
+def _preload(plugins: bool) -> None:
+    """What every launch does before it reads its arguments: SGLang's imports and, for the
+    zygotes of server launches (``plugins``), its plugin loading."""
     import sglang.launch_server  # noqa: F401
     import sglang.srt.entrypoints.http_server  # noqa: F401
+
+    if not plugins:  # a zygote of other modules (test files run under Triton's interpreter)
+        return
+    # SGLang's plugin loading (idempotent: a process loads them once). Applying the hooks
+    # walks every imported module once per hook target to re-point ``from X import Y``
+    # copies (``hook_registry.py::_propagate_patch``): about 5-7 s per launch on the test
+    # machine, paid here once. Same as in the child: the zygote has the launch's environment,
+    # and the plugins' registration reads no command line.
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
 
 
 def _child(request: dict, close_fds: Sequence[int]) -> None:
@@ -114,7 +126,7 @@ def _report_exits(state_dir: str, children: set) -> None:
         os.rename(tmp, os.path.join(state_dir, f"{pid}.exit"))
 
 
-def main(state_dir: str) -> None:
+def main(state_dir: str, plugins: bool = False) -> None:
     requests = os.fdopen(os.dup(0), "r")
     answers = os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
@@ -122,7 +134,7 @@ def main(state_dir: str) -> None:
     os.close(null)
     os.dup2(2, 1)  # stray prints go to the zygote's log, not into the answers
     t0 = time.time()
-    _preload()
+    _preload(plugins)
     ready = {"ready": True, "import_s": round(time.time() - t0, 1), "threads": threading.active_count()}
     os.write(answers, (json.dumps(ready) + "\n").encode())
     children: set = set()
@@ -189,12 +201,13 @@ def _exists(pid: int) -> bool:
 
 
 class _Zygote:
-    def __init__(self, env: Dict[str, str]):
+    def __init__(self, env: Dict[str, str], plugins: bool = False):
         self.state_dir = tempfile.mkdtemp(prefix="mamba-ext-zygote-")
         self.log_path = os.path.join(self.state_dir, "zygote.log")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sglang_mamba_ext.testing.zygote", self.state_dir],
+                [sys.executable, "-m", "sglang_mamba_ext.testing.zygote", self.state_dir]
+                + (["--plugins"] if plugins else []),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True, text=True, bufsize=1,
             )
@@ -239,25 +252,26 @@ class _Zygote:
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-_zygotes: Dict[Tuple[Tuple[str, str], ...], _Zygote] = {}
+_zygotes: Dict[tuple, _Zygote] = {}  # key: (plugins, *sorted environment items)
 _zygotes_lock = threading.Lock()
 
 
 def start(module: str, args: Sequence[str], env: Dict[str, str], log_path: str,
-          cwd: Optional[str] = None, err_path: Optional[str] = None) -> ForkedProcess:
+          cwd: Optional[str] = None, err_path: Optional[str] = None, plugins: bool = False) -> ForkedProcess:
     """``python -m MODULE ARGS`` with environment ``env`` (as :mod:`runpy` runs it), forked
     from the zygote of that environment (started on first use: about one import of SGLang),
     writing stdout and stderr to ``log_path`` (appended; stderr to ``err_path`` if given).
+    ``plugins``: from a zygote that has loaded SGLang's plugins too (server launches).
     Returns at once.
 
     Raises:
         RuntimeError: the zygote died (the message carries the end of its log)."""
     env = {k: v for k, v in env.items() if k not in PER_TEST_ENV}
-    key = tuple(sorted(env.items()))
+    key = (plugins, *sorted(env.items()))
     with _zygotes_lock:
         zygote = _zygotes.get(key)
         if zygote is None or zygote.proc.poll() is not None:
-            zygote = _zygotes[key] = _Zygote(dict(env))
+            zygote = _zygotes[key] = _Zygote(dict(env), plugins)
             idle = sorted(((k, z) for k, z in _zygotes.items() if z is not zygote and not z.busy()),
                           key=lambda kz: kz[1].last_used)
             for old_key, old in idle[: max(0, len(_zygotes) - MAX_ZYGOTES)]:
@@ -270,7 +284,7 @@ def launch(args: Sequence[str], env: Dict[str, str], log_path: str, cwd: Optiona
     """``python -m sglang.launch_server ARGS`` forked from a zygote (:func:`start`), with
     SGLang's worker processes forked from the launcher (:mod:`.fork_launch`). Returns at
     once; the caller waits for ``/health``."""
-    return start("sglang_mamba_ext.testing.fork_launch", args, env, log_path, cwd)
+    return start("sglang_mamba_ext.testing.fork_launch", args, env, log_path, cwd, plugins=True)
 
 
 def run(module: str, args: Sequence[str], env: Dict[str, str], timeout: float,
@@ -310,4 +324,4 @@ def close_all() -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], plugins="--plugins" in sys.argv[2:])

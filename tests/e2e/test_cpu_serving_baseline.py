@@ -169,7 +169,10 @@ class TestCpuServingPluginDefaults(_ServerCase):
 
     FLAGS = ["--device", "cpu"]
     ENV = {"SGLANG_MAMBA_CONV_DTYPE": None, "SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS": None}
-    SPAWN = True  # as a user launches it, also under server_util.FORK_ENV
+    # Forked like the other test servers (the zygote of this environment has the plugin's
+    # import-time CPU defaults unset as a user's would be); the launch as a user runs it,
+    # spawned: TestProductLaunch (test_mamba_radix_serving.py). Spawned it cost 134 s of start-up.
+    SPAWN = False
 
     def test_tokens_and_logprobs_match_reference(self):
         import torch

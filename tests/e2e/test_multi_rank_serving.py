@@ -122,7 +122,9 @@ class TestDP2Warm(_Ranks):
     """``--dp 2`` with the ``kda_cache`` warm-up: both ranks hold the warmed prompt."""
 
     WARM = [_ids(300, 40)]
-    SPAWN = True  # the data-parallel controller and its ranks started as a user's launch does
+    # Forked: the data-parallel controller starts its ranks with SGLang's multiprocessing, which
+    # forks in a forked test server (testing/fork_launch.py) as TestTP2's ranks do. Spawned, as
+    # a user's launch, its start-up took 125-181 s of the suite.
     FLAGS = ["--dp", "2", "--max-total-tokens", "2048", "--max-mamba-cache-size", "32", "--max-running-requests", "4"]
 
     def test_warm_prompt_hit_on_every_rank(self):
