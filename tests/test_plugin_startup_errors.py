@@ -2,7 +2,10 @@
 
 ``python -m sglang.launch_server`` with a bad use of the plugin's flags must write a usage
 line and ``sglang serve: error: <message>`` as the last lines of stderr, no traceback, and
-exit with status 2 at once (``sglang_mamba_ext/plugin/startup_errors.py``). One case per
+exit with status 2 at once (``sglang_mamba_ext/plugin/startup_errors.py``). The first case is
+launched as a user runs it; the others are forked from a process that imported SGLang and
+loaded its plugins already (``testing/zygote.py``: the same launcher code after the imports,
+a few seconds instead of a fresh Python's 25-50). One case per
 place the check runs: the prompts file (``ServerArgs.from_cli_args``), a non-hybrid model
 under ``--enable-mamba-radix`` (SGLang's resolution, ``ServerArgs.resolve_once`` inside
 ``run_server``), and ``--mamba-spec-state-update deferred`` without speculative decoding
@@ -80,14 +83,19 @@ class TestStartupErrorsLikeArgparse(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def _launch(self, *extra, model=None):
+    def _launch(self, *extra, model=None, spawn=False):
+        from sglang_mamba_ext.testing import zygote
+
         env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         env.pop("SGLANG_PLUGINS", None)
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model or self.llama, "--device", "cpu",
-               "--port", "39123", *extra]
+        args = ["--model-path", model or self.llama, "--device", "cpu", "--port", "39123", *extra]
         start = time.monotonic()
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=BOUND_S + 120, cwd=REPO)
+        if spawn:
+            out = subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], capture_output=True,
+                                 text=True, env=env, timeout=BOUND_S + 120, cwd=REPO)
+        else:
+            out = zygote.run("sglang.launch_server", args, env, timeout=BOUND_S + 120, cwd=REPO, plugins=True)
         return out, time.monotonic() - start
 
     def _assert_argparse_error(self, out, elapsed, message):
@@ -99,7 +107,7 @@ class TestStartupErrorsLikeArgparse(unittest.TestCase):
 
     def test_missing_prompts_file(self):
         missing = os.path.join(self.tmp.name, "missing.jsonl")
-        out, elapsed = self._launch("--warmups", "kda_cache", "--warmup-prompts-file", missing)
+        out, elapsed = self._launch("--warmups", "kda_cache", "--warmup-prompts-file", missing, spawn=True)
         self._assert_argparse_error(
             out, elapsed, f"--warmup-prompts-file {missing}: cannot read the file (No such file or directory)"
         )

@@ -1,7 +1,7 @@
 """The on-chip verify entry in one launch (``speculative/ops/verify/onchip_raw.py``; issue 39,
 item 2): from SGLang's raw ``target_verify`` arguments (pre-norm q/k, raw gates, states ``[slots,
 HV, V, K]``, ``retrieve_parent_token``), equal to the two-step path it replaced (torch prep,
-then ``ops/verify/fused.py``) and to the torch tree recurrence, for KDA and GDN gates, EAGLE
+then ``ops/verify/fused.py``), to the torch tree recurrence and to the entry's torch form, for KDA and GDN gates, EAGLE
 trees with padding entries, chains, a padding row and bf16 activations (CPU: Triton's
 interpreter)."""
 
@@ -51,6 +51,11 @@ class TestOnChipRawEntry(unittest.TestCase):
         self.assertGreater(float(out[False].float().abs().max()), 0.1)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out[True], out[False], rtol=tol, atol=tol)
+        # the torch form CPU serving uses (hooks.kernel_impl): the same outputs as the kernel
+        torch_form = verify_onchip.onchip_tree_verify(q, k, v, a, b, A_log, dt_bias, pool, slots, T, parents, depth,
+                                                      per_head_gate=gate == "gdn", impl="torch")
+        self.assertEqual(torch_form.dtype, dtype)
+        torch.testing.assert_close(torch_form, out[True], rtol=tol, atol=tol)
         return out[True]
 
     def test_kda_tree(self):

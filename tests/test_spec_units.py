@@ -158,6 +158,51 @@ class TestReplayTorch(unittest.TestCase):
             torch.testing.assert_close(temp[l, 1], t3, rtol=1e-5, atol=1e-6)
 
 
+    def test_replay_from_raw_weights_equals_the_mixers_replay(self):
+        """CPU serving's replay (weights from a served model's raw tensors, no mixers: the
+        in-chunk writer's torch path) == the mixers' own replay: KDA and GDN gates, a row that
+        crosses a track boundary, one that does not, and a skipped slot (-1)."""
+        L = 2
+        for gate in ("kda", "gdn"):
+            with self.subTest(gate=gate):
+                torch.manual_seed(1)
+                shape = LinearAttnShape(2, 4, 8, 8, 4)
+                mixers = [GatedDeltaRuleMixer(16, shape, conv_bias=True, gate=gate) for _ in range(L)]
+                with torch.no_grad():
+                    for m in mixers:
+                        m.A_log.normal_(0, 0.5)
+                        m.dt_bias.normal_()
+                        m.conv_bias.normal_()
+                w = ReplayWeights.from_mixers(mixers)
+                raw = ReplayWeights(w.shape, w.conv_weight, w.conv_bias, w.A_log, w.dt_bias,
+                                    per_head_gate=w.per_head_gate)
+                s = shape
+                gw = s.num_v_heads if gate == "gdn" else s.num_v_heads * s.head_k_dim
+                conv0 = torch.randn(L, 7, *s.conv_state_shape)
+                temp0 = torch.randn(L, 7, *s.temporal_state_shape)
+                out = {}
+                for name, weights in (("mixers", w), ("raw", raw)):
+                    st = ActivationStash(L, 4, 5, StashDims(s.conv_dim, gw, s.num_v_heads), dtype=torch.float32)
+                    g = torch.Generator().manual_seed(2)
+                    st.mixed_qkv.copy_(torch.randn(st.mixed_qkv.shape, generator=g))
+                    st.g_raw.copy_(torch.randn(st.g_raw.shape, generator=g))
+                    st.b_raw.copy_(torch.randn(st.b_raw.shape, generator=g))
+                    # rows 0, 3, 1: 5 tokens from seq 14 (crosses 16 after step 1 -> track slot 6),
+                    # 3 tokens from seq 20 (no crossing), 2 tokens into slot -1 (skipped)
+                    rows, slots = torch.tensor([0, 3, 1]), torch.tensor([2, 4, -1])
+                    st.set_pending(rows, torch.tensor([5, 3, 2]), torch.tensor([14, 20, 9]), torch.tensor([6, 5, 0]))
+                    conv, temp = conv0.clone(), temp0.clone()
+                    tracked = replay(st, rows, slots, conv, temp, weights, 16, impl="torch")
+                    out[name] = (tracked.tolist(), conv, temp, st.count.tolist())
+                self.assertEqual(out["raw"][0], out["mixers"][0])
+                self.assertEqual(out["raw"][0][:2], [True, False])
+                self.assertEqual(out["raw"][3], [0, 0, 0, 0])
+                torch.testing.assert_close(out["raw"][1], out["mixers"][1], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(out["raw"][2], out["mixers"][2], rtol=1e-5, atol=1e-5)
+                self.assertFalse(torch.equal(out["raw"][2][:, 6], temp0[:, 6]))  # the track slot was written
+                torch.testing.assert_close(out["raw"][2][:, [0, 1, 3, 5]], temp0[:, [0, 1, 3, 5]], rtol=0, atol=0)
+
+
 class TestTreeVerifyTorch(unittest.TestCase):
     """Every tree node's output / state == the sequential mixer along the node's path."""
 
@@ -207,6 +252,33 @@ class TestTreeVerifyTorch(unittest.TestCase):
                             torch.testing.assert_close(buf[rows[n], i], S_ref, rtol=1e-5, atol=1e-6)
                         elif i == 6:  # the buffer holds the last head group only
                             torch.testing.assert_close(buf[rows[n], i], S_ref[2:], rtol=1e-5, atol=1e-6)
+
+    def test_onchip_torch_form_equals_the_buffered_recurrence(self):
+        """The on-chip verify's torch form (CPU serving: no node-state buffer, each node stepped
+        from the main state along its root path) gives every node's output of the buffered
+        reference, which equals the sequential mixer (test above)."""
+        from sglang_mamba_ext.speculative.verify_onchip import onchip_tree_recurrence
+
+        m, tree, x, conv0, S0 = self._setup(seed=3)
+        idx = TreeIndex.build(tree, 4)
+        with torch.no_grad():
+            mq, gr, br = m.project_raw(x)
+            g, beta = m.activate_gates(gr, br)
+            y, _ = tree_conv(m, mq, conv0, idx)
+            q, k, v = m.split_qkv(y)
+            buf = OneLayerBuffer(2, 7, m.shape).ssm
+            want = tree_recurrence(m, q, k, v, g, beta, S0, idx, buf, torch.tensor([0, 1]))
+            pool = torch.cat([torch.randn(1, *S0.shape[1:]), S0])  # main states in slots 1, 2
+            got = onchip_tree_recurrence(q, k, v, g, beta, pool, torch.tensor([1, 2]), idx.parents, 4, m.scale,
+                                         impl="torch")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            chain = onchip_tree_recurrence(q[:, :3], k[:, :3], v[:, :3], g[:, :3], beta[:, :3], pool,
+                                           torch.tensor([1, 2]), None, 4, m.scale, impl="torch")
+            for n in range(2):  # a chain: node i after tokens 0..i
+                o, _ = m.recurrence(q[n, :3], k[n, :3], v[n, :3], g[n, :3], beta[n, :3], S0[n])
+                torch.testing.assert_close(chain[n], o.float(), rtol=1e-5, atol=1e-6)
+            with self.assertRaisesRegex(ValueError, "impl must be"):
+                onchip_tree_recurrence(q, k, v, g, beta, pool, torch.tensor([1, 2]), idx.parents, 4, m.scale, impl="x")
 
     def test_head_chunk_validation(self):
         with self.assertRaises(ValueError):

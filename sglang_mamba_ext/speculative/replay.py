@@ -156,7 +156,8 @@ def replay(
         rows: ``[N]`` int64 stash rows to replay (rows with ``count == 0`` are skipped).
         slots: ``[N]`` int64 main-state slots of those rows (``mamba_pool_idx``); ``-1`` skips.
         conv_state, temporal_state: pools, layouts in the module docstring (written in place).
-        weights: the stacked layer weights (``impl="torch"``: built with ``from_mixers``), or a
+        weights: the stacked layer weights (``impl="torch"``: the mixers' own math when built
+            with ``from_mixers``, else the in-chunk writer's torch path), or a
             Mamba2 target's :class:`~.ops.inchunk.mamba2.Mamba2Weights` (then ``stash.mixed_qkv``
             holds ``xBC``, ``stash.g_raw`` the raw ``dt``, and ``temporal_state`` is
             ``[L, slots, HV, P, N]``: :mod:`.ops.replay.mamba2`).
@@ -166,19 +167,21 @@ def replay(
             inside its accepted run keeps ``len(prompt + output) - 1 - stash.seq_len``
             tokens; the rest are dropped with the row's records).
         impl: ``"triton"`` (:mod:`.ops.replay.fused`; needs CUDA or ``TRITON_INTERPRET=1``)
-            or ``"torch"`` (:mod:`.ops.replay.naive`).
+            or ``"torch"`` (:mod:`.ops.replay.naive`; CPU serving).
 
     Returns:
         ``[N]`` bool: which rows wrote a checkpoint (the caller flips its ping-pong index).
 
     Raises:
-        ValueError: unknown ``impl``, inconsistent shapes, or ``impl="torch"`` without mixers.
+        ValueError: unknown ``impl`` or inconsistent shapes.
     """
     if impl not in ("triton", "torch"):
         raise ValueError(f"replay: impl must be 'triton' or 'torch', got {impl!r}")
     if isinstance(weights, ReplayWeights):
         if impl == "torch":
-            from sglang_mamba_ext.speculative.ops.replay.naive import replay_torch as run
+            from sglang_mamba_ext.speculative.ops.replay import naive
+
+            run = naive.replay_torch if weights.mixers is not None else naive.replay_torch_from_weights
         else:
             from sglang_mamba_ext.speculative.ops.replay.fused import replay_triton as run
     else:  # Mamba2Weights: a Mamba2 layer's conv + selective state update (ops/replay/mamba2.py)

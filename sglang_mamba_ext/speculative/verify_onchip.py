@@ -132,28 +132,66 @@ def activate_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bia
 
 def onchip_tree_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            state: torch.Tensor, slots: torch.Tensor, parents: Optional[torch.Tensor], max_depth: int,
-                           scale: float) -> torch.Tensor:
+                           scale: float, impl: str = "triton") -> torch.Tensor:
     """The recurrence on chip from activated inputs: ``q, k [bs, T, H, K]`` (normalised), ``v
     [bs, T, HV, V]``, ``g [bs, T, HV, K]`` or ``[bs, T, HV]``, ``beta [bs, T, HV]``; ``state``
     ``[slots, HV, K, V]`` (any strides, read only), ``slots [bs]`` (``>= 0``), ``parents [bs,
-    T]`` (None: a chain). Returns ``o [bs, T, HV, V]`` float32."""
-    from sglang_mamba_ext.speculative.ops.verify.fused import tree_recurrence_triton
+    T]`` (None: a chain). ``impl``: ``"triton"`` (:mod:`.ops.verify.fused`) or ``"torch"``
+    (:func:`onchip_tree_recurrence_torch`). Returns ``o [bs, T, HV, V]`` float32.
 
+    Raises:
+        ValueError: an unknown ``impl``."""
     bs, T = q.shape[0], q.shape[1]
     if parents is None:
         parents, dmax = (torch.arange(T, device=q.device) - 1).expand(bs, T), T
     else:
         dmax = max(int(max_depth), 1)
     depth, path = tree_paths(parents, dmax)
+    if impl == "torch":
+        return onchip_tree_recurrence_torch(q, k, v, g, beta, state, slots, depth, path, scale)
+    if impl != "triton":
+        raise ValueError(f"onchip_tree_recurrence: impl must be 'triton' or 'torch', got {impl!r}")
+    from sglang_mamba_ext.speculative.ops.verify.fused import tree_recurrence_triton
+
     index = TreeIndex(parents, depth, path, path[..., :0])
     return tree_recurrence_triton(q, k, v, g, beta, state, slots.to(torch.int64), index, scale, BV=ONCHIP_BV)
+
+
+def onchip_tree_recurrence_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, depth: torch.Tensor,
+                                 path: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch form of the on-chip tree verify (the Triton kernel's reference, and CPU serving's
+    path): every node steps from its request's main state along its root path (``path [bs, T,
+    dmax]`` root first, ``-1`` past ``depth [bs, T]``: :func:`tree_paths`), all nodes of a level
+    at once with ``gated_delta_rule_step`` (``models/linear_attn.py``); no node state is kept.
+    Inputs as :func:`onchip_tree_recurrence`; returns ``o [bs, T, HV, V]`` float32."""
+    from sglang_mamba_ext.models.linear_attn import gated_delta_rule_step
+
+    bs, T = q.shape[0], q.shape[1]
+    HV, V = v.shape[-2], v.shape[-1]
+    S = state[slots.to(torch.int64)].float()[:, None].expand(bs, T, *state.shape[1:]).contiguous()
+    o = torch.zeros(bs, T, HV, V, dtype=torch.float32, device=q.device)
+
+    def along(x: torch.Tensor, j: torch.Tensor) -> torch.Tensor:  # x[b, j[b, t]] for every (b, t)
+        return torch.gather(x, 1, j.view(bs, T, *([1] * (x.dim() - 2))).expand(bs, T, *x.shape[2:]))
+
+    for d in range(path.shape[-1]):
+        j = path[..., d]
+        on = j >= 0
+        if not bool(on.any()):
+            break
+        j = j.clamp(min=0)
+        o_d, S_d = gated_delta_rule_step(along(q, j), along(k, j), along(v, j), along(g, j), along(beta, j), S, scale)
+        S = torch.where(on[..., None, None, None], S_d, S)
+        o = torch.where((depth - 1 == d)[..., None, None], o_d, o)
+    return o
 
 
 def onchip_tree_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                        A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor,
                        cache_indices: torch.Tensor, draft_token_num: int,
                        retrieve_parent_token: Optional[torch.Tensor], max_depth: int, per_head_gate: bool,
-                       ssm_vk: bool = True, scale: Optional[float] = None) -> torch.Tensor:
+                       ssm_vk: bool = True, scale: Optional[float] = None, impl: str = "triton") -> torch.Tensor:
     """Tree verify of one layer without a node-state buffer, from the arguments of SGLang's
     ``kernel_dispatcher.target_verify`` (module docstring).
 
@@ -167,6 +205,8 @@ def onchip_tree_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
         cache_indices: ``[>= bs]`` main slots; ``-1`` (padding) reads slot 0, output discarded.
         retrieve_parent_token: ``[bs, T]`` parents (None: a chain).
         max_depth: tree depth bound (``speculative_num_steps + 1``).
+        impl: ``"triton"`` (one launch from the raw arguments where :data:`RAW_ENTRY`) or
+            ``"torch"`` (:func:`onchip_tree_recurrence_torch`; CPU serving).
 
     Returns:
         ``[1, n, HV, V]`` in ``v``'s dtype.
@@ -177,7 +217,7 @@ def onchip_tree_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     T = int(draft_token_num)
     bs = n // T
     state = ssm_states.transpose(-1, -2) if ssm_vk else ssm_states
-    if RAW_ENTRY:
+    if RAW_ENTRY and impl == "triton":
         from sglang_mamba_ext.speculative.ops.verify.onchip_raw import onchip_verify_raw
 
         parents = None if retrieve_parent_token is None else retrieve_parent_token[:bs]
@@ -193,5 +233,5 @@ def onchip_tree_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     parents = None if retrieve_parent_token is None else retrieve_parent_token[:bs]
     o = onchip_tree_recurrence(qf, kf, v.reshape(bs, T, HV, V), g, beta.reshape(bs, T, HV), state,
                                cache_indices[:bs].to(torch.int64).clamp(min=0), parents, max_depth,
-                               K ** -0.5 if scale is None else scale)
+                               K ** -0.5 if scale is None else scale, impl=impl)
     return o.to(v.dtype).reshape(1, n, HV, V)

@@ -98,9 +98,9 @@ def _child(request: dict, close_fds: Sequence[int]) -> None:
             print(e.code, file=sys.stderr)
             code = 1
     except BaseException:
-        import traceback
-
-        traceback.print_exc()
+        # as Python reports an uncaught exception: through ``sys.excepthook`` (the plugin's
+        # start-up errors install one that writes argparse's two lines and exits with 2)
+        sys.excepthook(*sys.exc_info())
         code = 1
     finally:
         try:
@@ -288,7 +288,7 @@ def launch(args: Sequence[str], env: Dict[str, str], log_path: str, cwd: Optiona
 
 
 def run(module: str, args: Sequence[str], env: Dict[str, str], timeout: float,
-        cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+        cwd: Optional[str] = None, plugins: bool = False) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` forked from a zygote (:func:`start`), to its end, as
     ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` would return it.
 
@@ -298,7 +298,7 @@ def run(module: str, args: Sequence[str], env: Dict[str, str], timeout: float,
 
     with tempfile.TemporaryDirectory(prefix="mamba-ext-zygote-run-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        child = start(module, args, env, out, cwd, err)
+        child = start(module, args, env, out, cwd, err, plugins=plugins)
         try:
             child.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -25,9 +25,22 @@ FLAG = "--mamba-spec-state-update"
 ATTR = "_mamba_spec_state_update"
 CHOICES = ("snapshot", "deferred")
 POOL_ATTR = "mamba_spec_deferred"  # DeferredSpecState attached to a MambaPool
-#: Replay implementation in serving: the Triton kernels (compiled on CUDA; on a CPU host the
-#: plugin sets ``TRITON_INTERPRET=1`` for speculative decoding, so the same kernels run there).
-REPLAY_IMPL = "triton"
+#: ``SGLANG_MAMBA_EXT_CPU_KERNELS`` (also read by ``plugin/cpu_bridges.py``): ``triton`` runs
+#: the deferred verify's and replay's Triton kernels on CPU too (under Triton's interpreter).
+CPU_KERNELS_ENV = "SGLANG_MAMBA_EXT_CPU_KERNELS"
+
+
+def kernel_impl(device) -> str:
+    """The deferred update's kernels in serving: ``"triton"`` on CUDA (compiled); on CPU
+    ``"torch"``, the torch references the Triton kernels are tested against (the interpreter ran
+    a tiny model's verify at seconds per round), unless :data:`CPU_KERNELS_ENV` is ``triton``.
+    ``device``: a ``torch.device`` or a tensor on it."""
+    import os
+
+    dev = getattr(device, "device", device)
+    if torch.device(dev).type == "cuda":
+        return "triton"
+    return "triton" if os.environ.get(CPU_KERNELS_ENV, "torch").strip().lower() == "triton" else "torch"
 
 
 #: ``--speculative-algorithm`` values accepted with ``deferred`` at flag level, and what SGLang
@@ -494,7 +507,8 @@ def replay_for_batch(req_to_token_pool, req_pool_indices: torch.Tensor, keep: Op
     pool = req_to_token_pool.mamba_pool
     slots = req_to_token_pool.get_mamba_indices(req_pool_indices)
     conv, temporal = pool_views(pool)
-    state.replay(req_pool_indices.to(torch.int64), slots.to(torch.int64), conv, temporal, keep=keep, impl=REPLAY_IMPL)
+    state.replay(req_pool_indices.to(torch.int64), slots.to(torch.int64), conv, temporal, keep=keep,
+                 impl=kernel_impl(temporal))
 
 
 def worker_forward_before(worker, batch, *args, **kwargs) -> None:

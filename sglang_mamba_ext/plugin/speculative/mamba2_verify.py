@@ -24,7 +24,8 @@ In a target-verify batch SGLang's mixer runs its verify conv (``causal_conv1d_up
   ``V`` = head_dim), :func:`ssu_around` (AROUND SGLang's ``selective_state_update`` dispatcher,
   ``kernels/ops/mamba/triton_ops/ssu_dispatch.py``) answers the mixer's verify call with
   :func:`~sglang_mamba_ext.speculative.ops.verify.mamba2_onchip.mamba2_tree_verify_triton`
-  (each node's state recomputed along its path in registers, same outputs); otherwise SGLang's
+  (each node's state recomputed along its path in registers, same outputs; on CPU its torch
+  reference, ``hooks.kernel_impl``); otherwise SGLang's
   kernel fills the one-layer buffer.
 
 Commit, replay and release are the shared hooks of :mod:`.hooks`.
@@ -178,10 +179,13 @@ def ssu_around(original, *args, **kwargs):
             f"{hooks.FLAG} deferred: the on-chip Mamba2 verify takes no gate z and never updates the state; "
             f"set {VERIFY_ENV}=one_layer"
         )
-    from sglang_mamba_ext.speculative.ops.verify.mamba2_onchip import mamba2_tree_verify_triton
+    from sglang_mamba_ext.speculative.ops.verify.mamba2_onchip import mamba2_tree_verify
 
-    mamba2_tree_verify_triton(a["state"], a["x"], a["dt"], a["A"], a["B"], a["C"], a.get("D"), a.get("dt_bias"),
-                              a["state_batch_indices"], a.get("retrieve_parent_token"), ctx["onchip_depth"],
-                              dt_softplus=a.get("dt_softplus", False), out=a["out"])
+    out = a["out"]
+    y = mamba2_tree_verify(a["state"], a["x"], a["dt"], a["A"], a["B"], a["C"], a.get("D"), a.get("dt_bias"),
+                           a["state_batch_indices"], a.get("retrieve_parent_token"), ctx["onchip_depth"],
+                           dt_softplus=a.get("dt_softplus", False), out=out, impl=hooks.kernel_impl(out))
+    if y is not out:  # the torch form (CPU) returns a new float32 tensor
+        out[: y.shape[0]].copy_(y.to(out.dtype))
     ctx["onchip_calls"] += 1
     return None

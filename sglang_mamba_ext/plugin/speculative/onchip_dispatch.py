@@ -1,11 +1,12 @@
 """The on-chip verify's stand-in for a KDA / GDN backend's ``kernel_dispatcher`` during one
 deferred verify call (``plugin/speculative/hooks.py::_verify_deferred``; ``docs/design.md``,
 "Deferred update"): SGLang's verify code runs unchanged and its recurrent ``target_verify`` is
-answered by :func:`~sglang_mamba_ext.speculative.verify_onchip.onchip_tree_verify`."""
+answered by :func:`~sglang_mamba_ext.speculative.verify_onchip.onchip_tree_verify` (its Triton
+kernel on CUDA, its torch form on CPU: ``hooks.kernel_impl``)."""
 
 from __future__ import annotations
 
-from sglang_mamba_ext.plugin.speculative.hooks import FLAG, DeferredSpecConfigError
+from sglang_mamba_ext.plugin.speculative.hooks import FLAG, DeferredSpecConfigError, kernel_impl
 from sglang_mamba_ext.speculative.deferred import DeferredSpecState
 from sglang_mamba_ext.speculative.verify_onchip import onchip_tree_verify
 
@@ -35,7 +36,8 @@ class OnChipDispatcher:
         st = self._state
         self.calls += 1
         return onchip_tree_verify(q, k, v, a, b, A_log, dt_bias, ssm_states, cache_indices, cache_steps,
-                                  retrieve_parent_token, st.max_depth, st.layout.per_head_gate, ssm_vk=st.layout.ssm_vk)
+                                  retrieve_parent_token, st.max_depth, st.layout.per_head_gate, ssm_vk=st.layout.ssm_vk,
+                                  impl=kernel_impl(q))
 
 
 def run_onchip(backend, state: DeferredSpecState, run):

@@ -364,6 +364,7 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         """:meth:`_forward_target_verify` without a node-state buffer: every node's conv window
         into ``inter_conv[row, j]`` (from its parent's), then one on-chip launch for the SSM
         recurrence of all rows (``speculative/verify_onchip.py::onchip_tree_recurrence``)."""
+        from sglang_mamba_ext.plugin.speculative.hooks import kernel_impl
         from sglang_mamba_ext.speculative.verify_onchip import onchip_tree_recurrence
 
         s = mixer.shape
@@ -404,7 +405,7 @@ class TinyHybridLinearAttnBackend(MambaAttnBackendBase):
         valid = torch.tensor([x >= 0 for x in slots])
         o = onchip_tree_recurrence(q, k, v, g, beta.reshape(bs, T, s.num_v_heads), ssm_pool,
                                    torch.tensor(slots).clamp(min=0), parents_all.to(q.device), dmax,
-                                   mixer.scale)
+                                   mixer.scale, impl=kernel_impl(q))
         o = torch.where(valid[:, None, None, None], o, torch.zeros_like(o))
         out.copy_(o.reshape(out.shape).to(out.dtype))
         return out.unsqueeze(0)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from sglang_mamba_ext.speculative.replay import ReplayPlan, ReplayWeights
     from sglang_mamba_ext.speculative.stash import ActivationStash
 
-__all__ = ["replay_torch"]
+__all__ = ["replay_torch", "replay_torch_from_weights"]
 
 
 def replay_torch(
@@ -59,3 +59,38 @@ def replay_torch(
             )
             conv_state[l, s] = conv
             temporal_state[l, s] = S.to(temporal_state.dtype)
+
+
+def replay_torch_from_weights(
+    stash: "ActivationStash", plan: "ReplayPlan", conv_state: torch.Tensor, temporal_state: torch.Tensor,
+    weights: "ReplayWeights",
+) -> None:
+    """:func:`replay_torch` for weights built from raw tensors (a served model's layers, no
+    mixers): each request's stashed tokens go through the in-chunk checkpoint writer's torch
+    path (``ops/inchunk``, ``impl="torch"``: the same conv -> split -> gated delta rule from a
+    slot's state), which stores the state after all ``counts[i]`` tokens back into the request's
+    slot and, where the plan crosses a track boundary, the state after ``tsteps[i] + 1`` tokens
+    into its track slot. The CPU serving path of the deferred update (on CUDA: :mod:`.fused`).
+
+    Args and layouts: as :func:`replay_torch` (``weights`` from raw tensors or mixers).
+    """
+    from sglang_mamba_ext.speculative.ops.inchunk import plan_writes, write_checkpoints
+
+    rows, parts, start = [], [], 0
+    for i in range(plan.rows.shape[0]):
+        r, s, c = int(plan.rows[i]), int(plan.slots[i]), int(plan.counts[i])
+        if c == 0 or s < 0:
+            continue
+        cut, ts = int(plan.tsteps[i]) + 1, int(plan.track_slots[i])
+        items = [(cut, ts)] if cut > 0 and ts >= 0 else []
+        rows.append((start, s, items + [(c, s)]))
+        parts.append((r, c))
+        start += c
+    if not rows:
+        return
+
+    def packed(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:, r, :c] for r, c in parts], dim=1).contiguous()
+
+    write_checkpoints(packed(stash.mixed_qkv), packed(stash.g_raw), packed(stash.b_raw),
+                      plan_writes(rows, conv_state.device), conv_state, temporal_state, weights, impl="torch")
