@@ -326,7 +326,10 @@ class TestMakeTinyArch(unittest.TestCase):
         a = list(range(10, 90))
         b = list(a)
         b[60] = 700
-        for arch in ("nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5", "mamba2", "falcon_mamba", "mamba"):
+        # one family per kind of linear layer of the default run's served references (Mamba2,
+        # Gated DeltaNet, Mamba1): each reference is a fresh transformers process, ~11 s; the
+        # other families' served classes compare to their own reference
+        for arch in ("nemotron_h", "qwen3_next", "falcon_mamba"):
             with self.subTest(arch=arch):
                 ra, rb = reference_greedy(self.dirs[arch], [a, b], 2)
                 self.assertEqual(len(ra["tokens"]), 2)

@@ -6,6 +6,7 @@ whole PD class to this: uvicorn logged the bind error and hung in shutdown for m
 The "server" here is a stand-in process, not SGLang: its first launch prints uvicorn's bind
 error and hangs; later launches answer ``/health``."""
 
+import json
 import os
 import socket
 import sys
@@ -141,7 +142,7 @@ class TestZygote(unittest.TestCase):
 
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_MAMBA_EXT_ZYGOTE_TEST=str(os.getpid()))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", MAMBA_EXT_ZYGOTE_TEST=str(os.getpid()))
         logs = [os.path.join(tmp.name, f"{i}.log") for i in range(2)]
         helped = zygote.launch(["--help"], env, logs[0])
         self.assertEqual(helped.wait(timeout=300), 0)
@@ -152,9 +153,35 @@ class TestZygote(unittest.TestCase):
             self.assertIn("--enable-mamba-radix", f.read())  # SGLang's help, with the plugin's flags
         with open(logs[1]) as f:
             self.assertIn("unrecognized arguments: --no-such-flag", f.read())
-        (z,) = [z for key, z in zygote._zygotes.items() if ("SGLANG_MAMBA_EXT_ZYGOTE_TEST", str(os.getpid())) in key]
+        (z,) = [z for key, z in zygote._zygotes.items() if ("MAMBA_EXT_ZYGOTE_TEST", str(os.getpid())) in key]
         self.assertIsNone(z.proc.poll())  # one zygote served both, still up
         self.assertIn("import_s", z.ready)
+
+    def test_late_variables_set_in_the_child_share_the_zygote(self):
+        """Launches that differ only in :data:`zygote.LATE_ENV` variables share one zygote, and
+        each child sees its own values (and not another launch's)."""
+        from sglang_mamba_ext.testing import zygote
+
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        with open(os.path.join(tmp.name, "probe_env.py"), "w") as f:
+            f.write("import os, json\nprint(json.dumps({k: os.environ.get(k) for k in "
+                    "('SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK', 'SGLANG_MAMBA_EXT_PROBE', 'MAMBA_EXT_ZYGOTE_LATE')}))\n")
+        base = {k: v for k, v in os.environ.items() if not zygote.is_late(k)}
+        base["MAMBA_EXT_ZYGOTE_LATE"] = str(os.getpid())
+        first = zygote.run("probe_env", [], dict(base, SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK="1",
+                                                SGLANG_MAMBA_EXT_PROBE="a"), timeout=300, cwd=tmp.name)
+        second = zygote.run("probe_env", [], dict(base, SGLANG_MAMBA_EXT_PROBE="b"), timeout=120, cwd=tmp.name)
+        self.assertEqual(first.returncode, 0, first.stderr[-2000:])
+        self.assertEqual(json.loads(first.stdout.strip().splitlines()[-1]), {
+            "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1", "SGLANG_MAMBA_EXT_PROBE": "a",
+            "MAMBA_EXT_ZYGOTE_LATE": str(os.getpid())})
+        self.assertEqual(json.loads(second.stdout.strip().splitlines()[-1]), {
+            "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": None, "SGLANG_MAMBA_EXT_PROBE": "b",
+            "MAMBA_EXT_ZYGOTE_LATE": str(os.getpid())})
+        keys = [key for key in zygote._zygotes if ("MAMBA_EXT_ZYGOTE_LATE", str(os.getpid())) in key]
+        self.assertEqual(len(keys), 1, keys)  # one zygote served both
+        self.assertFalse(any(zygote.is_late(k) for k, _ in keys[0][1:]))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,31 @@ from typing import Dict, List, Optional, Sequence, Tuple
 #: with every test, and no launch reads it.
 PER_TEST_ENV = ("PYTEST_CURRENT_TEST",)
 
+#: Variables a launch sets in its forked child, after the fork, instead of in the zygote's
+#: environment, so launches that differ only in them share a zygote (each new zygote is one
+#: import of SGLang: 25-50 s on the 2-core machine). Only variables read when SGLang or the
+#: plugin acts, never at import or while the plugins register: SGLang's idle checks
+#: (``invariant_checker.py``) and PD timeouts (``disaggregation/common/conn.py``), read through
+#: ``envs.X.get()`` at the call; the conv-state dtype (``configs/mamba_utils.py``, at pool
+#: sizing); and the plugin's switches (:data:`LATE_ENV_PREFIX`, read at argument parsing or
+#: later; :data:`EARLY_PLUGIN_ENV` excepted).
+LATE_ENV = (
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE", "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT",
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "SGLANG_MAMBA_CONV_DTYPE",
+    "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",  # http_server.py's /health handler, per request
+    "SGLANG_OPT_USE_INKLING_FUSED_ATTN_PROLOGUE",  # models/inkling.py, at the layer's call
+)
+LATE_ENV_PREFIX = "SGLANG_MAMBA_EXT_"
+#: The plugin's variables read at import (``benchmarks/common.py``'s trace path).
+EARLY_PLUGIN_ENV = ("SGLANG_MAMBA_EXT_TRACE",)
+
+
+def is_late(name: str) -> bool:
+    """Whether variable ``name`` is set in the forked child rather than in the zygote
+    (:data:`LATE_ENV`)."""
+    return name in LATE_ENV or (name.startswith(LATE_ENV_PREFIX) and name not in EARLY_PLUGIN_ENV)
+
 #: Zygotes kept per test process (each holds an imported SGLang: about 1.1 GB of RSS, most of
 #: it shared libraries); the least recently used idle one goes first.
 MAX_ZYGOTES = 4
@@ -86,6 +111,10 @@ def _child(request: dict, close_fds: Sequence[int]) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        late = request.get("late_env") or {}
+        for name in [n for n in os.environ if is_late(n) and n not in late]:
+            del os.environ[name]
+        os.environ.update(late)
         os.chdir(request["cwd"])
         sys.path[0] = request["cwd"]  # as ``python -m`` started there would have it
         sys.argv = [request["module"], *request["args"]]
@@ -225,11 +254,12 @@ class _Zygote:
         return json.loads(line)
 
     def start(self, module: str, args: Sequence[str], log_path: str, cwd: str,
-              err_path: Optional[str] = None) -> ForkedProcess:
+              err_path: Optional[str] = None, late_env: Optional[Dict[str, str]] = None) -> ForkedProcess:
         with self.lock:
             if self.ready is None:
                 self.ready = self._answer()
-            request = {"module": module, "args": list(args), "log": log_path, "err": err_path, "cwd": cwd}
+            request = {"module": module, "args": list(args), "log": log_path, "err": err_path, "cwd": cwd,
+                       "late_env": dict(late_env or {})}
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
             child = ForkedProcess(self._answer()["pid"], self)
@@ -259,14 +289,16 @@ _zygotes_lock = threading.Lock()
 def start(module: str, args: Sequence[str], env: Dict[str, str], log_path: str,
           cwd: Optional[str] = None, err_path: Optional[str] = None, plugins: bool = False) -> ForkedProcess:
     """``python -m MODULE ARGS`` with environment ``env`` (as :mod:`runpy` runs it), forked
-    from the zygote of that environment (started on first use: about one import of SGLang),
+    from the zygote of that environment less its :data:`LATE_ENV` variables, which the child
+    sets (the zygote is started on first use: about one import of SGLang),
     writing stdout and stderr to ``log_path`` (appended; stderr to ``err_path`` if given).
     ``plugins``: from a zygote that has loaded SGLang's plugins too (server launches).
     Returns at once.
 
     Raises:
         RuntimeError: the zygote died (the message carries the end of its log)."""
-    env = {k: v for k, v in env.items() if k not in PER_TEST_ENV}
+    late = {k: v for k, v in env.items() if is_late(k)}
+    env = {k: v for k, v in env.items() if k not in PER_TEST_ENV and not is_late(k)}
     key = (plugins, *sorted(env.items()))
     with _zygotes_lock:
         zygote = _zygotes.get(key)
@@ -277,7 +309,7 @@ def start(module: str, args: Sequence[str], env: Dict[str, str], log_path: str,
             for old_key, old in idle[: max(0, len(_zygotes) - MAX_ZYGOTES)]:
                 del _zygotes[old_key]
                 old.close()
-    return zygote.start(module, args, log_path, cwd or os.getcwd(), err_path)
+    return zygote.start(module, args, log_path, cwd or os.getcwd(), err_path, late)
 
 
 def launch(args: Sequence[str], env: Dict[str, str], log_path: str, cwd: Optional[str] = None) -> ForkedProcess:
