@@ -13,6 +13,7 @@ import unittest
 
 import torch
 
+from conftest import full_suite_only
 from sglang_mamba_ext.testing.spec_pair import load_kernel_modules_for_cpu, triton_subprocess_case
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,6 +156,9 @@ class TestMamba2TreeVerifyAgainstSGLang(unittest.TestCase):
         self.assertLess(res["chain"], 1e-4, res)
 
 
+@full_suite_only("scripts/gpu_check.sh's Mamba2 speculative section in its CPU mode: its kernels are checked "
+                 "under the interpreter by TestMamba2TreeVerifyTriton and test_spec_replay_mamba2.py; the GPU "
+                 "checks' CPU mode runs by default for the in-chunk section (test_inchunk_checkpoints.py)")
 class TestMamba2SpecGpuCheckTinyMode(unittest.TestCase):
     def test_tiny_mode_runs(self):
         """``scripts/gpu_check.sh``'s Mamba2 deferred-verify section at toy shapes under the

@@ -150,7 +150,13 @@ class TestZygote(unittest.TestCase):
         self.assertEqual(bad.wait(timeout=120), 2)  # argparse's exit status
         self.assertNotEqual(helped.pid, bad.pid)
         with open(logs[0]) as f:
-            self.assertIn("--enable-mamba-radix", f.read())  # SGLang's help, with the plugin's flags
+            helptext = f.read()
+        # SGLang's help, with the plugin's flags (a user's `python -m sglang.launch_server --help`
+        # runs the same launcher code after the same imports)
+        for flag in ("--enable-mamba-radix", "--warmup-prompts-file PATH", "--mamba-spec-state-update"):
+            self.assertIn(flag, helptext)
+        for choice in ("recompute", "adaptive"):  # --radix-eviction-policy's added choices
+            self.assertIn(choice, helptext)
         with open(logs[1]) as f:
             self.assertIn("unrecognized arguments: --no-such-flag", f.read())
         (z,) = [z for key, z in zygote._zygotes.items() if ("MAMBA_EXT_ZYGOTE_TEST", str(os.getpid())) in key]

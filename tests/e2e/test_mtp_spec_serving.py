@@ -223,6 +223,8 @@ class TestQwen3NextMtpTopk2(_MtpSpecCase, unittest.TestCase):
     TOPK, STEPS, DRAFT_TOKENS = 2, 3, 6
 
 
+@full_suite_only("SGLang's MTP heads with the deferred verify: TestNemotronHMtpDeferredTopk2 (a tree); a GDN target's "
+                 "deferred verify and replay: TestSpecDeferredGdn (the tiny pair)")
 class TestQwen3NextMtpDeferredTopk1(_MtpSpecCase, unittest.TestCase):
     """Qwen3-Next + its MTP head in deferred mode, a chain of 3 drafts (4 tokens verified)."""
 

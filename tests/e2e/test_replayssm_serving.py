@@ -66,7 +66,11 @@ class TestReplaySSMDecodeRing(GreedyHits, unittest.TestCase):
 
     @classmethod
     def start(cls, name, extra):
-        server = Server(cls.model, BASE + extra, os.path.join(cls.tmpdir, f"{name}.log"), env=dict(CHECKED_ENV))
+        # the plugin's torch versions of SGLang's GDN prefill kernels (plugin/cpu_bridges.py, on
+        # by default only for SGLang's own hybrid classes): the ReplaySSM ring's decode kernel
+        # stays SGLang's, interpreted (KERNEL_COVERS); the prefills were most of this class's time
+        env = dict(CHECKED_ENV, SGLANG_MAMBA_EXT_CPU_BRIDGES="1")
+        server = Server(cls.model, BASE + extra, os.path.join(cls.tmpdir, f"{name}.log"), env=env)
         cls.addClassCleanup(server.stop)
         server.wait_healthy()
         return server

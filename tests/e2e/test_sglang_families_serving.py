@@ -33,7 +33,7 @@ import tempfile
 import unittest
 
 import pytest
-from conftest import tiny_arch, full_suite_only
+from conftest import FULL_SUITE, full_suite_only, tiny_arch
 from server_util import CHECKED_ENV, GreedyHits, Server, abort_mid_generation, idle_and_checked, start_together
 
 from sglang_mamba_ext.models.hf_tiny import reference_greedy
@@ -65,6 +65,18 @@ class FamilyServing(GreedyHits):
     #: compare the resend with transformers' float32 reference (False where transformers has
     #: no class for the family: its weights are written by hand, ``hf_tiny_written``)
     REFERENCE = True
+    #: a second class of a kind of linear layer whose deep class runs by default: the default
+    #: run serves it as a smoke (launch and the resend's exact hit against the reference:
+    #: ``test_0*``, ``test_1_*``); its branch point, next turn and abort run with
+    #: ``SGLANG_MAMBA_EXT_FULL_SUITE=1`` (the suite's budget, docs/testing.md)
+    SMOKE = False
+
+    def setUp(self):
+        super().setUp()
+        name = self._testMethodName
+        if self.SMOKE and not FULL_SUITE and not name.startswith(("test_0", "test_1_")):
+            self.skipTest("a smoke in the default run (its kind's deep class runs these cases); "
+                          "SGLANG_MAMBA_EXT_FULL_SUITE=1 runs it")
 
     @classmethod
     def setUpClass(cls):
@@ -204,6 +216,8 @@ class TestFalconH1Serving(FamilyServing, unittest.TestCase):
     """Mamba2 / SSD beside attention in every layer; the plugin's server at ``--tp 2`` (two
     Mamba2 heads and one B/C group per rank)."""
 
+    SMOKE = True  # the deep class of its kind runs by default (FamilyServing.SMOKE)
+
     PLUGIN_FLAGS = ("--tp", "2")
     HIT_ATOL = 3e-2
     STOCK = False
@@ -218,6 +232,8 @@ class TestGraniteMoeHybridServing(FamilyServing, unittest.TestCase):
     """Mamba2 / SSD, MoE: the model class served, launched and resent; the branch point and
     the next turn go through the same backend hooks as Nemotron-H's, which runs them (the
     suite's time budget, docs/testing.md)."""
+
+    SMOKE = True  # the deep class of its kind runs by default (FamilyServing.SMOKE)
 
     test_2_third_prompt_hits_shared_77 = test_3_next_turn_hits_len_plus_out_minus_1 = None
     STOCK = False
@@ -259,6 +275,8 @@ class TestLfm2MoeServing(FamilyServing, unittest.TestCase):
     ``ShortConvAttnBackend``, a dense first layer then routed MoE layers; launched, resent,
     next turn, abort (the branch point is LFM2's backend's: the suite's time budget)."""
 
+    SMOKE = True  # the deep class of its kind runs by default (FamilyServing.SMOKE)
+
     STOCK = False
     test_2_third_prompt_hits_shared_77 = None
     ARCH, BACKEND, MODEL_CLASS = "lfm2_moe", "ShortConvAttnBackend", "Lfm2MoeForCausalLM"
@@ -269,6 +287,8 @@ class TestQwen35VlServing(FamilyServing, unittest.TestCase):
     Qwen3.5 dense text model behind a tiny vision tower (one block), M-RoPE, served text-only
     (input ids) on SGLang's ``GDNAttnBackend``; launched, resent, next turn, abort (the branch
     point is Qwen3-Next's: the suite's time budget)."""
+
+    SMOKE = True  # the deep class of its kind runs by default (FamilyServing.SMOKE)
 
     STOCK = False
     test_2_third_prompt_hits_shared_77 = None
@@ -322,6 +342,8 @@ class TestGigaChat35Serving(FamilyServing, unittest.TestCase):
     transformers has no GigaChat class: the weights are written by hand and the outputs are
     checked against cold runs only."""
 
+    SMOKE = True  # the deep class of its kind runs by default (FamilyServing.SMOKE)
+
     STOCK = False
     REFERENCE = False
     test_2_third_prompt_hits_shared_77 = None
@@ -334,6 +356,8 @@ class TestBailingMoeV3Serving(FamilyServing, unittest.TestCase):
     resent, next turn, abort (the branch point is Kimi-Linear's: the same writer and backend).
     transformers has no Bailing class: the weights are written by hand and the outputs are
     checked against cold runs only."""
+
+    SMOKE = True  # the deep class of its kind runs by default (FamilyServing.SMOKE)
 
     STOCK = False
     REFERENCE = False
@@ -411,6 +435,8 @@ class TestLfm2VlServing(DeclaredHybrid, FamilyServing, unittest.TestCase):
     SigLIP2 tower, served text-only on ``ShortConvAttnBackend``; launched, resent, next turn,
     abort (the branch point is LFM2's backend's: the suite's time budget)."""
 
+    SMOKE = True  # the deep class of its kind runs by default (FamilyServing.SMOKE)
+
     STOCK = False
     test_2_third_prompt_hits_shared_77 = None
     ARCH, BACKEND, MODEL_CLASS = "lfm2_vl", "ShortConvAttnBackend", "Lfm2VlForConditionalGeneration"
@@ -457,6 +483,8 @@ class TestNemotronHPuzzleServing(FamilyServing, unittest.TestCase):
     40): Nemotron-H's Mamba2 / attention layers with per-block configs and a MoE block, which
     on CPU needs the plugin's bridges for its router's ``mm`` and its ReLU² experts; launched,
     resent, next turn, abort (the branch point is Nemotron-H's: the same Mamba2 hooks)."""
+
+    SMOKE = True  # the deep class of its kind runs by default (FamilyServing.SMOKE)
 
     STOCK = False
     test_2_third_prompt_hits_shared_77 = None

@@ -116,6 +116,10 @@ class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
         self.assertEqual(load["num_running_reqs"], 0)
 
 
+@full_suite_only("SGLang's KDA backend and Triton kernels interpreted with the overlap scheduler off: the KDA "
+                 "torch writer serves in TestKimiLinearServing, the overlap-off finish in the speculative "
+                 "classes (test_spec_serving.py), SGLang's interpreted KDA backend with the writer's hooks "
+                 "in tests/test_sglang_kda_model.py")
 class TestSGLangKDABackendNoOverlap(TestSGLangGDNBackendServing):
     """KDA (Kimi-Linear's pool layout, the torch writer, CPU's default) with SGLang's overlap
     scheduler off (``SGLANG_MAMBA_EXT_CPU_OVERLAP=0``; the GDN class runs it on, the plugin's
@@ -125,7 +129,6 @@ class TestSGLangKDABackendNoOverlap(TestSGLangGDNBackendServing):
 
     GATE = "kda"
     BACKEND = "KDAAttnBackend"
-    __unittest_skip__ = False  # in the default run (its base class is full-suite only)
     #: seed of the prompts: the reference's smallest top-2 log-prob gap over them is 0.02
     #: (some seeds give ~1e-3 near-ties that float16 may flip)
     SEED = 20
