@@ -25,9 +25,9 @@ def setUpModule():
     torch.set_num_threads(1)
 
 
-def make_mixers(n, shape=LinearAttnShape(2, 4, 8, 8, 4), hidden=16, conv_bias=True, seed=0):
+def make_mixers(n, shape=LinearAttnShape(2, 4, 8, 8, 4), hidden=16, conv_bias=True, seed=0, gate="kda"):
     torch.manual_seed(seed)
-    ms = [GatedDeltaRuleMixer(hidden, shape, conv_bias=conv_bias) for _ in range(n)]
+    ms = [GatedDeltaRuleMixer(hidden, shape, conv_bias=conv_bias, gate=gate) for _ in range(n)]
     with torch.no_grad():
         for m in ms:
             m.A_log.normal_(0, 0.5)
@@ -165,14 +165,8 @@ class TestReplayTorch(unittest.TestCase):
         L = 2
         for gate in ("kda", "gdn"):
             with self.subTest(gate=gate):
-                torch.manual_seed(1)
-                shape = LinearAttnShape(2, 4, 8, 8, 4)
-                mixers = [GatedDeltaRuleMixer(16, shape, conv_bias=True, gate=gate) for _ in range(L)]
-                with torch.no_grad():
-                    for m in mixers:
-                        m.A_log.normal_(0, 0.5)
-                        m.dt_bias.normal_()
-                        m.conv_bias.normal_()
+                mixers = make_mixers(L, seed=1, gate=gate)
+                shape = mixers[0].shape
                 w = ReplayWeights.from_mixers(mixers)
                 raw = ReplayWeights(w.shape, w.conv_weight, w.conv_bias, w.A_log, w.dt_bias,
                                     per_head_gate=w.per_head_gate)
