@@ -3,8 +3,9 @@ verify code (``KDAAttnBackend._forward_target_verify``, ``GDNAttnBackend.forward
 target-verify batch: SGLang's conv kernel, then its recurrent verify kernel) on a real
 ``MambaPool`` built through the pool hook, once with the one-layer node-state buffer and once
 on chip (no node-state buffer): same outputs, same conv-window buffer, main states untouched,
-and the on-chip launch is the one that ran. On CPU everything runs under Triton's interpreter
-in a fresh process (SGLang's kernels must be imported under it too).
+and the on-chip launch is the one that ran; with the Triton kernels and with the torch forms
+CPU serving uses. On CPU everything runs under Triton's interpreter in a fresh process
+(SGLang's kernels must be imported under it too).
 """
 
 import os
@@ -78,7 +79,17 @@ def _tree_arrays(parents_rows):
 @requires_sglang
 @unittest.skipUnless(_IN_INTERP, "needs CUDA or TRITON_INTERPRET=1 when SGLang's kernels are imported (see TestUnderTritonInterpreter)")
 class TestOnChipGlue(unittest.TestCase):
+    """The glue with the Triton kernels (on CPU: interpreted; ``SGLANG_MAMBA_EXT_CPU_KERNELS``
+    ``triton``); :class:`TestOnChipGlueTorchForm`: with the torch forms CPU serving runs."""
+
+    CPU_KERNELS = "triton"
     T = 5
+
+    def setUp(self):
+        patch = mock.patch.dict(os.environ, {hooks.CPU_KERNELS_ENV: self.CPU_KERNELS})
+        patch.start()
+        self.addCleanup(patch.stop)
+
     PARENTS = [[-1, 0, 0, 1, 1], [-1, 0, 1, 2, 3], [-1, 0, 0, 2, 3]]  # tree, chain, padding row
 
     def _backend(self, layout, pool, slots, parents):
@@ -229,6 +240,13 @@ class TestOnChipGlue(unittest.TestCase):
 
     def test_gdn(self):
         self._check("gdn")
+
+
+class TestOnChipGlueTorchForm(TestOnChipGlue):
+    """CPU serving's default (``plugin/speculative/hooks.py::kernel_impl``): the on-chip verify's
+    torch form through the same glue, the same outputs as the one-layer buffer."""
+
+    CPU_KERNELS = "torch"
 
 
 TestUnderTritonInterpreter = triton_subprocess_case(__file__, SELECT, skip=_IN_INTERP or not SGLANG_INSTALLED)

@@ -57,6 +57,22 @@ class _Mode:
 
 
 @requires_sglang
+class TestKernelImpl(unittest.TestCase):
+    """``hooks.kernel_impl``: the deferred update's Triton kernels on CUDA; on CPU their torch
+    forms unless ``SGLANG_MAMBA_EXT_CPU_KERNELS=triton`` (then Triton's interpreter)."""
+
+    def test_cpu_torch_unless_triton_asked_cuda_triton(self):
+        with mock.patch.dict(os.environ):
+            os.environ.pop(hooks.CPU_KERNELS_ENV, None)
+            self.assertEqual(hooks.kernel_impl(torch.zeros(1)), "torch")
+            self.assertEqual(hooks.kernel_impl(torch.device("cuda")), "triton")  # by device type
+            os.environ[hooks.CPU_KERNELS_ENV] = " Triton "
+            self.assertEqual(hooks.kernel_impl(torch.zeros(1)), "triton")
+            os.environ[hooks.CPU_KERNELS_ENV] = "torch"
+            self.assertEqual(hooks.kernel_impl(torch.device("cpu")), "torch")
+
+
+@requires_sglang
 class TestFlags(unittest.TestCase):
     def sa(self, **kw):
         base = dict(speculative_algorithm="FROZEN_KV_MTP", enable_linear_replayssm_spec=False,

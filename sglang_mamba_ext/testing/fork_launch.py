@@ -18,7 +18,9 @@ read at import, which forked children would see too late: ``TRITON_INTERPRET`` (
 Triton kernels) and ``TORCHDYNAMO_DISABLE`` (torch). Where the plugin would set them for
 this argv, they are set here first, before anything imports torch's or SGLang's kernels (and
 the test harness passes them to the zygote, which imports with them); the plugin then finds
-them set and does not list them in its "CPU defaults added" line.
+them set and does not list them in its "CPU defaults added" line. (A launch zygote also
+loads SGLang's plugins, which imports the hook targets' kernel modules: under the zygote's
+environment, which holds these two variables.)
 """
 
 from __future__ import annotations

@@ -4,14 +4,18 @@
 Why: on the 2-core test machine a tiny-model start-up is almost all Python imports (about 15 s
 idle and 25 s or more loaded in the launcher, as much again in SGLang's spawned workers); the
 model, pools, tree and HTTP server take 2-4 s (docs/testing.md, "Forked servers"). A zygote
-imports ``sglang.launch_server`` and ``sglang.srt.entrypoints.http_server`` once, then forks one
-child per launch. The child runs ``sglang.launch_server`` as ``__main__`` (SGLang's plugin
-loading and argument hooks run in it as in a user's launch) with SGLang's worker processes
-forked from it (:mod:`.fork_launch`), so they inherit the imports too.
+imports ``sglang.launch_server`` and ``sglang.srt.entrypoints.http_server`` once (a zygote of
+server launches also runs SGLang's plugin loading, which imports the hook targets' modules),
+then forks one child per launch. The child runs ``sglang.launch_server`` as ``__main__``
+(SGLang's argument hooks run in it as in a user's launch; its plugin loading finds the
+plugins loaded) with SGLang's worker processes forked from it (:mod:`.fork_launch`), so they
+inherit the imports too.
 
-A zygote serves one environment: the whole environment of the launch, including what the
-plugin's CPU defaults read at import (:func:`.fork_launch.import_time_env`). A launch with
-another environment gets its own zygote, so every variable is set before anything imports.
+A zygote serves one environment: the launch's environment less the variables read only when
+SGLang or the plugin acts (:data:`LATE_ENV`, which the child sets after the fork), including
+what the plugin's CPU defaults read at import (:func:`.fork_launch.import_time_env`). A
+launch with another environment gets its own zygote, so every variable read at import is set
+before anything imports.
 
 Client side (the test process): :func:`launch` returns a :class:`ForkedProcess`, a
 ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``returncode``) of the child,
@@ -20,7 +24,7 @@ its children and reports each exit status.
 
 Protocol (one JSON object per line): the zygote writes ``{"ready": ...}`` once imported; then
 for each request ``{"module": name, "args": [...], "log": path, "err": path or null, "cwd":
-dir}`` on its stdin it forks and answers ``{"pid": N}``. It writes a child's exit status (``subprocess`` convention: negative
+dir, "late_env": {...}}`` on its stdin it forks and answers ``{"pid": N}``. It writes a child's exit status (``subprocess`` convention: negative
 for a signal) to ``<state_dir>/<pid>.exit``, and exits at end of input.
 """
 
@@ -89,8 +93,9 @@ def _preload(plugins: bool) -> None:
     # SGLang's plugin loading (idempotent: a process loads them once). Applying the hooks
     # walks every imported module once per hook target to re-point ``from X import Y``
     # copies (``hook_registry.py::_propagate_patch``): about 5-7 s per launch on the test
-    # machine, paid here once. Same as in the child: the zygote has the launch's environment,
-    # and the plugins' registration reads no command line.
+    # machine, paid here once. Same as in the child: the zygote has the launch's environment
+    # but for LATE_ENV (none read by the plugins' registration), and the registration reads
+    # no command line.
     from sglang.srt.plugins import load_plugins
 
     load_plugins()

@@ -223,8 +223,9 @@ class TestQwen3NextMtpTopk2(_MtpSpecCase, unittest.TestCase):
     TOPK, STEPS, DRAFT_TOKENS = 2, 3, 6
 
 
-@full_suite_only("SGLang's MTP heads with the deferred verify: TestNemotronHMtpDeferredTopk2 (a tree); a GDN target's "
-                 "deferred verify and replay: TestSpecDeferredGdn (the tiny pair)")
+@full_suite_only("SGLang's MTP heads with the deferred verify: TestNemotronHMtpDeferredTopk2 (a tree); the deferred "
+                 "verify through SGLang's real GDN / KDA backends: tests/test_spec_onchip_glue.py (both the Triton "
+                 "kernel and the torch form); a GDN target's deferred replay served: TestSpecDeferredGdn (the tiny pair)")
 class TestQwen3NextMtpDeferredTopk1(_MtpSpecCase, unittest.TestCase):
     """Qwen3-Next + its MTP head in deferred mode, a chain of 3 drafts (4 tokens verified)."""
 

@@ -2,8 +2,9 @@
 with ``--enable-mamba-radix``.
 
 The tiny model with SGLang's own Gated-DeltaNet kernels (``--linear-kernels sglang``, as in
-``test_sglang_kernels_serving.py``, key heads of 32 for the kernel; Triton's interpreter on
-CPU) decodes through SGLang's
+``test_sglang_kernels_serving.py``, key heads of 32 for the kernel; on CPU its prefill kernels
+as the plugin's torch versions, ``SGLANG_MAMBA_EXT_CPU_BRIDGES=1``, the ring's decode kernel
+under Triton's interpreter) decodes through SGLang's
 ReplaySSM kernel: a decode step appends a record to the slot's ring and writes the state only
 every ``--linear-replayssm-cache-len`` steps (16), so a finished request's working slot lags
 its live state by its decode steps (4 here: 5 new tokens). The plugin folds the pending

@@ -42,7 +42,7 @@ NEW = 5
 REF_ATOL = 5e-2
 
 
-@full_suite_only("SGLang's GDN backend with the interpreted Triton writer, spawned: the same hits as TestSGLangKDABackendNoOverlap and TestQwen3NextServing (the torch writer), the Triton writer checked under the interpreter in tests/test_inchunk_checkpoints.py")
+@full_suite_only("SGLang's GDN backend with the interpreted Triton writer, spawned: the same hits as TestQwen3NextServing (SGLang's GDN backend, the torch writer), the Triton writer checked under the interpreter in tests/test_inchunk_checkpoints.py")
 class TestSGLangGDNBackendServing(GreedyHits, unittest.TestCase):
     GATE = "gdn"
     BACKEND = "GDNAttnBackend"

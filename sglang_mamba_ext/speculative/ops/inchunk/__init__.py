@@ -31,8 +31,10 @@ class CheckpointWrites(NamedTuple):
             state); ``-1``: zeros (a sequence with no prefix).
         offsets: ``[N, C]`` int64: tokens after the start (``0`` = the start state itself);
             ``-1`` pads.
-        dst_slots: ``[N, C]`` int64: the slot each state goes to (``-1`` pads); never a
-            source slot of the same call.
+        dst_slots: ``[N, C]`` int64: the slot each state goes to (``-1`` pads); never
+            another row's source slot in the same call. A row's own source slot may be a
+            destination with ``impl="torch"`` (the replay's write-back,
+            ``ops/replay/naive.py``): the chunked pass reads every start state before it writes.
     """
 
     starts: torch.Tensor

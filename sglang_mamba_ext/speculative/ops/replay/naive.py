@@ -5,7 +5,8 @@ the mixer's own segment runner (``GatedDeltaRuleMixer.run_segments``: conv -> sp
 recurrence), cut after the token at which the sequence crosses a ``mamba_track_interval``
 boundary so that the state there lands in the request's track slot. Same signature and results
 (to float rounding) as the Triton kernels of :mod:`.fused`; a loop over requests, for tests and
-the reference decode loop. Plain torch.
+the reference decode loop. :func:`replay_torch_from_weights` does the same from raw weights
+(no mixers) through the in-chunk writer's torch path: CPU serving's replay. Plain torch.
 """
 
 from __future__ import annotations
