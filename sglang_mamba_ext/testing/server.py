@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 import time
 from typing import Dict, Optional, Sequence
 
@@ -175,7 +176,11 @@ class ServerProcess:
             from sglang_mamba_ext.testing import fork_launch, zygote
 
             args = self.launch_args()
-            env.update(fork_launch.import_time_env(args))
+            # what the plugin's CPU defaults would set at import, judged in the launch's own
+            # environment (it may unset or override what the test process has)
+            with mock.patch.dict(os.environ, env, clear=True):
+                preset = fork_launch.import_time_env(args)
+            env.update(preset)
             self.proc = zygote.launch(args, env, self.log_path)
         deadline = t0 + self.start_timeout_s
         while time.time() < deadline:
