@@ -23,6 +23,7 @@ but is not served: transformers' own ``nemotron_h_omni`` processor, which ``Auto
 start-up, needs librosa (``docs/families.md``, "Not served yet").
 """
 
+import json
 import os
 import unittest
 
@@ -44,6 +45,13 @@ class TestNanoNemotronVLServing(CountsInchunkCheckpoints, DeclaredHybrid, Family
     test_2_third_prompt_hits_shared_77 = None
     ARCH, BACKEND, MODEL_CLASS = "nano_nemotron_vl", "Mamba2AttnBackend", "NemotronH_Nano_VL_V2"
 
+    def test_0d_served_checkpoint_is_this_class(self):
+        # the checkpoint the server loaded names this class alone (its build wrote the family's
+        # config), and the server's log says it served that class with the plugin
+        with open(os.path.join(self.model, "config.json")) as f:
+            self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
+        self.assertIn(self.MODEL_CLASS, self.server.log_text())
+
 
 @unittest.skipUnless(ALL_FAMILIES, "NemotronH_Nano_Omni_Reasoning_V3 runs the same language model and plugin paths as "
                                    "TestNanoNemotronVLServing; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
@@ -53,6 +61,13 @@ class TestNanoNemotronOmniServing(CountsInchunkCheckpoints, DeclaredHybrid, Fami
     STOCK = False
     test_2_third_prompt_hits_shared_77 = None
     ARCH, BACKEND, MODEL_CLASS = "nano_nemotron_omni", "Mamba2AttnBackend", "NemotronH_Nano_Omni_Reasoning_V3"
+
+    def test_0d_served_checkpoint_is_this_class(self):
+        # the checkpoint the server loaded names this class alone (its build wrote the family's
+        # config), and the server's log says it served that class with the plugin
+        with open(os.path.join(self.model, "config.json")) as f:
+            self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
+        self.assertIn(self.MODEL_CLASS, self.server.log_text())
 
 
 if __name__ == "__main__":

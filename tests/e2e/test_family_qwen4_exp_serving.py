@@ -13,6 +13,7 @@ class). ``TestQwen4ExpDifferential``: random multi-turn traffic against the same
 a cache, small pools; opt-in.
 """
 
+import json
 import os
 import unittest
 
@@ -39,6 +40,13 @@ class TestQwen4ExpServing(CountsInchunkCheckpoints, FamilyServing, unittest.Test
     STOCK = False
     HIT_ATOL = 0.1
     ARCH, BACKEND, MODEL_CLASS = "qwen4_exp", "GDNAttnBackend", "Qwen4ExpForConditionalGeneration"
+
+    def test_0d_served_checkpoint_is_this_class(self):
+        # the checkpoint the server loaded names this class alone (its build wrote the family's
+        # config), and the server's log says it served that class with the plugin
+        with open(os.path.join(self.model, "config.json")) as f:
+            self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
+        self.assertIn(self.MODEL_CLASS, self.server.log_text())
 
 
 @unittest.skipUnless(_ALL, "Qwen4-Exp differential traffic: SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
