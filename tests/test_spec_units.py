@@ -212,6 +212,14 @@ class TestTreeVerifyTorch(unittest.TestCase):
         S0 = torch.randn(2, *s.temporal_state_shape)
         return m, tree, x, conv0, S0
 
+    @staticmethod
+    def _node_inputs(m, x, conv0, idx):
+        """(raw projections, activated gates g, beta, post-conv (q, k, v), windows) of every node."""
+        mq, gr, br = m.project_raw(x)
+        g, beta = m.activate_gates(gr, br)
+        y, windows = tree_conv(m, mq, conv0, idx)
+        return mq, g, beta, m.split_qkv(y), windows
+
     def _sequential(self, m, tree, mq_all, g_all, beta_all, conv0, S0, n, i):
         # the mixer's sequential steps over the node's path, from the same projections
         path = tree.path(n, i)
@@ -224,10 +232,7 @@ class TestTreeVerifyTorch(unittest.TestCase):
         m, tree, x, conv0, S0 = self._setup()
         idx = TreeIndex.build(tree, 4)
         with torch.no_grad():
-            mq, gr, br = m.project_raw(x)
-            g, beta = m.activate_gates(gr, br)
-            y, windows = tree_conv(m, mq, conv0, idx)
-            q, k, v = m.split_qkv(y)
+            mq, g, beta, (q, k, v), windows = self._node_inputs(m, x, conv0, idx)
             for mode in ("snapshot", "one_layer", "head_chunk"):
                 rows = torch.tensor([2, 0])
                 if mode == "snapshot":
@@ -256,10 +261,7 @@ class TestTreeVerifyTorch(unittest.TestCase):
         m, tree, x, conv0, S0 = self._setup(seed=3)
         idx = TreeIndex.build(tree, 4)
         with torch.no_grad():
-            mq, gr, br = m.project_raw(x)
-            g, beta = m.activate_gates(gr, br)
-            y, _ = tree_conv(m, mq, conv0, idx)
-            q, k, v = m.split_qkv(y)
+            _, g, beta, (q, k, v), _ = self._node_inputs(m, x, conv0, idx)
             buf = OneLayerBuffer(2, 7, m.shape).ssm
             want = tree_recurrence(m, q, k, v, g, beta, S0, idx, buf, torch.tensor([0, 1]))
             pool = torch.cat([torch.randn(1, *S0.shape[1:]), S0])  # main states in slots 1, 2
