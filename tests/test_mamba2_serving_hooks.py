@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-from conftest import SGLANG_INSTALLED, requires_sglang
+from conftest import FULL_SUITE, SGLANG_INSTALLED, requires_sglang
 from sglang_mamba_ext.testing.spec_pair import triton_subprocess_case
 
 _INTERPRETED = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -30,6 +30,9 @@ HV, P, N, G, W = 4, 8, 16, 2, 4
 D = HV * P + 2 * G * N
 CHUNK = 16
 LAYER_IDS = (0, 2)
+#: SGLang's own results (its kernels alone, no hook), shared by the tests of both classes: the
+#: inputs are seeded, so they are the same in every test; keyed by what they depend on.
+_SGLANG_RESULTS = {}
 
 
 def _kernels():
@@ -159,7 +162,18 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
     def _expected(self, li, start, row_start, n, src):
         """SGLang's kernels over the row's first ``n`` tokens from slot ``src``'s start states
         (``-1``: none), called as for a one-request prefill: the conv window and SSM state they
-        leave."""
+        leave (computed once per session: ``_SGLANG_RESULTS``)."""
+        key = ("expected", li, row_start, n, src, self._inputs_key())
+        if key not in _SGLANG_RESULTS:
+            _SGLANG_RESULTS[key] = self._expected_uncached(li, start, row_start, n, src)
+        return _SGLANG_RESULTS[key]
+
+    def _inputs_key(self):
+        """A fingerprint of the seeded inputs (they are equal in every test)."""
+        weights = [t for m in self.mixers for t in (m.conv1d.weight, m.conv1d.bias, m.A, m.dt_bias)]
+        return tuple(float(t.double().sum()) for t in (*self.start, *self.xbc, *self.dt, *weights))
+
+    def _expected_uncached(self, li, start, row_start, n, src):
         from sglang.srt.layers.attention.mamba.mamba2_metadata import Mamba2Metadata
 
         from sglang_mamba_ext.plugin.cpu_bridges import cpu_device_module
@@ -195,8 +209,11 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
         from sglang_mamba_ext.speculative.ops.inchunk import mamba2 as m2
 
         conv0, ssm0 = self.start
-        self._forward(hooked=False)
-        stock = (self.pool.mamba_cache.conv[0].clone(), self.pool.mamba_cache.temporal.clone())
+        key = ("stock", self._inputs_key())
+        if key not in _SGLANG_RESULTS:
+            self._forward(hooked=False)
+            _SGLANG_RESULTS[key] = (self.pool.mamba_cache.conv[0].clone(), self.pool.mamba_cache.temporal.clone())
+        stock = _SGLANG_RESULTS[key]
         self.pool.mamba_cache.conv[0].copy_(conv0)
         self.pool.mamba_cache.temporal.copy_(ssm0)
         with mock.patch.dict(os.environ, {"SGLANG_MAMBA_EXT_INCHUNK_FROM_CHUNKS": from_chunks}), \
@@ -217,6 +234,11 @@ class TestMamba2HooksAgainstSGLang(unittest.TestCase):
                 torch.testing.assert_close(ssm[li, slot], h, rtol=1e-4, atol=1e-4)
 
     def test_without_the_scans_chunk_states(self):
+        """The hooks' rescan from each row's start (the writer alone): with the torch writer by
+        default; with the Triton writer (40 s interpreted) in the full suite, its kernel being
+        checked against the reference at these boundaries in ``test_mamba2_inchunk.py``."""
+        if self.IMPL == "triton" and not FULL_SUITE:
+            self.skipTest("the Triton writer's rescan: SGLANG_MAMBA_EXT_FULL_SUITE=1 (docs/testing.md)")
         self.test_planned_slots_hold_sglang_prefix_states_and_sglang_results_unchanged(from_chunks="0")
 
     def test_short_conv_windows(self):
