@@ -86,8 +86,16 @@ def main(argv) -> int:
     import traceback
 
     port = int(argv.pop()) if len(argv) > 1 and argv[-1].isdigit() else 29541
-    import sglang.srt.model_loader.utils  # noqa: F401  (imported once, before the forks)
+    # Imported and applied once, before the forks: SGLang's model registry imports every model
+    # module (``models/registry.py``), and applying the plugin's hooks walks every imported
+    # module once per target (``hook_registry.py::_propagate_patch``); seconds per child else.
+    import sglang.srt.model_loader.utils  # noqa: F401
+    import sglang.srt.models.registry  # noqa: F401
     import sglang.srt.server_args  # noqa: F401
+
+    from sglang_mamba_ext.benchmarks.scheduler import apply_plugin
+
+    apply_plugin()
 
     failed = 0
     for i, model_dir in enumerate(argv):
