@@ -10,6 +10,7 @@ import tempfile
 import unittest
 
 from safetensors import safe_open
+import torch
 
 from conftest import tiny_arch
 from sglang_mamba_ext.testing.server import free_port
@@ -224,10 +225,23 @@ TEXT_VOCAB_ONLY = TEXT_VOCAB_ONLY + ("kimi_k3_vl",)
 WRITTEN = WRITTEN + ("kimi_k3_vl",)
 LM_HEAD = {**globals().get("LM_HEAD", {}), "kimi_k3_vl": "language_model.lm_head.weight"}
 
+# Jet-Nemotron's VLM (issue 40, hf_tiny_jet_vlm): the jet_nemotron text model under llm. behind a
+# one-layer SigLIP tower 1152 wide (SGLang's projector takes 4 x MM_HIDDEN_SIZE = 4608 features,
+# models/jet_vlm.py:28) and NVILA's projector; <image> / <vila/video> at ids 766 / 767; transformers'
+# SiglipProcessor named for SGLang's NVILA processor to wrap
+EXPECTED["jet_vlm"] = ("JetVLMForConditionalGeneration", "mm_projector.layers.2.weight", (64, 4608))
+LINEAR_AND_FULL["jet_vlm"] = lambda c: LINEAR_AND_FULL["jet_nemotron"](c["text_config"]) and c["vision_config"][
+    "hidden_size"] == 1152 and c["vision_config"]["num_hidden_layers"] == 1 and not c["vision_config"][
+    "vision_use_head"] and (c["image_token_id"], c["video_token_id"]) == (766, 767)
+VLM_PROCESSOR_FILES["jet_vlm"] = ("preprocessor_config.json", "processor_config.json")
+WRITTEN = WRITTEN + ("jet_vlm",)
+LM_HEAD["jet_vlm"] = "llm.lm_head.weight"
+MAX_BYTES["jet_vlm"] = 14 << 20  # the 1152-wide tower: 6.3 M parameters, 13.5 MB in float16
+
 #: Families whose served class is opt-in (``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``, the suite's budget):
 #: their written-weights load check is opt-in with it (their opt-in served classes load them too)
 OPT_IN_LOADS = ("zaya", "nano_nemotron_vl", "nano_nemotron_omni", "nano_nemotron_omni_v3", "qwen4_exp", "jet_nemotron",
-                "inkling", "kimi_k3_vl")
+                "inkling", "kimi_k3_vl", "jet_vlm")
 ALL_FAMILIES = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
 
 # SGLang's config loader on every checkpoint (a subprocess: SGLang imported, no server): the
@@ -296,6 +310,15 @@ class TestMakeTinyArch(unittest.TestCase):
                     with open(os.path.join(self.dirs[arch], "tokenizer.json")) as f:
                         added = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
                     self.assertEqual((added["<image>"], added["</image_id>"]), (cfg["image_token_id"], 767))
+                if arch == "jet_vlm":  # what SGLang's NVILA processor reads (multimodal/processors/nvila.py)
+                    with open(os.path.join(self.dirs[arch], "tokenizer_config.json")) as f:
+                        self.assertEqual(json.load(f)["extra_special_tokens"],
+                                         {"image_token": "<image>", "video_token": "<vila/video>"})
+                    with open(os.path.join(self.dirs[arch], "tokenizer.json")) as f:
+                        added = {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+                    self.assertEqual((added["<image>"], added["<vila/video>"]), (766, 767))
+                    with open(os.path.join(self.dirs[arch], "processor_config.json")) as f:
+                        self.assertEqual(json.load(f), {"processor_class": "SiglipProcessor"})
 
     def test_weights_released_names_float16(self):
         for arch in ARCHS:
@@ -374,6 +397,21 @@ class TestMakeTinyArch(unittest.TestCase):
                 self.assertEqual(got["unloaded"], [])
                 # MiniCPM-SALA: 37; Inkling: 29 (two layers of 13); Jet-Nemotron: 41
                 self.assertGreater(got["parameters"], {"minicpm": 30, "inkling": 25, "jet_nemotron": 35}.get(arch, 50))
+
+    def test_jet_vlm_text_model_is_jet_nemotrons(self):
+        """The VLM's ``llm.`` tensors are the jet_nemotron checkpoint's, bit for bit (same seed,
+        same text config): its served text-only outputs are that text model's."""
+        with safe_open(os.path.join(self.dirs["jet_vlm"], "model.safetensors"), "pt") as v, \
+                safe_open(os.path.join(self.dirs["jet_nemotron"], "model.safetensors"), "pt") as t:
+            text = sorted(t.keys())
+            self.assertEqual(sorted(k[4:] for k in v.keys() if k.startswith("llm.")), text)
+            for name in text:
+                self.assertTrue(torch.equal(v.get_tensor("llm." + name), t.get_tensor(name)), name)
+            others = sorted(k for k in v.keys() if not k.startswith("llm."))
+        # the one-layer SigLIP tower (21 tensors, transformers' names) and the projector (6)
+        self.assertEqual(len(text), 63)  # SGLang stacks them into 41 parameters
+        self.assertEqual(len(others), 27)
+        self.assertEqual(others[:6], [f"mm_projector.layers.{i}.{p}" for i in (1, 2, 4) for p in ("bias", "weight")])
 
     def test_arch_refuses_tiny_only_flags(self):
         proc = subprocess.run([sys.executable, SCRIPT, "--arch", "lfm2", "--out", os.path.join(self.tmp.name, "x"),

@@ -253,6 +253,8 @@ _FAMILIES.update(inkling_family(_HIDDEN, 2))  # Inkling, sconv (hf_tiny_inkling.
 from sglang_mamba_ext.models.hf_tiny_zaya import zaya_family  # noqa: E402
 _FAMILIES.update(zaya_family(_HIDDEN, _LAYERS))  # ZAYA1's CCA (hf_tiny_zaya.py)
 _FAMILIES.update(jet_nemotron_families(_HIDDEN, _LAYERS))  # Jet-Nemotron (hf_tiny_jet_nemotron.py)
+from sglang_mamba_ext.models.hf_tiny_jet_vlm import jet_vlm_family  # noqa: E402
+_FAMILIES.update(jet_vlm_family(_HIDDEN, _LAYERS))  # Jet-Nemotron's VLM, text-only (hf_tiny_jet_vlm.py)
 
 
 def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:

@@ -80,6 +80,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "NemotronH_Nano_VL_V2", "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Omni_Reasoning_V3",
     "KimiK3ForConditionalGeneration",  # Kimi-K3's VLM, text-only (hf_tiny_kimi_k3_vl.py)
     "JetNemotronForCausalLM",
+    "JetVLMForConditionalGeneration",  # Jet-Nemotron's VLM, text-only (hf_tiny_jet_vlm.py)
     "Qwen4ExpForConditionalGeneration",
     "ZayaForCausalLM",
     "InklingForConditionalGeneration",
@@ -88,11 +89,12 @@ SGLANG_HYBRID_ARCHITECTURES = (
 #: the ``extra_buffer`` strategy instead of ``torch_native`` / ``no_buffer``.
 INKLING_ARCHITECTURES = ("InklingForConditionalGeneration",)
 
-#: SGLang's Jet-Nemotron class: its JetBlock writes the conv window with an index put of the
+#: SGLang's Jet-Nemotron classes (the text model and its VLM, whose ``llm`` is that class,
+#: ``models/jet_vlm.py:78``): the JetBlock writes the conv window with an index put of the
 #: model's activations, no cast (``models/jet_nemotron.py:307-309``: "Index put requires the source
 #: and destination dtypes match" under ``--dtype float32`` with a float16 window), so on CPU the
 #: window takes a ``--dtype`` given on the command line.
-JET_ARCHITECTURES = ("JetNemotronForCausalLM",)
+JET_ARCHITECTURES = ("JetNemotronForCausalLM", "JetVLMForConditionalGeneration")
 
 #: Classes whose MoE runner SGLang sets to ``triton_kernel`` unasked, a layout its CPU MoE path
 #: cannot run: on CPU the defaults name ``--moe-runner-backend triton`` (unless given).
