@@ -137,12 +137,17 @@ class TestZygote(unittest.TestCase):
     as ``subprocess`` does. The launches here end at argument parsing (``--help``, a bad flag),
     so no server starts."""
 
+    @staticmethod
+    def env():
+        """Both tests' environment: one zygote (one SGLang import) serves the class."""
+        return dict(os.environ, PYTHONUNBUFFERED="1", MAMBA_EXT_ZYGOTE_TEST=str(os.getpid()))
+
     def test_two_launches_from_one_zygote(self):
         from sglang_mamba_ext.testing import zygote
 
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", MAMBA_EXT_ZYGOTE_TEST=str(os.getpid()))
+        env = self.env()
         logs = [os.path.join(tmp.name, f"{i}.log") for i in range(2)]
         helped = zygote.launch(["--help"], env, logs[0])
         self.assertEqual(helped.wait(timeout=300), 0)
@@ -172,20 +177,21 @@ class TestZygote(unittest.TestCase):
         self.addCleanup(tmp.cleanup)
         with open(os.path.join(tmp.name, "probe_env.py"), "w") as f:
             f.write("import os, json\nprint(json.dumps({k: os.environ.get(k) for k in "
-                    "('SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK', 'SGLANG_MAMBA_EXT_PROBE', 'MAMBA_EXT_ZYGOTE_LATE')}))\n")
-        base = {k: v for k, v in os.environ.items() if not zygote.is_late(k)}
-        base["MAMBA_EXT_ZYGOTE_LATE"] = str(os.getpid())
+                    "('SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK', 'SGLANG_MAMBA_EXT_PROBE', 'MAMBA_EXT_ZYGOTE_TEST')}))\n")
+        # the other test's environment (its zygote, if it ran first: one SGLang import for both)
+        base = {k: v for k, v in self.env().items() if not zygote.is_late(k)}
         first = zygote.run("probe_env", [], dict(base, SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK="1",
-                                                SGLANG_MAMBA_EXT_PROBE="a"), timeout=300, cwd=tmp.name)
-        second = zygote.run("probe_env", [], dict(base, SGLANG_MAMBA_EXT_PROBE="b"), timeout=120, cwd=tmp.name)
+                                                SGLANG_MAMBA_EXT_PROBE="a"), timeout=300, cwd=tmp.name, plugins=True)
+        second = zygote.run("probe_env", [], dict(base, SGLANG_MAMBA_EXT_PROBE="b"), timeout=120, cwd=tmp.name,
+                            plugins=True)
         self.assertEqual(first.returncode, 0, first.stderr[-2000:])
         self.assertEqual(json.loads(first.stdout.strip().splitlines()[-1]), {
             "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1", "SGLANG_MAMBA_EXT_PROBE": "a",
-            "MAMBA_EXT_ZYGOTE_LATE": str(os.getpid())})
+            "MAMBA_EXT_ZYGOTE_TEST": str(os.getpid())})
         self.assertEqual(json.loads(second.stdout.strip().splitlines()[-1]), {
             "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": None, "SGLANG_MAMBA_EXT_PROBE": "b",
-            "MAMBA_EXT_ZYGOTE_LATE": str(os.getpid())})
-        keys = [key for key in zygote._zygotes if ("MAMBA_EXT_ZYGOTE_LATE", str(os.getpid())) in key]
+            "MAMBA_EXT_ZYGOTE_TEST": str(os.getpid())})
+        keys = [key for key in zygote._zygotes if ("MAMBA_EXT_ZYGOTE_TEST", str(os.getpid())) in key]
         self.assertEqual(len(keys), 1, keys)  # one zygote served both
         self.assertFalse(any(zygote.is_late(k) for k, _ in keys[0][1:]))
 
