@@ -16,10 +16,11 @@ What the checkpoint needs beyond the text model (used by :mod:`.hf_tiny`):
   ``hidden_states[-2]`` only). About 6.3 M parameters, 13 MB in float16;
 - **the names SGLang's loader reads**: ``llm.*`` is handed to ``JetNemotronForCausalLM.load_weights``
   with the prefix stripped; every other tensor is looked up by its exact name among the
-  wrapper's parameters (``jet_vlm.py:134-144``; an unknown name raises ``KeyError``): the tower's
-  are ``vision_tower.`` + the names of transformers' ``SiglipVisionModel`` of the same config
-  (transformers 5.19 names them without a ``vision_model.`` level), read from that class here;
-- **the processor SGLang's NVILA processor wraps** (``multimodal/processors/nvila.py``): its
+  wrapper's parameters (``jet_vlm.py:124-135``; an unknown name raises ``KeyError`` at
+  ``:131``): the tower's are ``vision_tower.`` + the names of transformers' ``SiglipVisionModel``
+  of the same config (transformers 5.19 names them without a ``vision_model.`` level), read from
+  that class here;
+- **the processor SGLang's NVILA processor wraps** (``multimodal/processors/nvila.py:41-48``): its
   constructor reads ``_processor.tokenizer.image_token`` / ``.video_token`` and the config's
   ``image_token_id`` / ``video_token_id``. The released checkpoints ship NVILA's processor as
   remote code; this one names transformers' ``SiglipProcessor`` (``processor_config.json``) with
