@@ -66,12 +66,14 @@ class TestInchunkTriton(unittest.TestCase):
         cls.enterClassContext(triton_interpreter_env())
 
     def _both(self, gate, transposed):
-        L, T = 2, 23
+        # one layer (the interpreter's cost is per program): two layers, both gates and the
+        # transposed views run through the same kernels in test_chunk_boundaries_match_reference
+        L, T = 1, 12
         w = ReplayWeights.from_mixers(_mixers(L, gate))
         mixed, g_raw, b_raw = _inputs(L, T, gate)
-        # row 0: tokens 0..11 from slot 1, checkpoints inside and at the end; row 1: tokens
-        # 12..22 fresh (zeros), offsets 0, 2 (inside the conv window) and 9
-        writes = plan_writes([(0, 1, [(5, 3), (11, 4)]), (12, -1, [(2, 5), (0, 6), (9, 7)])], DEV)
+        # row 0: tokens 0..5 from slot 1, checkpoints inside (3) and at its end (6); row 1:
+        # tokens 6..10 fresh (zeros), offsets 0, 2 (inside the conv window) and 5
+        writes = plan_writes([(0, 1, [(3, 3), (6, 4)]), (6, -1, [(2, 5), (0, 6), (5, 7)])], DEV)
         out = {}
         for impl in ("torch", "triton"):
             conv, temp = _pools(L, 9, transposed=transposed)
@@ -86,7 +88,7 @@ class TestInchunkTriton(unittest.TestCase):
         torch.testing.assert_close(out["triton"][1], out["torch"][1], atol=1e-4, rtol=1e-4)
         # the offset-0 destination of a fresh row is zeros; a window two tokens in holds them
         self.assertEqual(out["triton"][1][:, 6].abs().max().item(), 0.0)
-        torch.testing.assert_close(out["triton"][0][:, 5, :, 1:], mixed[:, 12:14].transpose(-1, -2))
+        torch.testing.assert_close(out["triton"][0][:, 5, :, 1:], mixed[:, 6:8].transpose(-1, -2))
         self.assertEqual(out["triton"][0][:, 5, :, 0].abs().max().item(), 0.0)
 
     def test_kda_matches_torch(self):
@@ -105,14 +107,16 @@ class TestInchunkTriton(unittest.TestCase):
             L, T = 2, 90
             w = ReplayWeights.from_mixers(_mixers(L, gate))
             mixed, g_raw, b_raw = _inputs(L, T, gate)
-            writes = plan_writes([(0, 1, [(5, 3), (47, 4), (32, 8)]), (50, -1, [(39, 5), (0, 6)])], DEV)
+            # offsets 2 (inside the first chunk), 47 (two chunks, then 15 tokens: just before a
+            # boundary), 32 (on one) | 33 (just after one), 0
+            writes = plan_writes([(0, 1, [(2, 3), (47, 4), (32, 8)]), (50, -1, [(33, 5), (0, 6)])], DEV)
             out = {}
             for impl in ("reference", "triton"):
                 conv, temp = _pools(L, 10, transposed=True)
                 st = {}
                 write_checkpoints(mixed, g_raw, b_raw, writes, conv, temp, w, impl=impl, chunk=16, stats=st)
                 out[impl] = (conv, temp)
-            self.assertEqual(st["scanned"], [5, 15, 0, 7, 0])
+            self.assertEqual(st["scanned"], [2, 15, 0, 1, 0])
             torch.testing.assert_close(out["triton"][0], out["reference"][0], rtol=0, atol=0)
             torch.testing.assert_close(out["triton"][1], out["reference"][1], atol=1e-5, rtol=1e-5)
 
@@ -136,12 +140,12 @@ class TestInchunkTriton(unittest.TestCase):
         from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
         from fla.ops.kda.naive import naive_recurrent_kda
 
-        L, T, s = 1, 24, SHAPE
+        L, T, s = 1, 8, SHAPE
         (m,) = _mixers(L, gate, seed=5)
         w = ReplayWeights.from_mixers([m])
         mixed, g_raw, b_raw = _inputs(L, T, gate, seed=6)
         conv, temp = _pools(L, 6, seed=7)
-        points = [(1, 2), (13, 3), (23, 4), (24, 5)]
+        points = [(1, 2), (4, 3), (7, 4), (8, 5)]
         write_checkpoints(mixed, g_raw, b_raw, plan_writes([(0, 1, points)], DEV), conv, temp, w)
         H, HV, K, V, W = s.num_k_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim, s.conv_kernel
         x = torch.cat([conv[0, 1].T, mixed[0]]).double()  # [W-1+T, D]: start window, tokens
