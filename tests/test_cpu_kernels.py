@@ -2,13 +2,14 @@
 against SGLang's Triton kernels run by Triton's interpreter, and the bridge that routes SGLang's
 calls to them (``cpu_bridges.make_kernel_around``).
 
-Each comparison packs three sequences: one shorter than a chunk, one spanning three 64-token
-chunks, one more (a full chunk for GDN / KDA; for Mamba2 it starts mid-chunk), once with
-initial states (random pool rows, or a ``-1`` row) and once without. Outputs, written-back
-states, per-chunk ``h`` (GDN / KDA), ``states`` / ``varlen_states`` / ``track_states`` (Mamba2)
-and conv windows are asserted. The Triton side needs ``TRITON_INTERPRET=1`` before Triton is
-imported, so those classes run in a fresh process (``TestCpuKernelsUnderInterpreter``) unless
-this one already interprets."""
+Each comparison packs three sequences: one shorter than a chunk, one spanning chunks (two of
+GDN / KDA's 64-token chunks, ending two tokens into the second; three of the 32-token chunks the
+Mamba2 scan is given here), one more (a full chunk for GDN / KDA; for Mamba2 it starts
+mid-chunk), once with initial states (random pool rows, or a ``-1`` row) and once without.
+Outputs, written-back states, per-chunk ``h`` (GDN / KDA), ``states`` / ``varlen_states`` /
+``track_states`` (Mamba2) and conv windows are asserted. The Triton side needs
+``TRITON_INTERPRET=1`` before Triton is imported, so those classes run in a fresh process
+(``TestCpuKernelsUnderInterpreter``) unless this one already interprets."""
 
 import os
 import unittest
@@ -22,7 +23,7 @@ from sglang_mamba_ext.testing.spec_pair import triton_subprocess_case
 _IN_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 NO_CUDA = not torch.cuda.is_available()
 SELECT = "VsTriton"
-LENS = [5, 130, 64]
+LENS = [5, 66, 64]
 HALF = torch.float16
 
 
@@ -89,7 +90,7 @@ class TestDeltaRuleVsTriton(unittest.TestCase):
                     results.append((o, h, p))
                 (o1, h1, p1), (o2, h2, p2) = results
                 what = f"GDN {name} inplace={inplace}"
-                self.assertEqual(tuple(h1.shape), (1, 5, 4, 32, 32), what)  # chunks 1 + 3 + 1
+                self.assertEqual(tuple(h1.shape), (1, 4, 4, 32, 32), what)  # chunks 1 + 2 + 1
                 _close(self, o2, o1, 2e-3, what=what + " o")
                 _close(self, h2, h1, 2e-3, what=what + " h")
                 _close(self, p2, p1, 2e-3, what=what + " pool")
@@ -131,7 +132,8 @@ class TestMamba2VsTriton(unittest.TestCase):
     """Mamba2's ``mamba_chunk_scan_combined`` (as ``MambaMixer2.forward`` calls it) and the
     causal convolutions."""
 
-    LENS = [5, 130, 40]  # the third sequence starts mid-chunk
+    LENS = [5, 66, 20]  # 32-token chunks (CS): the second and third sequences start mid-chunk
+    CS = 32
 
     @classmethod
     def setUpClass(cls):
@@ -145,7 +147,7 @@ class TestMamba2VsTriton(unittest.TestCase):
         from sglang_mamba_ext.plugin.cpu_kernels_ssd import mamba_chunk_scan_combined as torch_fn
 
         g = torch.Generator().manual_seed(3)
-        lens, T, H, P, G, N, cs = self.LENS, sum(self.LENS), 4, 16, 2, 16, 64
+        lens, T, H, P, G, N, cs = self.LENS, sum(self.LENS), 4, 16, 2, 16, self.CS
         x = torch.randn(1, T, H, P, generator=g).to(HALF)
         dt = torch.randn(1, T, H, generator=g).to(HALF)
         A = -torch.rand(H, generator=g) - 0.5
@@ -157,7 +159,8 @@ class TestMamba2VsTriton(unittest.TestCase):
         init = torch.randn(3, H, P, N, generator=g) * 0.1
         init[1] = 0  # as MambaMixer2 passes a sequence without a cached state
         ci, co = Mamba2Metadata._query_start_loc_to_chunk_indices_offsets(cu, cs, T)
-        track = dict(track_seq_idx=torch.tensor([1, 1, 2]), track_end_locs=torch.tensor([75, 133, 138]))
+        # states after 38 tokens of sequence 1 (mid chunk 1), 2 before its end (chunk 2), 3 into sequence 2
+        track = dict(track_seq_idx=torch.tensor([1, 1, 2]), track_end_locs=torch.tensor([43, 69, 74]))
         for name, initial, meta in (("initial states", init, dict(chunk_indices=ci, chunk_offsets=co)),
                                     ("no initial states", None, dict(chunk_indices=None, chunk_offsets=None))):
             results = []
@@ -299,6 +302,8 @@ class TestLightningVsTriton(unittest.TestCase):
     (``plugin/inchunk_lightning.py``) against the state SGLang's kernel leaves after a prefix."""
 
     H, D = 2, 128  # the decode kernel tiles the head by 128 (seg_la.py: K_SPLIT_DIM)
+    PD = 64  # prefill head dim: the prefill kernel tiles the head by 32 (K) and 32 or 64 (V), so 64 is
+    # still split into tiles, at a quarter of 128's programs
 
     def _meta(self, lens, slots, scales):
         from sglang.kernels.ops.attention.linear.seg_la import SegLaMeta
@@ -307,10 +312,11 @@ class TestLightningVsTriton(unittest.TestCase):
         return SegLaMeta(batch_size=len(lens), max_q_length=None, q_offsets=off, s_offsets=torch.tensor(slots, dtype=torch.int32),
                          q_lengths=off.diff(), s_scales=torch.tensor(scales, dtype=torch.int32))
 
-    def _inputs(self, T, seed=7):
+    def _inputs(self, T, seed=7, D=None):
+        D = self.D if D is None else D
         g = torch.Generator().manual_seed(seed)
-        q, k, v = (torch.randn(T, self.H, self.D, generator=g) * s for s in (1.0, 0.3, 1.0))
-        pool = torch.randn(6, self.H, self.D, self.D, generator=g) * 0.1
+        q, k, v = (torch.randn(T, self.H, D, generator=g) * s for s in (1.0, 0.3, 1.0))
+        pool = torch.randn(6, self.H, D, D, generator=g) * 0.1
         return q, k, v, pool, torch.tensor([0.0625, 0.0039]).reshape(self.H, 1, 1)
 
     def test_prefill_and_decode(self):
@@ -318,21 +324,22 @@ class TestLightningVsTriton(unittest.TestCase):
 
         from sglang_mamba_ext.plugin.cpu_kernels_lightning import seg_la_fwd as torch_fn
 
-        q, k, v, pool, slope = self._inputs(sum(LENS))
+        q, k, v, pool, slope = self._inputs(sum(LENS), D=self.PD)
         off = _cu(LENS)
         for what, slots, scales, track in (("initial states", [3, -1, 1], [1, 1, 1], None),
-                                           ("zeros + track", [0, 2, 5], [0, 1, 0], ([0, 128, 64], [4, 4, 0]))):
+                                           ("zeros + track", [0, 2, 5], [0, 1, 0], ([0, 64, 64], [4, 4, 0]))):
             outs = []
             for fn in (triton_fn, torch_fn):
                 p = pool.clone()
                 kw = {} if track is None else dict(track_lens=torch.tensor(track[0], dtype=torch.int32),
                                                    track_state_indices=torch.tensor(track[1], dtype=torch.int32))
-                outs.append((fn(q, k, v, p, slope, self._meta(LENS, slots, scales), softmax_scale=self.D ** -0.5, **kw), p))
+                outs.append((fn(q, k, v, p, slope, self._meta(LENS, slots, scales), softmax_scale=self.PD ** -0.5,
+                                **kw), p))
             live = torch.cat([torch.arange(off[i], off[i + 1]) for i in range(3) if slots[i] >= 0])
             _close(self, outs[1][0][live], outs[0][0][live], 1e-4, what=f"{what} out")
             _close(self, outs[1][1], outs[0][1], 1e-5, what=f"{what} pool")
         bs = 4
-        qd, kd, vd, _, _ = self._inputs(bs, seed=8)
+        qd, kd, vd, pool, _ = self._inputs(bs, seed=8)
         meta = self._meta([1] * bs, [2, 0, -1, 5], [1] * bs)
         outs = []
         for fn in (triton_fn, torch_fn):
@@ -346,8 +353,10 @@ class TestLightningVsTriton(unittest.TestCase):
 
         from sglang_mamba_ext.plugin.inchunk_lightning import write_lightning_checkpoints
 
-        q, k, v, pool, slope = self._inputs(150, seed=9)
-        for src, offsets in ((-1, [1, 31, 32, 33, 100, 149]), (3, [7, 64, 150])):
+        # one token (the decode kernel) at the decode head dim; the prefill kernel's offsets around
+        # and across its 32-token blocks at PD
+        for D, src, offsets in ((self.D, -1, [1]), (self.PD, -1, [31, 32, 33, 69]), (self.PD, 3, [7, 64, 70])):
+            q, k, v, pool, slope = self._inputs(70, seed=9, D=D)
             for o in offsets:
                 w = pool.clone()
                 write_lightning_checkpoints(k, v, slope, w, [(0, src, [(o, 5)])])
@@ -358,7 +367,7 @@ class TestLightningVsTriton(unittest.TestCase):
                 if src < 0:
                     t[row] = 0
                 triton_fn(q[:o], k[:o], v[:o], t, slope, self._meta([o], [row], [1 if src >= 0 else 0]),
-                          softmax_scale=self.D ** -0.5)
+                          softmax_scale=D ** -0.5)
                 _close(self, w[5], t[row], 2e-5, what=f"checkpoint at {o} from {src}")
 
 

@@ -128,10 +128,12 @@ class TestMamba2Triton(unittest.TestCase):
     def _both(self, dtype, bias):
         from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
 
-        L, T = 2, 40
+        # every offset inside the first 64-token chunk: the kernel scans from the start states;
+        # row 1 ends at the last input token, row 2 starts inside row 1
+        L, T = 2, 11
         w = _weights(L, bias=bias)
         xbc, dt = _inputs(L, T, dtype=dtype)
-        rows = [(0, -1, [(0, 2), (13, 3), (25, 4)]), (25, 1, [(15, 5)]), (30, 0, [(1, 6), (-1, -1)])]
+        rows = [(0, -1, [(0, 2), (4, 3), (7, 4)]), (7, 1, [(4, 5)]), (9, 0, [(1, 6), (-1, -1)])]
         writes = plan_writes([(s, src, [x for x in items if x[0] >= 0]) for s, src, items in rows], "cpu")
         a_conv, a_ssm = _pools(L, 8)
         b_conv, b_ssm = a_conv.clone(), a_ssm.clone()
@@ -143,17 +145,18 @@ class TestMamba2Triton(unittest.TestCase):
         torch.testing.assert_close(b_ssm[:, untouched], _pools(L, 8)[1][:, untouched])
 
     def test_chunk_boundaries_match_reference(self):
-        """Issue 39: boundary states over 16-token chunks, then the kernel's partial scan."""
+        """Issue 39: boundary states over 8-token chunks, then the kernel's partial scan (3
+        tokens inside the first chunk, none at a boundary, 1 after four chunks, 7 = chunk - 1)."""
         from sglang_mamba_ext.speculative.ops.inchunk.mamba2 import write_mamba2_checkpoints
 
-        L, T = 2, 70
+        L, T = 2, 34
         w = _weights(L)
         xbc, dt = _inputs(L, T)
-        writes = plan_writes([(0, 1, [(3, 2), (16, 3), (69, 4)]), (10, -1, [(47, 5)])], "cpu")
+        writes = plan_writes([(0, 1, [(3, 2), (8, 3), (33, 4)]), (10, -1, [(23, 5)])], "cpu")
         a_conv, a_ssm = _pools(L, 8)
         b_conv, b_ssm = a_conv.clone(), a_ssm.clone()
         write_mamba2_checkpoints(xbc, dt, writes, a_conv, a_ssm, w, impl="reference")
-        write_mamba2_checkpoints(xbc, dt, writes, b_conv, b_ssm, w, impl="triton", chunk=16)
+        write_mamba2_checkpoints(xbc, dt, writes, b_conv, b_ssm, w, impl="triton", chunk=8)
         torch.testing.assert_close(b_ssm, a_ssm, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(b_conv, a_conv)
 

@@ -18,7 +18,7 @@ SELECT = "OnChipRaw"
 
 @unittest.skipUnless(_CAN_RUN, "kernels already imported without the Triton interpreter (see TestUnderTritonInterpreter)")
 class TestOnChipRawEntry(unittest.TestCase):
-    def _case(self, gate, parents_kind, dtype=torch.float32, H=2, HV=4, K=16, V=16, bs=3):
+    def _case(self, gate, parents_kind, dtype=torch.float32, H=2, HV=2, K=16, V=16, bs=2):
         from sglang_mamba_ext.speculative import verify_onchip
         from sglang_mamba_ext.speculative.tree import eagle_tree_parents
 
@@ -26,11 +26,12 @@ class TestOnChipRawEntry(unittest.TestCase):
         if parents_kind == "chain":
             T, parents, depth = 4, None, 4
         else:
-            par = eagle_tree_parents(2, 3)
+            # topk 2, 3 steps cut to 8 draft tokens: [-1, 0, 0, 1, 1, 2, 2, 3], depth 4 (node 7)
+            par = eagle_tree_parents(2, 3, 8)
             T, depth = len(par), 4
             parents = torch.tensor([par] * bs, dtype=torch.int32)
-            parents[1, 0] = 7  # the root's entry is ignored
-            parents[2, 5] = 99  # outside [0, T): read as the root (a padding row's unwritten entry)
+            parents[0, 0] = 7  # the root's entry is ignored
+            parents[1, 5] = 99  # outside [0, T): read as the root (a padding row's unwritten entry)
         n = bs * T
         q = torch.randn(1, n, H, K, generator=g).to(dtype)
         k = torch.randn(1, n, H, K, generator=g).to(dtype)
@@ -40,7 +41,7 @@ class TestOnChipRawEntry(unittest.TestCase):
         A_log = torch.randn(HV, generator=g) * 0.5
         dt_bias = torch.randn(HV * K if gate == "kda" else HV, generator=g)
         pool = torch.randn(5, HV, V, K, generator=g) * 0.5
-        slots = torch.tensor([3, -1, 1, 4], dtype=torch.int32)  # row 1: padding (reads slot 0)
+        slots = torch.tensor([3, -1, 1], dtype=torch.int32)  # row 1: padding (reads slot 0); one entry past bs
         out = {}
         for raw in (True, False):
             with mock.patch.object(verify_onchip, "RAW_ENTRY", raw):
@@ -59,14 +60,14 @@ class TestOnChipRawEntry(unittest.TestCase):
         return out[True]
 
     def test_kda_tree(self):
-        self._case("kda", "tree")
+        self._case("kda", "tree")  # H == HV, as Kimi-Linear's KDA; grouped heads: the GDN cases
 
     def test_gdn_tree_grouped_heads(self):
         self._case("gdn", "tree", H=2, HV=4)
 
     def test_chains(self):
         self._case("kda", "chain")
-        self._case("gdn", "chain")
+        self._case("gdn", "chain", H=2, HV=4)
 
     def test_bf16(self):
         self._case("kda", "tree", dtype=torch.bfloat16)
