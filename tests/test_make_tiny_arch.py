@@ -385,9 +385,11 @@ class TestMakeTinyArch(unittest.TestCase):
         :data:`OPT_IN_LOADS` only with ``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``."""
         archs = WRITTEN if ALL_FAMILIES else tuple(a for a in WRITTEN if a not in OPT_IN_LOADS)
         # a free port for its gloo group (the fixed default collided in a CI run: EADDRINUSE)
-        proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.model_load",
-                               *(self.dirs[arch] for arch in archs), str(free_port())],
-                              capture_output=True, text=True, timeout=600)
+        from sglang_mamba_ext.testing import zygote
+
+        # in a child of a process that imported SGLang and loaded the plugins (shared, testing/zygote.py)
+        proc = zygote.run_plugins_loaded("sglang_mamba_ext.testing.model_load",
+                                         [*(self.dirs[arch] for arch in archs), str(free_port())], timeout=600)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"model"')]
         self.assertEqual([x["model"] for x in lines], [self.dirs[arch] for arch in archs])

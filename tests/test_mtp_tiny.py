@@ -3,7 +3,7 @@ own MTP draft as SGLang 0.5.23 loads it (``sglang_mamba_ext/models/mtp_tiny.py``
 without a server: SGLang's ``ModelConfig`` names the MTP class for a draft worker, its model
 registry resolves it, and its own ``load_weights`` fills every parameter but the embedding and
 LM head (the target's, shared at start-up) from the draft's file, using every tensor of it
-(``sglang_mamba_ext/testing/mtp_load.py``, one subprocess per family); the draft agrees with
+(``sglang_mamba_ext/testing/mtp_load.py``, a forked process per family); the draft agrees with
 the target on held-out greedy tokens far above chance."""
 
 import json
@@ -63,8 +63,11 @@ class _MtpDraft:
         self.assertEqual(dtypes, {"torch.float16"})
 
     def test_sglang_class_loads_every_parameter(self):
-        proc = subprocess.run([sys.executable, "-m", "sglang_mamba_ext.testing.mtp_load", self.target, self.draft,
-                               str(free_port())], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        from sglang_mamba_ext.testing import zygote
+
+        # in a child of a process that imported SGLang and loaded the plugins (shared, testing/zygote.py)
+        proc = zygote.run_plugins_loaded("sglang_mamba_ext.testing.mtp_load", [self.target, self.draft, str(free_port())],
+                                         timeout=600, cwd=ROOT)
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         self.assertEqual(res["architecture"], self.CLASS)

@@ -86,16 +86,16 @@ class TestStartupErrorsLikeArgparse(unittest.TestCase):
     def _launch(self, *extra, model=None, spawn=False):
         from sglang_mamba_ext.testing import zygote
 
-        env = dict(os.environ)
-        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        env.pop("SGLANG_PLUGINS", None)
         args = ["--model-path", model or self.llama, "--device", "cpu", "--port", "39123", *extra]
         start = time.monotonic()
         if spawn:
+            env = dict(os.environ)
+            env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+            env.pop("SGLANG_PLUGINS", None)
             out = subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], capture_output=True,
                                  text=True, env=env, timeout=BOUND_S + 120, cwd=REPO)
         else:
-            out = zygote.run("sglang.launch_server", args, env, timeout=BOUND_S + 120, cwd=REPO, plugins=True)
+            out = zygote.run_plugins_loaded("sglang.launch_server", args, timeout=BOUND_S + 120, cwd=REPO)
         return out, time.monotonic() - start
 
     def _assert_argparse_error(self, out, elapsed, message):

@@ -351,6 +351,22 @@ def run(module: str, args: Sequence[str], env: Dict[str, str], timeout: float,
     return subprocess.CompletedProcess([module, *args], child.returncode, *texts)
 
 
+def run_plugins_loaded(module: str, args: Sequence[str], timeout: float, cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` as :func:`run` gives it, forked from the plugin-loaded zygote
+    of the plain test environment (the test process's, this repository first on
+    ``PYTHONPATH``, ``SGLANG_PLUGINS`` unset): the tests that each needed a fresh process with
+    SGLang imported and the plugins loaded (the start-up error launches, the model and MTP
+    load checks) share one SGLang import per test process.
+
+    Raises:
+        subprocess.TimeoutExpired: not done in ``timeout`` seconds (it is killed first)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("SGLANG_PLUGINS", None)
+    return run(module, list(args), env, timeout=timeout, cwd=cwd or root, plugins=True)
+
+
 @atexit.register
 def close_all() -> None:
     """Stop every zygote (their children, the servers, are stopped by their owners)."""
