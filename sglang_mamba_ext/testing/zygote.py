@@ -289,6 +289,30 @@ class _Zygote:
 
 _zygotes: Dict[tuple, _Zygote] = {}  # key: (plugins, *sorted environment items)
 _zygotes_lock = threading.Lock()
+#: Zygotes started by this process so far (each one SGLang import): the test harness reports
+#: a launch that started one (``tests/e2e/server_util.py``), with :data:`last_start_reason`.
+started = 0
+last_start_reason = ""
+_closed_keys: set = set()  # keys of zygotes closed to keep MAX_ZYGOTES
+
+
+def _start_reason(key: tuple) -> str:
+    """Why a zygote was needed for ``key``: the first of its kind, one closed earlier, or the
+    variables (names) in which the environment differs from the nearest existing zygote's."""
+    if key in _closed_keys:
+        return "one closed earlier for MAX_ZYGOTES"
+    env = dict(key[1:])
+    best = None
+    for other in _zygotes:
+        if other[0] != key[0]:
+            continue
+        o = dict(other[1:])
+        names = sorted(n for n in set(env) | set(o) if env.get(n) != o.get(n))
+        if best is None or len(names) < len(best):
+            best = names
+    if best is None:
+        return "the first of its kind"
+    return "environment differs in " + ", ".join(best[:6]) + (" ..." if len(best) > 6 else "")
 
 
 def start(module: str, args: Sequence[str], env: Dict[str, str], log_path: str,
@@ -308,11 +332,15 @@ def start(module: str, args: Sequence[str], env: Dict[str, str], log_path: str,
     with _zygotes_lock:
         zygote = _zygotes.get(key)
         if zygote is None or zygote.proc.poll() is not None:
+            global started, last_start_reason
+            started += 1
+            last_start_reason = "its zygote exited" if zygote is not None else _start_reason(key)
             zygote = _zygotes[key] = _Zygote(dict(env), plugins)
             idle = sorted(((k, z) for k, z in _zygotes.items() if z is not zygote and not z.busy()),
                           key=lambda kz: kz[1].last_used)
             for old_key, old in idle[: max(0, len(_zygotes) - MAX_ZYGOTES)]:
                 del _zygotes[old_key]
+                _closed_keys.add(old_key)
                 old.close()
     return zygote.start(module, args, log_path, cwd or os.getcwd(), err_path, late)
 

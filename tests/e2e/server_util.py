@@ -85,9 +85,13 @@ class Server(ServerProcess):
         flags = " ".join(self.flags)
         how = "forked" if self.fork else "spawned"
         progress(f"  server {name}: starting, {how} ({flags if len(flags) <= 110 else '...' + flags[-107:]})")
-        t0 = time.time()
+        from sglang_mamba_ext.testing import zygote
+
+        t0, zygotes = time.time(), zygote.started
         self.start()
-        progress(f"  server {name}: ready in {time.time() - t0:.0f} s")
+        new = f" (a new zygote, one SGLang import: {zygote.last_start_reason})" \
+            if self.fork and zygote.started > zygotes else ""
+        progress(f"  server {name}: ready in {time.time() - t0:.0f} s{new}")
 
 
 def start_together(cls, servers: List[Server]) -> None:
