@@ -108,6 +108,7 @@ class TestListArchs(unittest.TestCase):
         served["kimi_k3"] = "KimiK3LinearForCausalLM"  # Kimi-K3's text class, KDA (declared by the plugin)
         served["kimi_k3_vl"] = "KimiK3ForConditionalGeneration"  # Kimi-K3's VLM, text-only (kimi_k3 module)
         served["jet_nemotron"] = "JetNemotronForCausalLM"  # JetBlock: dynamic conv + delta rule (the Jet writer)
+        served["jet_vlm"] = "JetVLMForConditionalGeneration"  # its VLM (SigLIP tower, NVILA projector), text-only
         served.update(minicpmv="MiniCPMV4_6ForConditionalGeneration",  # MiniCPM-V on Qwen3.5, GDN
                       minicpmv4_7="MiniCPMV4_7ForConditionalGeneration")
         served["zaya"] = "ZayaForCausalLM"  # ZAYA1, CCA (the plugin's CCA writer)

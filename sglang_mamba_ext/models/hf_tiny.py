@@ -56,10 +56,10 @@ SERVED_ARCHS += ("kimi_k3_vl",)  # KimiK3ForConditionalGeneration, text-only (is
 SERVED_ARCHS += ("inkling",)  # Inkling, sconv (issue 40, hf_tiny_inkling.py)
 SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
 SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
+SERVED_ARCHS += ("jet_vlm",)  # Jet-Nemotron's VLM, text-only: the Jet writer (issue 40, hf_tiny_jet_vlm.py)
 #: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those that build but are
 #: not served yet (status ``build only``).
 ARCHS = SERVED_ARCHS + ("nano_nemotron_omni_v3",)  # NemotronH_Omni_Reasoning_V3 (hf_tiny_nano_nemotron_vl.py)
-ARCHS += ("jet_vlm",)  # JetVLMForConditionalGeneration (issue 40, hf_tiny_jet_vlm.py)
 #: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
 MARKER_KEY = "sglang_mamba_ext_tiny"
 #: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
