@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import unittest
 
 from sglang_mamba_ext.testing.server import PORT_RANGES, ServerProcess, free_port
@@ -129,6 +130,66 @@ class TestForkLaunch(unittest.TestCase):
             del os.environ["SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS"]
             os.environ["TRITON_INTERPRET"] = "0"  # set by the caller: left alone
             self.assertEqual(import_time_env(spec), {"TORCHDYNAMO_DISABLE": "1"})
+
+
+class TestLaunchEnvironment(unittest.TestCase):
+    """Servers started together (threads, ``tests/e2e/server_util.py::start_together``) each
+    judge their import-time variables in their own environment without touching the test
+    process's: an unlocked swap of ``os.environ`` once left the repository twice on
+    ``PYTHONPATH`` and made every later launch start a new zygote."""
+
+    def test_concurrent_judgments_leave_os_environ_alone(self):
+        import threading
+        from unittest import mock
+
+        from sglang_mamba_ext.testing import fork_launch
+        from sglang_mamba_ext.testing.server import REPO, ServerProcess
+
+        before = dict(os.environ)
+        seen = []
+
+        def slow_judgment(args):
+            seen.append(os.environ.get("MAMBA_EXT_WHO"))
+            time.sleep(0.05)  # the other thread would swap os.environ meanwhile if unlocked
+            seen.append(os.environ.get("MAMBA_EXT_WHO"))
+            return {}
+
+        envs = {}
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+
+        def launch(who):
+            proc = ServerProcess("unused-dir", [], env={"MAMBA_EXT_WHO": who}, log_path=os.path.join(tmp.name, who))
+            for _ in range(5):
+                env = proc.launch_env()
+                proc.import_time_preset([], env)
+            envs[who] = env
+
+        with mock.patch.object(fork_launch, "import_time_env", slow_judgment):
+            threads = [threading.Thread(target=launch, args=(w,)) for w in ("a", "b")]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        self.assertEqual(dict(os.environ), before)
+        # each judgment saw one launch's environment throughout: a, a or b, b
+        self.assertEqual(len(seen), 20)
+        self.assertTrue(all(seen[i] == seen[i + 1] for i in range(0, 20, 2)), seen)
+        for who in ("a", "b"):
+            self.assertEqual(envs[who]["PYTHONPATH"], REPO + os.pathsep + before.get("PYTHONPATH", ""))
+            self.assertEqual(envs[who]["MAMBA_EXT_WHO"], who)
+
+    def test_zygote_start_reasons(self):
+        from unittest import mock
+
+        from sglang_mamba_ext.testing import zygote
+
+        with mock.patch.object(zygote, "_zygotes", {(True, ("A", "1"), ("B", "2")): None}), \
+                mock.patch.object(zygote, "_closed_keys", {(True, ("C", "3"))}):
+            self.assertEqual(zygote._start_reason((True, ("A", "1"), ("B", "3"), ("D", "4"))),
+                             "environment differs in B, D")
+            self.assertEqual(zygote._start_reason((False, ("A", "1"))), "the first of its kind")
+            self.assertEqual(zygote._start_reason((True, ("C", "3"))), "one closed earlier for MAX_ZYGOTES")
 
 
 class TestZygote(unittest.TestCase):

@@ -15,11 +15,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from unittest import mock
 import time
 from typing import Dict, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: Held while a launch reads ``os.environ`` and while it swaps in its own environment to judge
+#: the import-time variables: servers started together (threads) must not read, or restore,
+#: one another's swapped environment (an unlocked swap once left a test process with the
+#: repository twice on ``PYTHONPATH``, and every later launch needed a new zygote).
+_ENVIRON_LOCK = threading.Lock()
 
 
 #: Ports handed out by :func:`free_port`: under SGLang's own pick for ports bound later
@@ -147,14 +153,11 @@ class ServerProcess:
                 return self
         raise RuntimeError(f"server could not bind a port in {bind_attempts} launches:\n{self.log_tail()}")
 
-    def _launch(self, append_log: bool) -> bool:
-        """One launch; True once healthy, False when the port was taken (server stopped).
-
-        Raises:
-            RuntimeError: the server exited or was not healthy in time."""
-        import requests
-
-        env = dict(os.environ)
+    def launch_env(self) -> Dict[str, str]:
+        """The launch's environment: the test process's, this repository first on
+        ``PYTHONPATH``, ``PYTHONUNBUFFERED=1`` unless set, then the overrides."""
+        with _ENVIRON_LOCK:
+            env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         for key, value in self.env_overrides.items():
@@ -162,6 +165,27 @@ class ServerProcess:
                 env.pop(key, None)
             else:
                 env[key] = value
+        return env
+
+    @staticmethod
+    def import_time_preset(args: Sequence[str], env: Dict[str, str]) -> Dict[str, str]:
+        """What the plugin's CPU defaults would set at import for a launch with ``args``
+        (:func:`.fork_launch.import_time_env`), judged in the launch's own environment ``env``
+        (it may unset or override what the test process has): ``os.environ`` is swapped for
+        ``env`` meanwhile, under :data:`_ENVIRON_LOCK`."""
+        from sglang_mamba_ext.testing import fork_launch
+
+        with _ENVIRON_LOCK, mock.patch.dict(os.environ, env, clear=True):
+            return fork_launch.import_time_env(args)
+
+    def _launch(self, append_log: bool) -> bool:
+        """One launch; True once healthy, False when the port was taken (server stopped).
+
+        Raises:
+            RuntimeError: the server exited or was not healthy in time."""
+        import requests
+
+        env = self.launch_env()
         t0 = time.time()
         with open(self.log_path, "a" if append_log else "w") as log:
             if append_log:
@@ -173,14 +197,10 @@ class ServerProcess:
                     self.command(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
         if self.fork:
-            from sglang_mamba_ext.testing import fork_launch, zygote
+            from sglang_mamba_ext.testing import zygote
 
             args = self.launch_args()
-            # what the plugin's CPU defaults would set at import, judged in the launch's own
-            # environment (it may unset or override what the test process has)
-            with mock.patch.dict(os.environ, env, clear=True):
-                preset = fork_launch.import_time_env(args)
-            env.update(preset)
+            env.update(self.import_time_preset(args, env))
             self.proc = zygote.launch(args, env, self.log_path)
         deadline = t0 + self.start_timeout_s
         while time.time() < deadline:

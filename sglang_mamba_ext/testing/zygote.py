@@ -203,6 +203,8 @@ class ForkedProcess:
     def __init__(self, pid: int, zygote: "_Zygote"):
         self.pid = pid
         self.returncode: Optional[int] = None
+        #: Why this launch started a new zygote (one SGLang import), or None if it used one.
+        self.zygote_started: Optional[str] = None
         self._zygote = zygote
 
     def poll(self) -> Optional[int]:
@@ -289,10 +291,6 @@ class _Zygote:
 
 _zygotes: Dict[tuple, _Zygote] = {}  # key: (plugins, *sorted environment items)
 _zygotes_lock = threading.Lock()
-#: Zygotes started by this process so far (each one SGLang import): the test harness reports
-#: a launch that started one (``tests/e2e/server_util.py``), with :data:`last_start_reason`.
-started = 0
-last_start_reason = ""
 _closed_keys: set = set()  # keys of zygotes closed to keep MAX_ZYGOTES
 
 
@@ -331,10 +329,9 @@ def start(module: str, args: Sequence[str], env: Dict[str, str], log_path: str,
     key = (plugins, *sorted(env.items()))
     with _zygotes_lock:
         zygote = _zygotes.get(key)
+        reason = None
         if zygote is None or zygote.proc.poll() is not None:
-            global started, last_start_reason
-            started += 1
-            last_start_reason = "its zygote exited" if zygote is not None else _start_reason(key)
+            reason = "its zygote exited" if zygote is not None else _start_reason(key)
             zygote = _zygotes[key] = _Zygote(dict(env), plugins)
             idle = sorted(((k, z) for k, z in _zygotes.items() if z is not zygote and not z.busy()),
                           key=lambda kz: kz[1].last_used)
@@ -342,7 +339,9 @@ def start(module: str, args: Sequence[str], env: Dict[str, str], log_path: str,
                 del _zygotes[old_key]
                 _closed_keys.add(old_key)
                 old.close()
-    return zygote.start(module, args, log_path, cwd or os.getcwd(), err_path, late)
+    child = zygote.start(module, args, log_path, cwd or os.getcwd(), err_path, late)
+    child.zygote_started = reason
+    return child
 
 
 def launch(args: Sequence[str], env: Dict[str, str], log_path: str, cwd: Optional[str] = None) -> ForkedProcess:

@@ -85,12 +85,10 @@ class Server(ServerProcess):
         flags = " ".join(self.flags)
         how = "forked" if self.fork else "spawned"
         progress(f"  server {name}: starting, {how} ({flags if len(flags) <= 110 else '...' + flags[-107:]})")
-        from sglang_mamba_ext.testing import zygote
-
-        t0, zygotes = time.time(), zygote.started
+        t0 = time.time()
         self.start()
-        new = f" (a new zygote, one SGLang import: {zygote.last_start_reason})" \
-            if self.fork and zygote.started > zygotes else ""
+        reason = getattr(self.proc, "zygote_started", None)
+        new = f" (a new zygote, one SGLang import: {reason})" if reason else ""
         progress(f"  server {name}: ready in {time.time() - t0:.0f} s{new}")
 
 
