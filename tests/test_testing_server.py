@@ -135,49 +135,55 @@ class TestForkLaunch(unittest.TestCase):
 class TestLaunchEnvironment(unittest.TestCase):
     """Servers started together (threads, ``tests/e2e/server_util.py::start_together``) each
     judge their import-time variables in their own environment without touching the test
-    process's: an unlocked swap of ``os.environ`` once left the repository twice on
-    ``PYTHONPATH`` and made every later launch start a new zygote."""
+    process's: a swap of ``os.environ`` once left the repository twice on ``PYTHONPATH`` (every
+    later launch then started a new zygote) and made another thread's ``subprocess`` start
+    fail with EFAULT."""
 
     def test_concurrent_judgments_leave_os_environ_alone(self):
         import threading
-        from unittest import mock
 
-        from sglang_mamba_ext.testing import fork_launch
         from sglang_mamba_ext.testing.server import REPO, ServerProcess
 
+        spec = ["--model-path", "unused-dir", "--device", "cpu", "--enable-mamba-radix",
+                "--speculative-algorithm", "EAGLE"]
         before = dict(os.environ)
-        seen = []
-
-        def slow_judgment(args):
-            seen.append(os.environ.get("MAMBA_EXT_WHO"))
-            time.sleep(0.05)  # the other thread would swap os.environ meanwhile if unlocked
-            seen.append(os.environ.get("MAMBA_EXT_WHO"))
-            return {}
-
-        envs = {}
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
+        cases = {  # a launch's overrides -> what its CPU defaults would set at import
+            "a": ({"TRITON_INTERPRET": None, "TORCHDYNAMO_DISABLE": None},
+                  {"TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1"}),
+            "b": ({"TRITON_INTERPRET": "0", "TORCHDYNAMO_DISABLE": None}, {"TORCHDYNAMO_DISABLE": "1"}),
+            "c": ({"SGLANG_MAMBA_EXT_NO_CPU_DEFAULTS": "1"}, {}),
+        }
+        got, changed, done = {}, [], threading.Event()
+
+        def watch():  # os.environ must never change meanwhile
+            while not done.is_set():
+                if dict(os.environ) != before:
+                    changed.append(True)
 
         def launch(who):
-            proc = ServerProcess("unused-dir", [], env={"MAMBA_EXT_WHO": who}, log_path=os.path.join(tmp.name, who))
-            for _ in range(5):
+            proc = ServerProcess("unused-dir", [], env=cases[who][0], log_path=os.path.join(tmp.name, who))
+            got[who] = set()
+            for _ in range(10):
                 env = proc.launch_env()
-                proc.import_time_preset([], env)
-            envs[who] = env
+                got[who].add(tuple(sorted(proc.import_time_preset(spec, env).items())))
+            got[who + "-path"] = env["PYTHONPATH"]
 
-        with mock.patch.object(fork_launch, "import_time_env", slow_judgment):
-            threads = [threading.Thread(target=launch, args=(w,)) for w in ("a", "b")]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=launch, args=(w,)) for w in cases]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        watcher.join()
+        self.assertEqual(changed, [])
         self.assertEqual(dict(os.environ), before)
-        # each judgment saw one launch's environment throughout: a, a or b, b
-        self.assertEqual(len(seen), 20)
-        self.assertTrue(all(seen[i] == seen[i + 1] for i in range(0, 20, 2)), seen)
-        for who in ("a", "b"):
-            self.assertEqual(envs[who]["PYTHONPATH"], REPO + os.pathsep + before.get("PYTHONPATH", ""))
-            self.assertEqual(envs[who]["MAMBA_EXT_WHO"], who)
+        for who, (_, preset) in cases.items():
+            self.assertEqual(got[who], {tuple(sorted(preset.items()))}, who)
+            self.assertEqual(got[who + "-path"], REPO + os.pathsep + before.get("PYTHONPATH", ""))
 
     def test_zygote_start_reasons(self):
         from unittest import mock

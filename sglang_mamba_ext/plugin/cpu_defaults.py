@@ -47,10 +47,12 @@ SGLang's plugin ``HookRegistry`` (``sglang/srt/plugins/hook_registry.py``); the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from typing import List, Optional, Sequence, Tuple
+import threading
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -178,11 +180,34 @@ def _checkpoint_dtype(model_path: Optional[str]) -> Optional[str]:
     return cfg.get("dtype") or cfg.get("torch_dtype")
 
 
+#: A thread's stand-in for ``os.environ`` while it judges another process's launch
+#: (:func:`judged_in`); unset: ``os.environ``.
+_judged = threading.local()
+
+
+@contextlib.contextmanager
+def judged_in(environ: Mapping[str, str]):
+    """Within the block, this thread's checks of a launch (:func:`_active`) read ``environ``
+    instead of ``os.environ``, which is left untouched (swapping ``os.environ`` races with
+    other threads starting processes: ``fork_exec`` fails with EFAULT)."""
+    previous = getattr(_judged, "environ", None)
+    _judged.environ = environ
+    try:
+        yield
+    finally:
+        _judged.environ = previous
+
+
+def _environ() -> Mapping[str, str]:
+    judged = getattr(_judged, "environ", None)
+    return os.environ if judged is None else judged
+
+
 def _active(argv: Sequence[str]) -> bool:
     return (
         _flag_value(argv, "--device") == "cpu"
         and _flag_value(argv, "--config") is None
-        and os.environ.get(DISABLE_ENV, "0") in ("", "0")
+        and _environ().get(DISABLE_ENV, "0") in ("", "0")
         and (_flag_value(argv, ENABLE_FLAG) is not None or is_tiny_model(argv) or tiny_hf_arch(argv) is not None)
     )
 

@@ -44,18 +44,21 @@ def _fork_instead_of_spawn() -> None:
 IMPORT_TIME_ENV = ("TRITON_INTERPRET", "TORCHDYNAMO_DISABLE")
 
 
-def import_time_env(argv) -> dict:
+def import_time_env(argv, environ=None) -> dict:
     """The variables of :data:`IMPORT_TIME_ENV` the plugin's CPU defaults would set for a
-    launch with ``argv`` (and that are not set yet)."""
+    launch with ``argv`` in environment ``environ`` (default ``os.environ``; not modified)
+    and that are not set there yet."""
     from sglang_mamba_ext.plugin import cpu_defaults as c
 
-    argv = c.cpu_default_args(argv)[0]
-    env = {}
-    if c.sglang_kernels_without_cuda(argv):
-        env["TRITON_INTERPRET"] = "1"
-    if c.speculating_without_cuda(argv):
-        env.update(c.cpu_spec_env())
-    return {k: v for k, v in env.items() if k in IMPORT_TIME_ENV and k not in os.environ}
+    environ = os.environ if environ is None else environ
+    with c.judged_in(environ):
+        argv = c.cpu_default_args(argv)[0]
+        env = {}
+        if c.sglang_kernels_without_cuda(argv):
+            env["TRITON_INTERPRET"] = "1"
+        if c.speculating_without_cuda(argv):
+            env.update(c.cpu_spec_env())
+    return {k: v for k, v in env.items() if k in IMPORT_TIME_ENV and k not in environ}
 
 
 def run(args) -> int:

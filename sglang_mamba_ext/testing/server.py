@@ -15,17 +15,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-from unittest import mock
 import time
 from typing import Dict, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-#: Held while a launch reads ``os.environ`` and while it swaps in its own environment to judge
-#: the import-time variables: servers started together (threads) must not read, or restore,
-#: one another's swapped environment (an unlocked swap once left a test process with the
-#: repository twice on ``PYTHONPATH``, and every later launch needed a new zygote).
-_ENVIRON_LOCK = threading.Lock()
 
 
 #: Ports handed out by :func:`free_port`: under SGLang's own pick for ports bound later
@@ -156,8 +149,7 @@ class ServerProcess:
     def launch_env(self) -> Dict[str, str]:
         """The launch's environment: the test process's, this repository first on
         ``PYTHONPATH``, ``PYTHONUNBUFFERED=1`` unless set, then the overrides."""
-        with _ENVIRON_LOCK:
-            env = dict(os.environ)
+        env = dict(os.environ)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         for key, value in self.env_overrides.items():
@@ -171,12 +163,13 @@ class ServerProcess:
     def import_time_preset(args: Sequence[str], env: Dict[str, str]) -> Dict[str, str]:
         """What the plugin's CPU defaults would set at import for a launch with ``args``
         (:func:`.fork_launch.import_time_env`), judged in the launch's own environment ``env``
-        (it may unset or override what the test process has): ``os.environ`` is swapped for
-        ``env`` meanwhile, under :data:`_ENVIRON_LOCK`."""
+        (it may unset or override what the test process has). ``os.environ`` is never swapped
+        for it: servers started together (threads) raced on the swap (one left the test
+        process with the repository twice on ``PYTHONPATH``, so every later launch needed a new
+        zygote), and a thread starting a process meanwhile failed (``fork_exec``: EFAULT)."""
         from sglang_mamba_ext.testing import fork_launch
 
-        with _ENVIRON_LOCK, mock.patch.dict(os.environ, env, clear=True):
-            return fork_launch.import_time_env(args)
+        return fork_launch.import_time_env(args, env)
 
     def _launch(self, append_log: bool) -> bool:
         """One launch; True once healthy, False when the port was taken (server stopped).
