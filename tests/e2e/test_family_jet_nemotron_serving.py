@@ -32,15 +32,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ALL_FAMILIES = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
 
 
-@unittest.skipUnless(ALL_FAMILIES, "Jet-Nemotron's served class takes minutes on the shared 2-core machine: "
-                                   "SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
-class TestJetNemotronServing(FamilyServing, unittest.TestCase):
-    """Jet-Nemotron (``JetNemotronForCausalLM``; issue 40): JetBlocks on ``GDNAttnBackend`` between
-    GQA attention layers; the Jet writer makes the hits exact. All five tests."""
-
-    STOCK = False
-    REFERENCE = False
-    ARCH, BACKEND, MODEL_CLASS = "jet_nemotron", "GDNAttnBackend", "JetNemotronForCausalLM"
+class JetWriterCounters:
+    """The Jet writer's counters (a mixin of the served Jet classes, here and in
+    ``test_family_jet_vlm_serving.py``)."""
 
     def test_0c_checkpoints_written_by_the_jet_writer(self):
         import requests
@@ -54,9 +48,21 @@ class TestJetNemotronServing(FamilyServing, unittest.TestCase):
         before = counters()
         self.gen(self.tokens(100))  # prefill chunks 64 + 36: the prompt-end checkpoint (99) is planned
         d = [b - a for a, b in zip(before, counters())]
-        print(f"[jet_nemotron] checkpoint counters moved by {d}")
+        print(f"[{self.ARCH}] checkpoint counters moved by {d}")
         # counted by the Jet writer only (the GDN writer's hooks never run for JetBlocks)
         self.assertEqual(d, [1, 0, 0])
+
+
+@unittest.skipUnless(ALL_FAMILIES, "Jet-Nemotron's served class takes minutes on the shared 2-core machine: "
+                                   "SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestJetNemotronServing(JetWriterCounters, FamilyServing, unittest.TestCase):
+    """Jet-Nemotron (``JetNemotronForCausalLM``; issue 40): JetBlocks on ``GDNAttnBackend`` between
+    GQA attention layers; the Jet writer makes the hits exact. All five tests."""
+
+    STOCK = False
+    REFERENCE = False
+    ARCH, BACKEND, MODEL_CLASS = "jet_nemotron", "GDNAttnBackend", "JetNemotronForCausalLM"
+
 
 @unittest.skipUnless(ALL_FAMILIES, "differential Jet-Nemotron traffic: SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
 class TestJetNemotronDifferential(DifferentialServing, unittest.TestCase):
