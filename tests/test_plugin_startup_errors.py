@@ -89,11 +89,8 @@ class TestStartupErrorsLikeArgparse(unittest.TestCase):
         args = ["--model-path", model or self.llama, "--device", "cpu", "--port", "39123", *extra]
         start = time.monotonic()
         if spawn:
-            env = dict(os.environ)
-            env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-            env.pop("SGLANG_PLUGINS", None)
             out = subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], capture_output=True,
-                                 text=True, env=env, timeout=BOUND_S + 120, cwd=REPO)
+                                 text=True, env=zygote.plain_test_env(), timeout=BOUND_S + 120, cwd=REPO)
         else:
             out = zygote.run_plugins_loaded("sglang.launch_server", args, timeout=BOUND_S + 120, cwd=REPO)
         return out, time.monotonic() - start

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from typing import Dict
 
@@ -86,10 +87,7 @@ def jet_vlm_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch
         if name.endswith("position_embedding.weight"):
             t = d.normal(*shape, std=0.02)
         elif len(shape) >= 2:
-            fan_in = 1
-            for s in shape[1:]:
-                fan_in *= s
-            t = d.normal(*shape, std=fan_in ** -0.5)
+            t = d.normal(*shape, std=math.prod(shape[1:]) ** -0.5)
         elif name.endswith("bias"):
             t = d.normal(*shape, std=0.02)
         else:  # a LayerNorm's weight

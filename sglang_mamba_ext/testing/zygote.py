@@ -387,11 +387,19 @@ def run_plugins_loaded(module: str, args: Sequence[str], timeout: float, cwd: Op
 
     Raises:
         subprocess.TimeoutExpired: not done in ``timeout`` seconds (it is killed first)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return run(module, list(args), plain_test_env(), timeout=timeout, cwd=cwd or _ROOT, plugins=True)
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def plain_test_env() -> Dict[str, str]:
+    """The test process's environment with this repository first on ``PYTHONPATH`` and
+    ``SGLANG_PLUGINS`` unset (every installed plugin loads, as for a user)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("SGLANG_PLUGINS", None)
-    return run(module, list(args), env, timeout=timeout, cwd=cwd or root, plugins=True)
+    return env
 
 
 @atexit.register
