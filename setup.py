@@ -27,6 +27,9 @@ setup(
             # (tests/e2e/test_pd_serving.py); needs Debian's libibverbs1, libnl-3-200,
             # libnl-route-3-200 (scripts/setup_env.sh installs them).
             "mooncake-transfer-engine-non-cuda==0.3.13.post1",
+            # NemotronH_Omni_Reasoning_V3's processor (transformers' Parakeet feature extractor),
+            # which its tiny checkpoint's build and SGLang's start-up load
+            "librosa",
         ],
         # Prefill/decode disaggregation on a host without CUDA (scripts/serve_cpu_pd.sh).
         # A GPU deployment installs SGLang's own mooncake-transfer-engine instead.

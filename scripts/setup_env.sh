@@ -30,7 +30,7 @@ for name, ver in want.items():
     if md.version(name) != ver:
         sys.exit(1)
 for name in ("sglang-mamba-ext", "pytest", "pytest-xdist", "hypothesis", "fla-core", "requests", "sglang-router",
-             "mooncake-transfer-engine-non-cuda"):
+             "mooncake-transfer-engine-non-cuda", "librosa"):
     md.version(name)
 eps = md.entry_points(group="sglang.srt.plugins")
 if not any(ep.value.startswith("sglang_mamba_ext.") for ep in eps):

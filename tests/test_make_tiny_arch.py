@@ -179,6 +179,9 @@ for _v, _mt in (("nano_nemotron_vl", "NemotronH_Nano_VL_V2"), ("nano_nemotron_om
     MODEL_TYPE[_v] = _mt
     VLM_PROCESSOR_FILES[_v] = ("hf_reference/model.safetensors",)  # transformers' NemotronHForCausalLM
     WRITTEN = WRITTEN + (_v,)
+# nemotron_h_omni is transformers' own model type: its processor (image, video, Parakeet audio),
+# which SGLang's start-up loads through AutoProcessor, written beside the checkpoint
+VLM_PROCESSOR_FILES["nano_nemotron_omni_v3"] += ("processor_config.json",)
 #: the LM head's name where it is not lm_head.weight, and checkpoints over 1 MB (the RADIO tower:
 #: 28 M parameters at ViT-Small, the smallest SGLang's RadioConfig builds)
 LM_HEAD = {_v: "language_model.lm_head.weight" for _v in ("nano_nemotron_vl", "nano_nemotron_omni", "nano_nemotron_omni_v3")}

@@ -114,7 +114,8 @@ class TestListArchs(unittest.TestCase):
         served["zaya"] = "ZayaForCausalLM"  # ZAYA1, CCA (the plugin's CCA writer)
         served["inkling"] = "InklingForConditionalGeneration"  # Inkling, text-only: sconv (the plugin's Inkling writer)
         served.update(nano_nemotron_vl="NemotronH_Nano_VL_V2",  # Nemotron-H behind RADIO, Mamba2 (declared)
-                      nano_nemotron_omni="NemotronH_Nano_Omni_Reasoning_V3")
+                      nano_nemotron_omni="NemotronH_Nano_Omni_Reasoning_V3",
+                      nano_nemotron_omni_v3="NemotronH_Omni_Reasoning_V3")  # on SGLang's own list
         served["qwen4_exp"] = "Qwen4ExpForConditionalGeneration"  # Qwen4-Exp: GDN + PLE (the plugin's PLE writer)
         for name, arch in served.items():
             self.assertEqual(status[arch], "supported", arch)

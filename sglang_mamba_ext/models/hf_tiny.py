@@ -50,16 +50,16 @@ SERVED_ARCHS = ("qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1", "granite
 SERVED_ARCHS += ("falcon_mamba", "mamba")  # Mamba1 (issue 40)
 SERVED_ARCHS += ("minicpmv", "minicpmv4_7")  # MiniCPM-V 4.6 / 4.7 (issue 40, hf_tiny_minicpmv.py)
 SERVED_ARCHS += ("jet_nemotron",)  # Jet-Nemotron: JetBlock, the plugin's Jet writer (issue 40, hf_tiny_jet_nemotron.py)
-SERVED_ARCHS += ("nano_nemotron_vl", "nano_nemotron_omni")  # Nemotron-H Nano VL / Omni (hf_tiny_nano_nemotron_vl.py)
+SERVED_ARCHS += ("nano_nemotron_vl", "nano_nemotron_omni", "nano_nemotron_omni_v3")  # Nemotron-H Nano VL / Omni (hf_tiny_nano_nemotron_vl.py)
 SERVED_ARCHS += ("minicpm_causal",)  # MiniCPMForCausalLM, MiniCPM-SALA's alias (issue 40, hf_tiny_written.py)
 SERVED_ARCHS += ("kimi_k3_vl",)  # KimiK3ForConditionalGeneration, text-only (issue 40, hf_tiny_kimi_k3_vl.py)
 SERVED_ARCHS += ("inkling",)  # Inkling, sconv (issue 40, hf_tiny_inkling.py)
 SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
 SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
 SERVED_ARCHS += ("jet_vlm",)  # Jet-Nemotron's VLM, text-only: the Jet writer (issue 40, hf_tiny_jet_vlm.py)
-#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then those that build but are
-#: not served yet (status ``build only``).
-ARCHS = SERVED_ARCHS + ("nano_nemotron_omni_v3",)  # NemotronH_Omni_Reasoning_V3 (hf_tiny_nano_nemotron_vl.py)
+#: Every ``--arch`` that builds a tiny checkpoint: the served ones, then any that build but are
+#: not served yet (status ``build only``; none since NemotronH_Omni_Reasoning_V3 was served).
+ARCHS = SERVED_ARCHS + ()
 #: ``config.json`` key naming the project's tiny checkpoint of a family (value: the arch).
 MARKER_KEY = "sglang_mamba_ext_tiny"
 #: Target standard deviation of the logits on a fixed prompt (peaked: top-2 gaps well above
@@ -226,7 +226,6 @@ def _build_main(arch: str, out_dir: str, seed: int) -> None:
             from sglang_mamba_ext.models.hf_tiny_nano_nemotron_vl import write_tokenizer_extras
 
             write_tokenizer_extras(out_dir, extra_tokens)
-            return
         if sub and not _FAMILIES[arch].get("no_processor"):  # Inkling: multimodal off, no processor
             _write_processor_configs(arch, out_dir)
         return

@@ -29,8 +29,10 @@ How the checkpoint is made (used by :mod:`.hf_tiny`, family key ``writer``):
   (``:133-166``) and asserts a string ``unk_token`` (``:197-200``): ``<unk>``, ``<image>``,
   ``<video>``, ``<img>``, ``</img>`` take ids 763-767 (:data:`SPECIAL_TOKENS`; ``unk_token`` named
   in ``tokenizer_config.json``, :func:`write_tokenizer_extras`). transformers' ``AutoProcessor``
-  knows no processor for these model types and returns the tokenizer, which the processor takes
-  (``:133-136``): no processor config is written.
+  knows no processor for the first two classes' model types and returns the tokenizer, which the
+  processor takes (``:133-136``): no processor config is written. ``NemotronH_Omni_Reasoning_V3``'s
+  model type ``nemotron_h_omni`` is transformers' own, with a processor (image, video, Parakeet
+  audio): :func:`write_omni_processor` writes its configs (librosa needed).
 
 Only torch and transformers.
 """
@@ -40,6 +42,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 from typing import Dict
 
 import torch
@@ -60,11 +64,12 @@ REFERENCE_SUBDIR = "hf_reference"
 def nano_nemotron_families(hidden: int) -> Dict[str, Dict]:
     """The family entries of :mod:`.hf_tiny` (``--arch nano_nemotron_vl``: ``NemotronH_Nano_VL_V2``,
     ``--arch nano_nemotron_omni``: ``NemotronH_Nano_Omni_Reasoning_V3``, ``--arch
-    nano_nemotron_omni_v3``: ``NemotronH_Omni_Reasoning_V3`` (build only); SGLang's module
+    nano_nemotron_omni_v3``: ``NemotronH_Omni_Reasoning_V3``; SGLang's module
     ``nano_nemotron_vl``) for a language model of width ``hidden``; their ``llm_config`` is filled
     by :mod:`.hf_tiny_families` (Nemotron-H's). Keys beyond the other families':
     ``special_tokens`` (:data:`SPECIAL_TOKENS`), ``tokenizer_extras`` (:func:`write_tokenizer_extras`),
-    ``writes_reference`` (the writer also saves ``hf_reference/``)."""
+    ``writes_reference`` (the writer also saves ``hf_reference/``), ``processor``
+    (:func:`write_omni_processor`) or ``no_processor``."""
     def entry(cls: str, model_type: str, **omni) -> Dict:
         return dict(
             cls=cls, module="nano_nemotron_vl", sub="llm_config", writer=nano_nemotron_weights,
@@ -92,12 +97,13 @@ def nano_nemotron_families(hidden: int) -> Dict[str, Dict]:
     radio_hf = dict(hidden_size=VIT_WIDTH, num_hidden_layers=VIT_BLOCKS, num_attention_heads=VIT_WIDTH // 64,
                     num_cls_tokens=1, num_registers=REGISTER_MULTIPLE - 1, video_temporal_patch_size=2)
     omni = dict(vision=radio_hf, top=dict(video_temporal_patch_size=2))
-    return {"nano_nemotron_vl": entry("NemotronH_Nano_VL_V2", "NemotronH_Nano_VL_V2"),
-            "nano_nemotron_omni": entry("NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_Omni_Reasoning_V3", **omni),
-            # builds and loads (every parameter filled), not served: transformers' own processor for
-            # nemotron_h_omni, which AutoProcessor picks at start-up, needs a ParakeetFeatureExtractor
-            # (librosa, not installed here) -- docs/families.md, "Not served yet"
-            "nano_nemotron_omni_v3": entry("NemotronH_Omni_Reasoning_V3", "nemotron_h_omni", **omni)}
+    # AutoProcessor knows no processor for the first two model types and returns the tokenizer
+    # (no processor config written); nemotron_h_omni has transformers' own (write_omni_processor)
+    return {"nano_nemotron_vl": dict(entry("NemotronH_Nano_VL_V2", "NemotronH_Nano_VL_V2"), no_processor=True),
+            "nano_nemotron_omni": dict(entry("NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Nano_Omni_Reasoning_V3",
+                                             **omni), no_processor=True),
+            "nano_nemotron_omni_v3": dict(entry("NemotronH_Omni_Reasoning_V3", "nemotron_h_omni", **omni),
+                                          processor=write_omni_processor)}
 
 
 def _language_model(llm: Dict, seed: int):
@@ -171,6 +177,41 @@ def nano_nemotron_weights(cfg: Dict, seed: int, logit_scale: float, out_dir: str
     w["mlp1.1.weight"] = torch.randn(proj_h, merged, generator=gen) / math.sqrt(merged)
     w["mlp1.3.weight"] = torch.randn(h, proj_h, generator=gen) / math.sqrt(proj_h)
     return w
+
+
+def write_omni_processor(out_dir: str) -> None:
+    """Write transformers' ``NemotronH_Omni_Reasoning_V3Processor`` (image and video processors at
+    the checkpoint's patch size and merge ratio, Parakeet's audio feature extractor, the tokenizer)
+    to ``out_dir`` (``processor_config.json``). ``nemotron_h_omni`` is transformers' own model
+    type, so SGLang's ``get_processor`` (``utils/hf_transformers/processor.py:245``,
+    ``AutoProcessor`` at ``:340``) loads that processor at start-up even for text-only serving, and
+    fails without these configs ("Can't load image processor"); SGLang's own processor then uses
+    only its tokenizer (``multimodal/processors/nano_nemotron_vl.py:133-136``).
+
+    Raises ``RuntimeError`` naming ``pip install librosa`` when librosa is missing (Parakeet's
+    feature extractor needs it, here and at the server's start-up)."""
+    import transformers
+    from transformers.models.nemotron_h_omni import (image_processing_nemotron_h_omni as image,
+                                                     processing_nemotron_h_omni as processing,
+                                                     video_processing_nemotron_h_omni as video)
+
+    with open(os.path.join(out_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    sizes = dict(patch_size=cfg["patch_size"], downsample_ratio=cfg["downsample_ratio"])
+    try:
+        extractor = transformers.ParakeetFeatureExtractor()
+    except ImportError as e:
+        raise RuntimeError(f"--arch nano_nemotron_omni_v3 needs librosa (transformers' Parakeet feature "
+                           f"extractor, loaded by SGLang at start-up too): pip install librosa ({e})") from None
+    processor = processing.NemotronH_Omni_Reasoning_V3Processor(
+        image_processor=image.NemotronH_Omni_Reasoning_V3ImageProcessor(**sizes),
+        video_processor=video.NemotronH_Omni_Reasoning_V3VideoProcessor(**sizes),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(out_dir), feature_extractor=extractor)
+    # only processor_config.json is new: saving the processor in place would re-save the tokenizer
+    # with its chat template moved out of tokenizer_config.json
+    with tempfile.TemporaryDirectory() as tmp:
+        processor.save_pretrained(tmp)
+        shutil.copy(os.path.join(tmp, "processor_config.json"), out_dir)
 
 
 def write_tokenizer_extras(out_dir: str, tokens: Dict[str, str]) -> None:

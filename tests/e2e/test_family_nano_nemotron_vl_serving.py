@@ -12,15 +12,17 @@ checkpoint's ``hf_reference/``): text-only, SGLang's wrapper runs exactly that m
 
 - :class:`TestNanoNemotronVLServing`: ``NemotronH_Nano_VL_V2``;
 - :class:`TestNanoNemotronOmniServing`: ``NemotronH_Nano_Omni_Reasoning_V3`` (a subclass with
-  nothing of its own, ``nano_nemotron_vl.py:426-427``; its checkpoint has RADIO's video embedder).
+  nothing of its own, ``nano_nemotron_vl.py:426-427``; its checkpoint has RADIO's video embedder);
+- :class:`TestNanoNemotronOmniV3Serving`: ``NemotronH_Omni_Reasoning_V3`` (model type
+  ``nemotron_h_omni``, transformers' own: its checkpoint carries transformers' processor configs,
+  which SGLang's start-up loads through ``AutoProcessor``; Parakeet's feature extractor needs librosa,
+  a test extra).
 
 SGLang leaves both off its hybrid radix-cache list (``arg_groups/overrides.py:369-398`` lists only
 ``NemotronH_Omni_Reasoning_V3`` of the module): declared by the plugin (``plugin/hybrid_declare.py``).
 No CPU bridge was needed. Both opt-in (``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``): a class took 72-106 s
 here (five tests, one server; load 6, other helpers' servers beside it), over the suite's ~45 s per
-class. ``NemotronH_Omni_Reasoning_V3`` itself (``--arch nano_nemotron_omni_v3``) builds and loads
-but is not served: transformers' own ``nemotron_h_omni`` processor, which ``AutoProcessor`` picks at
-start-up, needs librosa (``docs/families.md``, "Not served yet").
+class. ``NemotronH_Omni_Reasoning_V3`` is on SGLang's list and needs no declaration.
 """
 
 import json
@@ -67,6 +69,28 @@ class TestNanoNemotronOmniServing(CountsInchunkCheckpoints, DeclaredHybrid, Fami
         # config), and the server's log says it served that class with the plugin
         with open(os.path.join(self.model, "config.json")) as f:
             self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
+        self.assertIn(self.MODEL_CLASS, self.server.log_text())
+
+
+@unittest.skipUnless(ALL_FAMILIES, "NemotronH_Omni_Reasoning_V3 runs the same language model and plugin paths as "
+                                   "TestNanoNemotronVLServing; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestNanoNemotronOmniV3Serving(CountsInchunkCheckpoints, FamilyServing, unittest.TestCase):
+    """``NemotronH_Omni_Reasoning_V3`` (``--arch nano_nemotron_omni_v3``), on SGLang's own hybrid
+    radix-cache list (``arg_groups/overrides.py:369-398``); opt-in."""
+
+    STOCK = False
+    test_2_third_prompt_hits_shared_77 = None
+    ARCH, BACKEND, MODEL_CLASS = "nano_nemotron_omni_v3", "Mamba2AttnBackend", "NemotronH_Omni_Reasoning_V3"
+
+    def test_0d_served_checkpoint_is_this_class(self):
+        # the checkpoint names this class alone and carries transformers' processor (its image,
+        # video and audio parts), which the server's start-up loaded: the log names the class
+        with open(os.path.join(self.model, "config.json")) as f:
+            self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
+        with open(os.path.join(self.model, "processor_config.json")) as f:
+            processor = json.load(f)
+        self.assertEqual((processor["processor_class"], processor["feature_extractor"]["feature_extractor_type"]),
+                         ("NemotronH_Omni_Reasoning_V3Processor", "ParakeetFeatureExtractor"))
         self.assertIn(self.MODEL_CLASS, self.server.log_text())
 
 
