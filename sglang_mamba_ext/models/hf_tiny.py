@@ -57,6 +57,7 @@ SERVED_ARCHS += ("inkling",)  # Inkling, sconv (issue 40, hf_tiny_inkling.py)
 SERVED_ARCHS += ("qwen4_exp",)  # Qwen4-Exp: GDN + PLE dilated short conv (issue 40, hf_tiny_qwen4_exp.py)
 SERVED_ARCHS += ("zaya",)  # ZAYA1, CCA (issue 40, hf_tiny_zaya.py)
 SERVED_ARCHS += ("jet_vlm",)  # Jet-Nemotron's VLM, text-only: the Jet writer (issue 40, hf_tiny_jet_vlm.py)
+SERVED_ARCHS += ("glm5_next",)  # GLM-5-Next, text-only: KDA + DSA served as dense MLA on CPU (issue 40, hf_tiny_glm5_next.py)
 #: Every ``--arch`` that builds a tiny checkpoint: the served ones, then any that build but are
 #: not served yet (status ``build only``; none since NemotronH_Omni_Reasoning_V3 was served).
 ARCHS = SERVED_ARCHS + ()

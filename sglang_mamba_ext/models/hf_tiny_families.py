@@ -255,6 +255,8 @@ _FAMILIES.update(zaya_family(_HIDDEN, _LAYERS))  # ZAYA1's CCA (hf_tiny_zaya.py)
 _FAMILIES.update(jet_nemotron_families(_HIDDEN, _LAYERS))  # Jet-Nemotron (hf_tiny_jet_nemotron.py)
 from sglang_mamba_ext.models.hf_tiny_jet_vlm import jet_vlm_family  # noqa: E402
 _FAMILIES.update(jet_vlm_family(_HIDDEN, _LAYERS))  # Jet-Nemotron's VLM, text-only (hf_tiny_jet_vlm.py)
+from sglang_mamba_ext.models.hf_tiny_glm5_next import glm5_next_family  # noqa: E402
+_FAMILIES.update(glm5_next_family(_HIDDEN, _LAYERS))  # GLM-5-Next, text-only; DSA dense within index_topk (hf_tiny_glm5_next.py)
 
 
 def _qwen35_vlm(model_type: str, cls: str, **entry) -> Dict:

@@ -493,13 +493,22 @@ def moe_native_around(original, layer, x, topk_output, moe_runner_config, *args,
     """AROUND ``layers/moe/fused_moe_native.py::moe_forward_native`` (SGLang's CPU MoE path,
     ``quantization/unquant.py:1385``): it knows the gated ``silu`` / ``gelu`` / ``situ``
     activations only (``fused_moe_native.py:97``). Non-gated ``relu2`` experts without biases
-    (Nemotron-H's MoE blocks) run :func:`relu2_experts`; anything else is SGLang's."""
+    (Nemotron-H's MoE blocks) run :func:`relu2_experts`; gated ``silu`` experts with a
+    ``swiglu_limit``, which it ignores, :func:`.cpu_bridges_glm5_next.clamped_swiglu_experts`;
+    anything else is SGLang's."""
     if (active() and moe_runner_config.activation == "relu2" and not moe_runner_config.is_gated
             and not moe_runner_config.apply_router_weight_on_input and x.device.type == "cpu"
             and getattr(layer, "w13_weight_bias", None) is None and getattr(layer, "w2_weight_bias", None) is None
             and not args and not kwargs):
         topk_weights, topk_ids, _ = topk_output
         return relu2_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+    if active() and x.device.type == "cpu" and not args and not kwargs:
+        # experts with a swiglu_limit (GLM-5-Next's), which SGLang's CPU path ignores (cpu_bridges_glm5_next.py)
+        from sglang_mamba_ext.plugin.cpu_bridges_glm5_next import clamped_experts_apply
+
+        out = clamped_experts_apply(layer, x, topk_output, moe_runner_config)
+        if out is not None:
+            return out
     return original(layer, x, topk_output, moe_runner_config, *args, **kwargs)
 
 
@@ -587,4 +596,7 @@ def register_cpu_bridges() -> None:
     from sglang_mamba_ext.plugin.cpu_bridges_jet_nemotron import register_jet_nemotron_bridges
 
     register_jet_nemotron_bridges(HookRegistry, HookType)  # Jet-Nemotron (cpu_bridges_jet_nemotron.py)
+    from sglang_mamba_ext.plugin.cpu_bridges_glm5_next import register_glm5_next_bridges
+
+    register_glm5_next_bridges(HookRegistry, HookType)  # GLM-5-Next (cpu_bridges_glm5_next.py)
     _installed = True

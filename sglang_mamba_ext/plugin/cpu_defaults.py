@@ -86,6 +86,7 @@ SGLANG_HYBRID_ARCHITECTURES = (
     "Qwen4ExpForConditionalGeneration",
     "ZayaForCausalLM",
     "InklingForConditionalGeneration",
+    "Glm5NextForConditionalGeneration",  # GLM-5-Next, text-only (cpu_bridges_glm5_next.py)
 )
 #: SGLang's Inkling class (``plugin/cpu_bridges_inkling.py``): attention backend ``triton`` and
 #: the ``extra_buffer`` strategy instead of ``torch_native`` / ``no_buffer``.

@@ -1,0 +1,48 @@
+"""End to end (issue 40): GLM-5-Next (``Glm5NextForConditionalGeneration``, SGLang's ``glm5_next``
+module, ``--arch glm5_next``) served text-only with ``--device cpu --enable-mamba-radix`` and no
+other flag: KDA layers (GLM's low-rank f / g gates, the safe gate) on ``KDAAttnBackend``, DSA
+layers (NoPE MLA with a query LoRA, and an indexer), DeepSeek's MoE with GLM's clamped SwiGLU,
+behind a one-block GLM-OCR tower (``models/hf_tiny_glm5_next.py``).
+
+SGLang lists the class hybrid-cached itself (``_MAMBA_RADIX_CACHE_ARCHS``,
+``arg_groups/overrides.py:369-398``); the plugin adds its CPU defaults and three CPU bridges
+(``plugin/cpu_bridges_glm5_next.py``): DSA served as dense MLA while every sequence fits
+``index_topk`` (4096 here, the checkpoint's ``max_position_embeddings``), and the clamped SwiGLU of
+the dense MLPs and of the routed experts. No transformers reference for these hand-written
+weights: outputs checked against cold runs.
+
+- :class:`TestGlm5NextServing` (opt-in, ``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``): resend of 150 tokens
+  hits 149, the branch point 77, the next turn ``len + out - 1`` (65), each output equal to a
+  cold run; abort, then SGLang's strict idle checks.
+"""
+
+import os
+import unittest
+
+import pytest
+from test_sglang_families_serving import FamilyServing
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@unittest.skipUnless(os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1",
+                     "GLM-5-Next runs the KDA writer of TestKimiK3Serving behind SGLang's VLM wrapper, its DSA "
+                     "layers as dense MLA; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
+class TestGlm5NextServing(FamilyServing, unittest.TestCase):
+    """``Glm5NextForConditionalGeneration`` (``--arch glm5_next``): launched with the exact-checkpoint
+    writer on ``KDAAttnBackend`` and the DSA / clamped-SwiGLU bridges; the five family tests."""
+
+    STOCK = False
+    REFERENCE = False
+    ARCH, BACKEND, MODEL_CLASS = "glm5_next", "KDAAttnBackend", "Glm5NextForConditionalGeneration"
+
+    def test_0c_dsa_as_dense_mla(self):
+        log = self.server.log_text()
+        # SGLang lists the class itself (overrides.py:369-398): the plugin declares nothing
+        self.assertNotIn(f"mamba-radix: {self.MODEL_CLASS} declared hybrid-cached", log)
+        self.assertIn(f"mamba-radix: {self.MODEL_CLASS} on CPU: DSA layers served as dense MLA", log)
+        self.assertNotIn("Set DSA backends", log)  # SGLang's DSA resolution (overrides.py:601-753) did not run
+
+
+if __name__ == "__main__":
+    unittest.main()
