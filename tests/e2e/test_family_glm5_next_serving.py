@@ -13,7 +13,8 @@ weights: outputs checked against cold runs.
 
 - :class:`TestGlm5NextServing` (opt-in, ``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``): resend of 150 tokens
   hits 149, the branch point 77, the next turn ``len + out - 1`` (65), each output equal to a
-  cold run; abort, then SGLang's strict idle checks.
+  cold run; abort, then SGLang's strict idle checks; one image through SGLang's GLM-V processor and
+  the GLM-OCR tower.
 """
 
 import os
@@ -30,7 +31,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
                      "layers as dense MLA; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
 class TestGlm5NextServing(FamilyServing, unittest.TestCase):
     """``Glm5NextForConditionalGeneration`` (``--arch glm5_next``): launched with the exact-checkpoint
-    writer on ``KDAAttnBackend`` and the DSA / clamped-SwiGLU bridges; the five family tests."""
+    writer on ``KDAAttnBackend`` and the DSA / clamped-SwiGLU bridges; the five family tests, the
+    bridges' start-up line and one image."""
 
     STOCK = False
     REFERENCE = False
@@ -42,6 +44,32 @@ class TestGlm5NextServing(FamilyServing, unittest.TestCase):
         self.assertNotIn(f"mamba-radix: {self.MODEL_CLASS} declared hybrid-cached", log)
         self.assertIn(f"mamba-radix: {self.MODEL_CLASS} on CPU: DSA layers served as dense MLA", log)
         self.assertNotIn("Set DSA backends", log)  # SGLang's DSA resolution (overrides.py:601-753) did not run
+
+    def test_5_image_prompt(self):
+        """One image in a ``/generate`` prompt: SGLang's GLM-V processor (``Glm4vImageProcessor``,
+        ``multimodal/processors/glm4v.py``) around transformers' ``Glm5NextProcessor``, the GLM-OCR
+        tower and merger on CPU. SGLang resizes a 56x56 image to its 112x112 minimum: 8x8 patches of
+        14, 2x2 merged to 16 ``<|image|>`` tokens in place of the one placeholder. Two images of other
+        colours give other log-probabilities: the feature reaches the text model."""
+        import base64
+        import io
+
+        from PIL import Image
+
+        def ask(colour):
+            buf = io.BytesIO()
+            Image.new("RGB", (56, 56), colour).save(buf, format="PNG")
+            url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+            r = self.server.generate(text="hi <|begin_of_image|><|image|><|end_of_image|> there", image_data=url,
+                                     max_new_tokens=2, return_logprob=True)
+            return r["meta_info"]["prompt_tokens"], [lp[0] for lp in r["meta_info"]["output_token_logprobs"]]
+
+        red, blue = ask((200, 30, 90)), ask((20, 60, 220))
+        # "hi", " ", <|begin_of_image|>, <|image|>, <|end_of_image|>, " there": 6, the placeholder now 16
+        self.assertEqual(red[0], 6 - 1 + 16)
+        self.assertEqual(blue[0], 6 - 1 + 16)
+        self.assertEqual(len(red[1]), 2)
+        self.assertNotEqual(red[1][0], blue[1][0])
 
 
 if __name__ == "__main__":
