@@ -159,5 +159,52 @@ class TestClampedSwiglu(unittest.TestCase):
             self.assertEqual(cpu_bridges.moe_native_around(original, layer, x, topk, cfg(10.0)), "sglang")
 
 
+class TestHyperConnections(unittest.TestCase):
+    @unittest.skipUnless(SGLANG_INSTALLED, "needs SGLang")
+    def test_gap_present_upstream(self):
+        """SGLang's mHC still dispatches to TileLang by default (the torch paths only with the
+        variables off), and the TileLang pre still asserts bfloat16 first."""
+        mhc = _sglang_file("kernels", "ops", "layernorm", "mhc.py")
+        self.assertIn("return envs.SGLANG_OPT_USE_TILELANG_MHC_PRE.get() and not is_hip()", mhc)
+        self.assertIn("return envs.SGLANG_OPT_USE_TILELANG_MHC_POST.get() and not is_hip()", mhc)
+        self.assertIn("    if not _use_tilelang_mhc_pre():\n        post_mix, comb_mix, layer_input = _mhc_pre_torch(", mhc)
+        self.assertIn("    if not _use_tilelang_mhc_post():\n        return _mhc_post_torch(", mhc)
+        self.assertIn("assert residual.dtype == torch.bfloat16", mhc.split("def mhc_pre(", 1)[1])
+        environ = _sglang_file("srt", "environ.py")
+        for name in ("SGLANG_OPT_USE_TILELANG_MHC_PRE", "SGLANG_OPT_USE_TILELANG_MHC_POST",
+                     "SGLANG_OPT_FUSE_MHC_POST_PRE"):
+            self.assertIn(f"    {name} = EnvBool(True)", environ)
+        model = _sglang_file("srt", "models", "glm5_next.py")
+        self.assertIn("if is_cross_layer_mhc_fusion_enabled()", model)
+
+    def test_false_only_on_an_active_process(self):
+        calls = []
+
+        def original():
+            calls.append(1)
+            return True
+
+        with mock.patch.object(cpu_bridges, "active", return_value=True):
+            self.assertIs(g5.no_tilelang_on_cpu_around(original), False)
+        self.assertEqual(calls, [])
+        with mock.patch.object(cpu_bridges, "active", return_value=False):
+            self.assertIs(g5.no_tilelang_on_cpu_around(original), True)
+        self.assertEqual(calls, [1])
+
+    def test_registered_targets(self):
+        seen = []
+        registry = SimpleNamespace(register=lambda target, fn, kind: seen.append((target, fn, kind)))
+        g5.register_glm5_next_bridges(registry, SimpleNamespace(AROUND="around"))
+        self.assertEqual([(t, f.__name__, k) for t, f, k in seen], [
+            ("sglang.srt.configs.model_config.is_deepseek_dsa", "is_deepseek_dsa_around", "around"),
+            ("sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp", "silu_and_mul_clamp_around",
+             "around"),
+            ("sglang.kernels.ops.layernorm.mhc._use_tilelang_mhc_pre", "no_tilelang_on_cpu_around", "around"),
+            ("sglang.kernels.ops.layernorm.mhc._use_tilelang_mhc_post", "no_tilelang_on_cpu_around", "around"),
+            ("sglang.srt.models.deepseek_common.amd.deepseek_v4_fused_mhc.is_cross_layer_mhc_fusion_enabled",
+             "no_tilelang_on_cpu_around", "around"),
+        ])
+
+
 if __name__ == "__main__":
     unittest.main()

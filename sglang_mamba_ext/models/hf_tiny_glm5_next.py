@@ -23,7 +23,11 @@ The text model (:func:`glm5_next_family`, hidden 64, 4 layers):
   (``plugin/cpu_bridges_glm5_next.py``; the indexer's tensors are then not read);
 - a dense SwiGLU first layer (``first_k_dense_replace`` 1), then DeepSeek's MoE (sigmoid router
   with a correction bias, 4 experts, top 2, one shared expert), ``swiglu_limit`` 10 (GLM's
-  clamped SwiGLU), no hyper-connections (``mhc`` false: SGLang's config default).
+  clamped SwiGLU);
+- **hyper-connections** (``mhc``, as every GLM-5-Next: transformers' class always builds them,
+  ``Glm5NextTextHyperConnection``): 4 residual streams, each layer's ``hc_attn_*`` / ``hc_ffn_*``
+  mixes (:func:`_hyper_connections`), 20 Sinkhorn iterations; the final collapse is an unweighted
+  mean (no tensor).
 
 The vision tower (a VLM class: SGLang builds it and its processor at start-up) is GLM-OCR's at the
 smallest sizes (:data:`VISION`: one block 32 wide, 2 heads, 14-pixel patches, 2x2 merge, out 64),
@@ -95,6 +99,18 @@ def _glm_dsa(w: Dict[str, torch.Tensor], d: _Draw, a: str, cfg: Dict) -> None:
     w[f"{a}.indexer.weights_proj.weight"] = d.proj(ih, h)
 
 
+def _hyper_connections(w: Dict[str, torch.Tensor], d: _Draw, p: str, hidden: int, n: int) -> None:
+    """A layer's manifold-constrained hyper-connections (mHC, ``hc_mult`` = ``n`` residual
+    streams) before its attention and its FFN, in SGLang's names (``hc_attn_fn``
+    ``[(2 + n) * n, n * hidden]``, ``hc_attn_base [(2 + n) * n]``, ``hc_attn_scale [3]``; the same
+    for ``hc_ffn_*``), float32 as SGLang keeps them."""
+    mix = (2 + n) * n
+    for x in ("attn", "ffn"):
+        w[f"{p}.hc_{x}_fn"] = d.proj(mix, n * hidden)
+        w[f"{p}.hc_{x}_base"] = d.normal(mix, std=0.5)
+        w[f"{p}.hc_{x}_scale"] = 1.0 + d.normal(3, std=0.1)
+
+
 def _glm_vision(w: Dict[str, torch.Tensor], d: _Draw, v: Dict) -> None:
     """The GLM-OCR tower in SGLang's ``Glm5NextVisionModel`` names under ``model.visual.``
     (the checkpoint's ``attn.qkv`` and the MLPs' separate gate / up, which SGLang merges)."""
@@ -147,6 +163,8 @@ def glm5_next_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, tor
         p = f"{m0}.layers.{i}"
         w[f"{p}.input_layernorm.weight"] = 1.0 + d.normal(h, std=0.1)
         w[f"{p}.post_attention_layernorm.weight"] = 1.0 + d.normal(h, std=0.1)
+        if text.get("mhc"):
+            _hyper_connections(w, d, p, h, text["hc_mult"])
         if i in lin["kda_layers"]:
             _glm_kda(w, d, f"{p}.self_attn", h, heads, dim, conv_k)
         else:
@@ -197,7 +215,8 @@ def glm5_next_family(hidden: int, layers: int) -> Dict[str, Dict]:
         rms_norm_eps=1e-5, rope_theta=10000.0, attention_bias=False,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=1.0, scoring_func="sigmoid", topk_method="noaux_tc",
-        first_k_dense_replace=1, moe_layer_freq=1, swiglu_limit=10.0, mhc=False, num_nextn_predict_layers=0,
+        first_k_dense_replace=1, moe_layer_freq=1, swiglu_limit=10.0, num_nextn_predict_layers=0,
+        mhc=True, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16,
         linear_attn_config=dict(kda_layers=list(range(0, layers, 2)), full_attn_layers=list(range(1, layers, 2)),
                                 num_heads=4, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0),

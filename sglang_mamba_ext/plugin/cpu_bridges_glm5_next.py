@@ -33,6 +33,19 @@ gates every hook here: inert unless the CPU defaults turned the bridges on and C
   clamp: ``moe_runner/triton.py:173``, ``moe_runner/deep_gemm.py:1694``, gate ``<= limit``, up
   within ``+-limit`` in the activations' dtype). For gated ``silu`` experts with a limit and no
   biases, :func:`clamped_swiglu_experts` runs them with the clamp.
+- **hyper-connections** (AROUND ``kernels/ops/layernorm/mhc.py::_use_tilelang_mhc_pre`` and
+  ``::_use_tilelang_mhc_post``): GLM-5-Next's mHC residual streams (``mhc``: each layer's
+  ``hc_pre`` / ``hc_post``, ``models/glm5_next.py:849-944``) dispatch to TileLang kernels unless
+  ``SGLANG_OPT_USE_TILELANG_MHC_PRE`` / ``_POST`` are off (both on by default,
+  ``srt/environ.py:1820-1821``; ``mhc.py:227-232``, ``:1985``, ``:2035``); on CPU the first one
+  stops at ``assert residual.dtype == torch.bfloat16`` (``mhc.py:1078``) and would need CUDA past
+  it. On an active process both answer False, so SGLang's own torch paths run
+  (``_mhc_pre_torch``, ``mhc.py:1900``; ``_mhc_post_torch``, ``:1941``: the same RMS-normed
+  projection, sigmoid pre / post mixes, Sinkhorn-normalised comb), as with those variables off.
+  The layers' cross-layer fusion of the FFN's post and pre mixes reads the same variables itself
+  (``is_cross_layer_mhc_fusion_enabled``, ``models/deepseek_common/amd/deepseek_v4_fused_mhc.py:70-101``,
+  asked at layer construction, ``models/glm5_next.py:803-806``; its fused TileLang kernel stops at
+  ``mhc.py:1643``): AROUND it, False on an active process, so each layer runs its post, then its pre.
 """
 from __future__ import annotations
 
@@ -42,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 IS_DEEPSEEK_DSA = "sglang.srt.configs.model_config.is_deepseek_dsa"
 SILU_AND_MUL_CLAMP = "sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp"
+TILELANG_MHC_PRE = "sglang.kernels.ops.layernorm.mhc._use_tilelang_mhc_pre"
+TILELANG_MHC_POST = "sglang.kernels.ops.layernorm.mhc._use_tilelang_mhc_post"
+MHC_CROSS_LAYER_FUSION = ("sglang.srt.models.deepseek_common.amd.deepseek_v4_fused_mhc."
+                          "is_cross_layer_mhc_fusion_enabled")
 #: the classes this bridge serves (``configs/model_config.py:202-203``)
 GLM5_NEXT_ARCHS = ("Glm5NextForConditionalGeneration", "Glm5NextForConditionalGenerationNextN")
 
@@ -151,8 +168,23 @@ def clamped_experts_apply(layer, x, topk_output, moe_runner_config):
     return clamped_swiglu_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, float(limit))
 
 
+def no_tilelang_on_cpu_around(original, *args, **kwargs):
+    """AROUND ``_use_tilelang_mhc_pre()`` / ``_use_tilelang_mhc_post()`` /
+    ``is_cross_layer_mhc_fusion_enabled()``: False on an active
+    process (no CUDA: TileLang cannot run), so SGLang takes its torch paths (module docstring);
+    otherwise SGLang's answer."""
+    from sglang_mamba_ext.plugin.cpu_bridges import active
+
+    if active():
+        return False
+    return original(*args, **kwargs)
+
+
 def register_glm5_next_bridges(registry, hook_type) -> None:
     """Register this module's hooks on SGLang's ``HookRegistry`` (called from
     :func:`.cpu_bridges.register_cpu_bridges`)."""
     registry.register(IS_DEEPSEEK_DSA, is_deepseek_dsa_around, hook_type.AROUND)
     registry.register(SILU_AND_MUL_CLAMP, silu_and_mul_clamp_around, hook_type.AROUND)
+    registry.register(TILELANG_MHC_PRE, no_tilelang_on_cpu_around, hook_type.AROUND)
+    registry.register(TILELANG_MHC_POST, no_tilelang_on_cpu_around, hook_type.AROUND)
+    registry.register(MHC_CROSS_LAYER_FUSION, no_tilelang_on_cpu_around, hook_type.AROUND)

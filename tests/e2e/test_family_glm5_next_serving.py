@@ -2,13 +2,14 @@
 module, ``--arch glm5_next``) served text-only with ``--device cpu --enable-mamba-radix`` and no
 other flag: KDA layers (GLM's low-rank f / g gates, the safe gate) on ``KDAAttnBackend``, DSA
 layers (NoPE MLA with a query LoRA, and an indexer), DeepSeek's MoE with GLM's clamped SwiGLU,
-behind a one-block GLM-OCR tower (``models/hf_tiny_glm5_next.py``).
+hyper-connections (mHC, 4 residual streams), behind a one-block GLM-OCR tower
+(``models/hf_tiny_glm5_next.py``).
 
 SGLang lists the class hybrid-cached itself (``_MAMBA_RADIX_CACHE_ARCHS``,
-``arg_groups/overrides.py:369-398``); the plugin adds its CPU defaults and three CPU bridges
-(``plugin/cpu_bridges_glm5_next.py``): DSA served as dense MLA while every sequence fits
-``index_topk`` (4096 here, the checkpoint's ``max_position_embeddings``), and the clamped SwiGLU of
-the dense MLPs and of the routed experts. No transformers reference for these hand-written
+``arg_groups/overrides.py:369-398``); the plugin adds its CPU defaults and the CPU bridges of
+``plugin/cpu_bridges_glm5_next.py``: DSA served as dense MLA while every sequence fits
+``index_topk`` (4096 here, the checkpoint's ``max_position_embeddings``), the clamped SwiGLU of the
+dense MLPs and of the routed experts, and SGLang's torch paths of the mHC mixes. No transformers reference for these hand-written
 weights: outputs checked against cold runs.
 
 - :class:`TestGlm5NextServing` (opt-in, ``SGLANG_MAMBA_EXT_ALL_FAMILIES=1``): resend of 150 tokens
@@ -31,7 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
                      "layers as dense MLA; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
 class TestGlm5NextServing(FamilyServing, unittest.TestCase):
     """``Glm5NextForConditionalGeneration`` (``--arch glm5_next``): launched with the exact-checkpoint
-    writer on ``KDAAttnBackend`` and the DSA / clamped-SwiGLU bridges; the five family tests, the
+    writer on ``KDAAttnBackend`` and the DSA / clamped-SwiGLU / mHC bridges; the five family tests, the
     bridges' start-up line and one image."""
 
     STOCK = False
