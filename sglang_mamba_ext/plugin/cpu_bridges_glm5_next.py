@@ -35,9 +35,9 @@ gates every hook here: inert unless the CPU defaults turned the bridges on and C
   biases, :func:`clamped_swiglu_experts` runs them with the clamp.
 - **hyper-connections** (AROUND ``kernels/ops/layernorm/mhc.py::_use_tilelang_mhc_pre`` and
   ``::_use_tilelang_mhc_post``): GLM-5-Next's mHC residual streams (``mhc``: each layer's
-  ``hc_pre`` / ``hc_post``, ``models/glm5_next.py:849-944``) dispatch to TileLang kernels unless
+  ``hc_pre`` / ``hc_post``, ``models/glm5_next.py:855-940``) dispatch to TileLang kernels unless
   ``SGLANG_OPT_USE_TILELANG_MHC_PRE`` / ``_POST`` are off (both on by default,
-  ``srt/environ.py:1820-1821``; ``mhc.py:227-232``, ``:1985``, ``:2035``); on CPU the first one
+  ``srt/environ.py:1820-1821``; ``mhc.py:227-232``, ``:1986``, ``:2035``); on CPU the first one
   stops at ``assert residual.dtype == torch.bfloat16`` (``mhc.py:1078``) and would need CUDA past
   it. On an active process both answer False, so SGLang's own torch paths run
   (``_mhc_pre_torch``, ``mhc.py:1900``; ``_mhc_post_torch``, ``:1941``: the same RMS-normed
