@@ -43,7 +43,7 @@ from typing import Dict
 
 import torch
 
-from sglang_mamba_ext.models.hf_tiny_written import _Draw, _swiglu
+from sglang_mamba_ext.models.hf_tiny_written import _deepseek_mlp, _Draw, _swiglu
 
 #: GLM's media tokens (tokenizer attribute -> text), ids 762-767 in this order; the names and
 #: texts of SGLang's GLM-V processor (``multimodal/processors/glm4v.py``, ``Glm4vImageProcessor``)
@@ -169,16 +169,7 @@ def glm5_next_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, tor
             _glm_kda(w, d, f"{p}.self_attn", h, heads, dim, conv_k)
         else:
             _glm_dsa(w, d, f"{p}.self_attn", text)
-        m = f"{p}.mlp"
-        if i < text["first_k_dense_replace"]:
-            _swiglu(w, d, m, h, text["intermediate_size"])
-            continue
-        n_exp, inter = text["n_routed_experts"], text["moe_intermediate_size"]
-        w[f"{m}.gate.weight"] = d.proj(n_exp, h)
-        w[f"{m}.gate.e_score_correction_bias"] = d.normal(n_exp, std=0.1)
-        for e in range(n_exp):
-            _swiglu(w, d, f"{m}.experts.{e}", h, inter)
-        _swiglu(w, d, f"{m}.shared_experts", h, inter * text["n_shared_experts"])
+        _deepseek_mlp(w, d, f"{p}.mlp", h, i, text)
     w[f"{m0}.norm.weight"] = 1.0 + d.normal(h, std=0.1)
     w["lm_head.weight"] = d.proj(vocab, h) * logit_scale
     _glm_vision(w, _Draw(seed + 11), cfg["vision_config"])

@@ -61,6 +61,22 @@ def _swiglu(w: Dict[str, torch.Tensor], d: _Draw, prefix: str, hidden: int, inte
     w[f"{prefix}.down_proj.weight"] = d.proj(hidden, inter)
 
 
+def _deepseek_mlp(w: Dict[str, torch.Tensor], d: _Draw, m: str, hidden: int, layer: int, cfg: Dict) -> None:
+    """DeepSeek's MLP block at ``m`` for layer ``layer``: a dense SwiGLU (``intermediate_size``)
+    below ``first_k_dense_replace``, else ``n_routed_experts`` SwiGLU experts of width
+    ``moe_intermediate_size``, the router (``gate.weight``, ``gate.e_score_correction_bias``) and
+    ``n_shared_experts`` shared experts fused in one SwiGLU (SGLang's ``DeepseekV2MoE`` names)."""
+    if layer < cfg["first_k_dense_replace"]:
+        _swiglu(w, d, m, hidden, cfg["intermediate_size"])
+        return
+    n_exp, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    w[f"{m}.gate.weight"] = d.proj(n_exp, hidden)
+    w[f"{m}.gate.e_score_correction_bias"] = d.normal(n_exp, std=0.1)
+    for e in range(n_exp):
+        _swiglu(w, d, f"{m}.experts.{e}", hidden, inter)
+    _swiglu(w, d, f"{m}.shared_experts", hidden, inter * cfg["n_shared_experts"])
+
+
 def gigachat35_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
     """The float32 state dict of a tiny ``GigaChat35ForCausalLM`` for the config fields ``cfg``
     (``layer_types`` of ``linear_attention`` / ``attention``, MLA sizes with a ``q_lora_rank``,
@@ -102,16 +118,7 @@ def gigachat35_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, to
             w[f"{a}.kv_b_proj.weight"] = d.proj(heads * (nope + vdim), kv_lora)
             w[f"{a}.o_proj.weight"] = d.proj(h, heads * vdim)
             w[f"{a}.gate_proj.weight"] = d.proj(heads * vdim, h)
-        m = f"{p}.mlp"
-        if i < cfg["first_k_dense_replace"]:
-            _swiglu(w, d, m, h, cfg["intermediate_size"])
-        else:
-            n_exp, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-            w[f"{m}.gate.weight"] = d.proj(n_exp, h)
-            w[f"{m}.gate.e_score_correction_bias"] = d.normal(n_exp, std=0.1)
-            for e in range(n_exp):
-                _swiglu(w, d, f"{m}.experts.{e}", h, inter)
-            _swiglu(w, d, f"{m}.shared_experts", h, inter * cfg["n_shared_experts"])
+        _deepseek_mlp(w, d, f"{p}.mlp", h, i, cfg)
     _gated_norm(w, d, "model.norm", h)
     w["lm_head.weight"] = d.proj(vocab, h) * logit_scale
     return w
