@@ -37,9 +37,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ALL_FAMILIES = os.environ.get("SGLANG_MAMBA_EXT_ALL_FAMILIES") == "1"
 
 
+class ServedThisClass:
+    """The checkpoint the server loaded names ``MODEL_CLASS`` alone (its build wrote the family's
+    config), and the server's log says it served that class with the plugin."""
+
+    def test_0d_served_checkpoint_is_this_class(self):
+        with open(os.path.join(self.model, "config.json")) as f:
+            self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
+        self.assertIn(self.MODEL_CLASS, self.server.log_text())
+
+
 @unittest.skipUnless(ALL_FAMILIES, "Nemotron-H Nano VL served end to end (72-106 s here, over the suite's ~45 s per "
                                    "class); SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
-class TestNanoNemotronVLServing(CountsInchunkCheckpoints, DeclaredHybrid, FamilyServing, unittest.TestCase):
+class TestNanoNemotronVLServing(ServedThisClass, CountsInchunkCheckpoints, DeclaredHybrid, FamilyServing,
+                                unittest.TestCase):
     """``NemotronH_Nano_VL_V2`` (``--arch nano_nemotron_vl``): launched (declared hybrid-cached by the
     plugin), resent (149, against the float32 reference), next turn (65), abort and idle checks."""
 
@@ -47,34 +58,21 @@ class TestNanoNemotronVLServing(CountsInchunkCheckpoints, DeclaredHybrid, Family
     test_2_third_prompt_hits_shared_77 = None
     ARCH, BACKEND, MODEL_CLASS = "nano_nemotron_vl", "Mamba2AttnBackend", "NemotronH_Nano_VL_V2"
 
-    def test_0d_served_checkpoint_is_this_class(self):
-        # the checkpoint the server loaded names this class alone (its build wrote the family's
-        # config), and the server's log says it served that class with the plugin
-        with open(os.path.join(self.model, "config.json")) as f:
-            self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
-        self.assertIn(self.MODEL_CLASS, self.server.log_text())
-
 
 @unittest.skipUnless(ALL_FAMILIES, "NemotronH_Nano_Omni_Reasoning_V3 runs the same language model and plugin paths as "
                                    "TestNanoNemotronVLServing; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
-class TestNanoNemotronOmniServing(CountsInchunkCheckpoints, DeclaredHybrid, FamilyServing, unittest.TestCase):
+class TestNanoNemotronOmniServing(ServedThisClass, CountsInchunkCheckpoints, DeclaredHybrid, FamilyServing,
+                                  unittest.TestCase):
     """``NemotronH_Nano_Omni_Reasoning_V3`` (``--arch nano_nemotron_omni``); opt-in."""
 
     STOCK = False
     test_2_third_prompt_hits_shared_77 = None
     ARCH, BACKEND, MODEL_CLASS = "nano_nemotron_omni", "Mamba2AttnBackend", "NemotronH_Nano_Omni_Reasoning_V3"
 
-    def test_0d_served_checkpoint_is_this_class(self):
-        # the checkpoint the server loaded names this class alone (its build wrote the family's
-        # config), and the server's log says it served that class with the plugin
-        with open(os.path.join(self.model, "config.json")) as f:
-            self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
-        self.assertIn(self.MODEL_CLASS, self.server.log_text())
-
 
 @unittest.skipUnless(ALL_FAMILIES, "NemotronH_Omni_Reasoning_V3 runs the same language model and plugin paths as "
                                    "TestNanoNemotronVLServing; SGLANG_MAMBA_EXT_ALL_FAMILIES=1 runs it")
-class TestNanoNemotronOmniV3Serving(CountsInchunkCheckpoints, FamilyServing, unittest.TestCase):
+class TestNanoNemotronOmniV3Serving(ServedThisClass, CountsInchunkCheckpoints, FamilyServing, unittest.TestCase):
     """``NemotronH_Omni_Reasoning_V3`` (``--arch nano_nemotron_omni_v3``), on SGLang's own hybrid
     radix-cache list (``arg_groups/overrides.py:369-398``); opt-in."""
 
@@ -82,16 +80,13 @@ class TestNanoNemotronOmniV3Serving(CountsInchunkCheckpoints, FamilyServing, uni
     test_2_third_prompt_hits_shared_77 = None
     ARCH, BACKEND, MODEL_CLASS = "nano_nemotron_omni_v3", "Mamba2AttnBackend", "NemotronH_Omni_Reasoning_V3"
 
-    def test_0d_served_checkpoint_is_this_class(self):
-        # the checkpoint names this class alone and carries transformers' processor (its image,
-        # video and audio parts), which the server's start-up loaded: the log names the class
-        with open(os.path.join(self.model, "config.json")) as f:
-            self.assertEqual(json.load(f)["architectures"], [self.MODEL_CLASS])
+    def test_0e_checkpoint_carries_transformers_processor(self):
+        # transformers' processor (its image, video and audio parts), which the server's start-up
+        # loaded through AutoProcessor (the server is up: test_0d)
         with open(os.path.join(self.model, "processor_config.json")) as f:
             processor = json.load(f)
         self.assertEqual((processor["processor_class"], processor["feature_extractor"]["feature_extractor_type"]),
                          ("NemotronH_Omni_Reasoning_V3Processor", "ParakeetFeatureExtractor"))
-        self.assertIn(self.MODEL_CLASS, self.server.log_text())
 
 
 if __name__ == "__main__":
