@@ -133,7 +133,7 @@ def silu_and_mul_clamp_around(original, input, output, swiglu_limit, *args, **kw
         return original(input, output, swiglu_limit, *args, **kwargs)
     import torch
 
-    output.copy_(clamped_silu_mul(input, float(swiglu_limit), clamp_dtype=None).to(output.dtype))
+    output.copy_(clamped_silu_mul(input, float(swiglu_limit), clamp_dtype=torch.bfloat16).to(output.dtype))
     return None
 
 
