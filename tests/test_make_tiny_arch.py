@@ -245,14 +245,17 @@ MAX_BYTES["jet_vlm"] = 14 << 20  # the 1152-wide tower: 6.3 M parameters, 13.5 M
 # model.visual.); KDA layers 0 and 2 (0-based) with GLM's low-rank f / g gates and the safe gate, DSA
 # layers 1 and 3 (NoPE MLA with a query LoRA, an indexer) whose index_topk covers every position
 # (served as dense MLA on CPU, plugin/cpu_bridges_glm5_next.py), mHC of 4 streams; GLM's media tokens
-# at ids 762-767
+# at ids 762-767; the same layout in transformers' layer_types / mlp_layer_types (its reference model reads
+# those, not linear_attn_config / first_k_dense_replace)
 EXPECTED["glm5_next"] = ("Glm5NextForConditionalGeneration", "model.language_model.layers.0.self_attn.g_b_proj.weight",
                          (64, 16))
 LINEAR_AND_FULL["glm5_next"] = lambda c: c["text_config"]["linear_attn_config"]["kda_layers"] == [0, 2] and c[
     "text_config"]["linear_attn_config"]["full_attn_layers"] == [1, 3] and c["text_config"]["linear_attn_config"][
     "gate_lower_bound"] == -5.0 and c["text_config"]["index_topk"] == c["text_config"]["max_position_embeddings"] == 4096 \
     and c["text_config"]["qk_rope_head_dim"] == 0 and c["text_config"]["mhc"] and c["text_config"]["hc_mult"] == 4 \
-    and c["vision_config"]["depth"] == 1 and c["image_token_id"] == 762
+    and c["vision_config"]["depth"] == 1 and c["image_token_id"] == 762 \
+    and c["text_config"]["layer_types"] == ["linear_attention", "full_attention"] * 2 \
+    and c["text_config"]["mlp_layer_types"] == ["dense"] * c["text_config"]["first_k_dense_replace"] + ["sparse"] * 3
 VLM_PROCESSOR_FILES["glm5_next"] = ("preprocessor_config.json", "video_preprocessor_config.json")
 WRITTEN = WRITTEN + ("glm5_next",)
 

@@ -56,7 +56,9 @@ MEDIA_IDS = dict(image_token_id=762, video_token_id=763, image_start_token_id=76
 #: the tiny GLM-OCR vision tower (``Glm5NextVisionConfig``: ``GlmOcrVisionConfig`` + ``swiglu_limit``)
 VISION = dict(model_type="glm_ocr_vision", depth=1, hidden_size=32, hidden_act="silu", attention_bias=True,
               num_heads=2, in_channels=3, image_size=28, patch_size=14, rms_norm_eps=1e-5, spatial_merge_size=2,
-              temporal_patch_size=2, out_hidden_size=64, intermediate_size=64, swiglu_limit=10.0)
+              temporal_patch_size=2, out_hidden_size=64, intermediate_size=64, swiglu_limit=10.0,
+              # transformers sizes the merger's SwiGLU by this (default 10240), SGLang by intermediate_size
+              projection_intermediate_size=64)
 
 
 def _glm_kda(w: Dict[str, torch.Tensor], d: _Draw, a: str, hidden: int, heads: int, dim: int, conv_k: int) -> None:
@@ -211,6 +213,10 @@ def glm5_next_family(hidden: int, layers: int) -> Dict[str, Dict]:
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0, v_head_dim=16,
         linear_attn_config=dict(kda_layers=list(range(0, layers, 2)), full_attn_layers=list(range(1, layers, 2)),
                                 num_heads=4, head_dim=16, short_conv_kernel_size=4, gate_lower_bound=-5.0),
+        # the same layout in transformers' fields, which reads neither linear_attn_config nor
+        # first_k_dense_replace (its defaults: KDA wherever idx % 4 != 3, the first 3 layers dense)
+        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        mlp_layer_types=["dense" if i < 1 else "sparse" for i in range(layers)],
         linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4, linear_lower_bound=-5.0,
         # every sequence fits index_topk (max_position_embeddings is 4096, hf_tiny's common fields)
         index_topk=4096, index_head_dim=16, index_n_heads=2,
