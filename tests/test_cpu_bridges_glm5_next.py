@@ -64,6 +64,12 @@ class TestDsaAsDenseMla(unittest.TestCase):
         top = _config()
         top.text_config.max_position_embeddings = 8192
         self.assertFalse(g5.dense_within_topk(top))
+        # k-pools: dense only with the incomplete tail always selected (transformers' default)
+        base = {"architectures": [ARCH], "index_topk": 64, "max_position_embeddings": 64}
+        self.assertTrue(g5.dense_within_topk({**base, "index_kpool": 16}))
+        self.assertTrue(g5.dense_within_topk({**base, "index_kpool": 16, "index_kpool_always_select_tail": True}))
+        self.assertFalse(g5.dense_within_topk({**base, "index_kpool": 16, "index_kpool_always_select_tail": False}))
+        self.assertTrue(g5.dense_within_topk({**base, "index_kpool": 1, "index_kpool_always_select_tail": False}))
 
     def test_hook_answers_false_only_on_an_active_process_for_a_fitting_config(self):
         def original(config):

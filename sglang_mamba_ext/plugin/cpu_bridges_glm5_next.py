@@ -74,7 +74,8 @@ def _field(config, name):
 def dense_within_topk(config) -> bool:
     """Whether ``config`` (a dict or a config object) is a GLM-5-Next config whose every admitted
     sequence fits its ``index_topk`` (``max_position_embeddings <= index_topk``): its DSA layers
-    then compute dense MLA. Reads the text config when the object has one."""
+    then compute dense MLA. Not with k-pools (``index_kpool`` > 1) whose incomplete tail is not
+    always selected. Reads the text config when the object has one."""
     archs = _field(config, "architectures") or ()
     if not archs or archs[0] not in GLM5_NEXT_ARCHS:
         return False
@@ -86,6 +87,13 @@ def dense_within_topk(config) -> bool:
         if _field(text, "max_position_embeddings") is not None:
             positions = _field(text, "max_position_embeddings")
     if topk is None or positions is None:
+        return False
+    # k-pools (transformers' indexer, SGLang's dsa_indexer_kpool.py): only complete pools are
+    # scored, so a query's own incomplete pool is attended only through the always-selected tail
+    # (transformers' default; SGLang's k-pool indexer asserts it)
+    src = text if text is not None and _field(text, "index_kpool") is not None else config
+    kpool, tail = _field(src, "index_kpool"), _field(src, "index_kpool_always_select_tail")
+    if kpool is not None and int(kpool) > 1 and tail is not None and not tail:
         return False
     return int(positions) <= int(topk)
 
