@@ -65,6 +65,8 @@ class FamilyServing(GreedyHits):
     #: compare the resend with transformers' float32 reference (False where transformers has
     #: no class for the family: its weights are written by hand, ``hf_tiny_written``)
     REFERENCE = True
+    #: the resend's log-probabilities against the float32 reference (nats)
+    REF_ATOL = REF_ATOL
     #: a second class of a kind of linear layer whose deep class runs by default: the default
     #: run serves it as a smoke (launch and the resend's exact hit, checked against the float32
     #: reference or, without one, for peaked context-dependent outputs: ``test_0*``,
@@ -155,7 +157,7 @@ class FamilyServing(GreedyHits):
             if ref["gaps"][i] <= GAP:
                 break  # a near-tie may flip in float16; later steps then see another context
             self.assertEqual(tok, ref["tokens"][i], (i, first, ref))
-            self.assertAlmostEqual(lp, ref["logprobs"][i], delta=REF_ATOL)
+            self.assertAlmostEqual(lp, ref["logprobs"][i], delta=self.REF_ATOL)
             checked += 1
         self.assertGreaterEqual(checked, 1, ref)
 
