@@ -61,20 +61,23 @@ def _swiglu(w: Dict[str, torch.Tensor], d: _Draw, prefix: str, hidden: int, inte
     w[f"{prefix}.down_proj.weight"] = d.proj(hidden, inter)
 
 
-def _deepseek_mlp(w: Dict[str, torch.Tensor], d: _Draw, m: str, hidden: int, layer: int, cfg: Dict) -> None:
+def _deepseek_mlp(w: Dict[str, torch.Tensor], d: _Draw, m: str, hidden: int, layer: int, cfg: Dict,
+                  names=("n_routed_experts", "n_shared_experts", "e_score_correction_bias")) -> None:
     """DeepSeek's MLP block at ``m`` for layer ``layer``: a dense SwiGLU (``intermediate_size``)
-    below ``first_k_dense_replace``, else ``n_routed_experts`` SwiGLU experts of width
-    ``moe_intermediate_size``, the router (``gate.weight``, ``gate.e_score_correction_bias``) and
-    ``n_shared_experts`` shared experts fused in one SwiGLU (SGLang's ``DeepseekV2MoE`` names)."""
+    below ``first_k_dense_replace``, else ``cfg[names[0]]`` SwiGLU experts of width
+    ``moe_intermediate_size``, the router (``gate.weight`` and its bias ``gate.<names[2]>``) and
+    ``cfg[names[1]]`` shared experts fused in one SwiGLU. ``names``: DeepSeek's config fields and
+    bias name (SGLang's ``DeepseekV2MoE``); Ling's are ``num_experts``, ``num_shared_experts``,
+    ``expert_bias``."""
     if layer < cfg["first_k_dense_replace"]:
         _swiglu(w, d, m, hidden, cfg["intermediate_size"])
         return
-    n_exp, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    n_exp, inter = cfg[names[0]], cfg["moe_intermediate_size"]
     w[f"{m}.gate.weight"] = d.proj(n_exp, hidden)
-    w[f"{m}.gate.e_score_correction_bias"] = d.normal(n_exp, std=0.1)
+    w[f"{m}.gate.{names[2]}"] = d.normal(n_exp, std=0.1)
     for e in range(n_exp):
         _swiglu(w, d, f"{m}.experts.{e}", hidden, inter)
-    _swiglu(w, d, f"{m}.shared_experts", hidden, inter * cfg["n_shared_experts"])
+    _swiglu(w, d, f"{m}.shared_experts", hidden, inter * cfg[names[1]])
 
 
 def gigachat35_weights(cfg: Dict, seed: int, logit_scale: float) -> Dict[str, torch.Tensor]:
@@ -210,16 +213,7 @@ def bailing_moe_v3_weights(cfg: Dict, seed: int, logit_scale: float, linear=None
                 _kda(w, d, a, h, heads, cfg["head_dim"], cfg["short_conv_kernel_size"])
         else:
             _mla(w, d, a, h, heads, nope, rope, vdim, kv_lora)
-        m = f"{p}.mlp"
-        if i < cfg["first_k_dense_replace"]:
-            _swiglu(w, d, m, h, cfg["intermediate_size"])
-        else:
-            n_exp, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
-            w[f"{m}.gate.weight"] = d.proj(n_exp, h)
-            w[f"{m}.gate.expert_bias"] = d.normal(n_exp, std=0.1)
-            for e in range(n_exp):
-                _swiglu(w, d, f"{m}.experts.{e}", h, inter)
-            _swiglu(w, d, f"{m}.shared_experts", h, inter * cfg["num_shared_experts"])
+        _deepseek_mlp(w, d, f"{p}.mlp", h, i, cfg, names=("num_experts", "num_shared_experts", "expert_bias"))
     w["model.norm.weight"] = 1.0 + d.normal(h, std=0.1)
     w["lm_head.weight"] = d.proj(vocab, h) * logit_scale
     return w
