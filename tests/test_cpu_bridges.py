@@ -373,7 +373,7 @@ class TestRelu2Experts(unittest.TestCase):
             fn(layer, x, (weights, ids, None), cfg)
 
     def test_matches_a_per_token_loop(self):
-        from sglang_mamba_ext.plugin.cpu_bridges import relu2_experts
+        from sglang_mamba_ext.plugin.cpu_bridges_moe import relu2_experts
 
         x, w13, w2, weights, ids = self._case()
         want = torch.zeros(7, 16)

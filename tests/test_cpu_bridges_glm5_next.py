@@ -10,7 +10,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from sglang_mamba_ext.plugin import cpu_bridges, cpu_bridges_glm5_next as g5
+from sglang_mamba_ext.plugin import cpu_bridges, cpu_bridges_glm5_next as g5, cpu_bridges_moe
 
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
 ARCH = "Glm5NextForConditionalGeneration"
@@ -158,11 +158,11 @@ class TestClampedSwiglu(unittest.TestCase):
             return "sglang"
 
         with mock.patch.object(cpu_bridges, "active", return_value=True):
-            self.assertEqual(cpu_bridges.moe_native_around(original, layer, x, topk, cfg(None)), "sglang")
-            got = cpu_bridges.moe_native_around(original, layer, x, topk, cfg(10.0))
+            self.assertEqual(cpu_bridges_moe.moe_native_around(original, layer, x, topk, cfg(None)), "sglang")
+            got = cpu_bridges_moe.moe_native_around(original, layer, x, topk, cfg(10.0))
         self.assertTrue(torch.equal(got, g5.clamped_swiglu_experts(x, layer.w13_weight, layer.w2_weight, *topk[:2], 10.0)))
         with mock.patch.object(cpu_bridges, "active", return_value=False):
-            self.assertEqual(cpu_bridges.moe_native_around(original, layer, x, topk, cfg(10.0)), "sglang")
+            self.assertEqual(cpu_bridges_moe.moe_native_around(original, layer, x, topk, cfg(10.0)), "sglang")
 
 
 class TestHyperConnections(unittest.TestCase):

@@ -74,7 +74,8 @@ with line numbers is in ``docs/sglang-hooks.md``):
   a CUDA kernel on CPU (``rotary_embedding/base.py:468``); the pin is dropped on CPU.
 - **ReLU² experts** (AROUND ``srt/layers/moe/fused_moe_native.py::moe_forward_native``, issue
   40): SGLang's CPU MoE path knows gated ``silu`` / ``gelu`` / ``situ`` experts only
-  (``fused_moe_native.py:97``); Nemotron-H's non-gated ReLU² experts run :func:`relu2_experts`.
+  (``fused_moe_native.py:97``); Nemotron-H's non-gated ReLU² experts run
+  :func:`.cpu_bridges_moe.relu2_experts` (:mod:`.cpu_bridges_moe`).
 """
 
 from __future__ import annotations
@@ -99,7 +100,6 @@ GATED_NORM_SM_COUNT = "sglang.kernels.ops.attention.fla.layernorm_gated._get_sm_
 GATED_NORM_FWD = "sglang.kernels.ops.attention.fla.layernorm_gated._layer_norm_fwd"
 CPU_TP_CONFIG = "sglang.srt.configs.update_config.adjust_config_with_unaligned_cpu_tp"
 NEMOTRON_H_MOE_FORWARD = "sglang.srt.models.nemotron_h.NemotronHMoE.forward"
-MOE_FORWARD_NATIVE = "sglang.srt.layers.moe.fused_moe_native.moe_forward_native"
 DSV3_MLA_INIT = "sglang.srt.models.bailing_moe_linear.DsV3MLA.__init__"
 DEEPSEEK_ROPE_NATIVE = "sglang.srt.layers.rotary_embedding.rope_variant.DeepseekScalingRotaryEmbedding.forward_native"
 GET_ROPE_CPU = "sglang.srt.layers.rotary_embedding.factory.get_rope_cpu"
@@ -471,47 +471,6 @@ def mm_out_dtype_around(original, *args, **kwargs):
         return original(*args, **kwargs)
 
 
-# ---------------------------------------------------------------- non-gated ReLU² experts (gap 8)
-
-def relu2_experts(x, w13, w2, topk_weights, topk_ids):
-    """Non-gated MoE experts with ReLU² (Nemotron-H's): for each routed (token, slot),
-    ``w2[e] @ relu(w13[e] @ x) ** 2`` weighted by the slot's router weight, summed over the
-    slots in float32 and returned in ``x``'s dtype. ``w13``: ``[E, I, H]``, ``w2``: ``[E, H, I]``."""
-    import torch
-    import torch.nn.functional as F
-
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
-    for e in torch.unique(topk_ids).tolist():
-        rows, slots = (topk_ids == e).nonzero(as_tuple=True)
-        h = F.relu(F.linear(x[rows], w13[e])).square()
-        y = F.linear(h, w2[e]).float()
-        out.index_add_(0, rows, y * topk_weights[rows, slots].float().unsqueeze(-1))
-    return out.to(x.dtype)
-
-
-def moe_native_around(original, layer, x, topk_output, moe_runner_config, *args, **kwargs):
-    """AROUND ``layers/moe/fused_moe_native.py::moe_forward_native`` (SGLang's CPU MoE path,
-    ``quantization/unquant.py:1385``): it knows the gated ``silu`` / ``gelu`` / ``situ``
-    activations only (``fused_moe_native.py:97``). Non-gated ``relu2`` experts without biases
-    (Nemotron-H's MoE blocks) run :func:`relu2_experts`; gated ``silu`` experts with a
-    ``swiglu_limit``, which it ignores, :func:`.cpu_bridges_glm5_next.clamped_swiglu_experts`;
-    anything else is SGLang's."""
-    if (active() and moe_runner_config.activation == "relu2" and not moe_runner_config.is_gated
-            and not moe_runner_config.apply_router_weight_on_input and x.device.type == "cpu"
-            and getattr(layer, "w13_weight_bias", None) is None and getattr(layer, "w2_weight_bias", None) is None
-            and not args and not kwargs):
-        topk_weights, topk_ids, _ = topk_output
-        return relu2_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
-    if active() and x.device.type == "cpu" and not args and not kwargs:
-        # experts with a swiglu_limit (GLM-5-Next's), which SGLang's CPU path ignores (cpu_bridges_glm5_next.py)
-        from sglang_mamba_ext.plugin.cpu_bridges_glm5_next import clamped_experts_apply
-
-        out = clamped_experts_apply(layer, x, topk_output, moe_runner_config)
-        if out is not None:
-            return out
-    return original(layer, x, topk_output, moe_runner_config, *args, **kwargs)
-
-
 # ---------------------------------------------------------------- MLA under torch_native (gap 5)
 
 MLA_HANDLERS = "sglang.srt.models.deepseek_common.attention_backend_handler"
@@ -578,7 +537,9 @@ def register_cpu_bridges() -> None:
     HookRegistry.register(GATED_NORM_FWD, device_module_around, HookType.AROUND)
     HookRegistry.register(CPU_TP_CONFIG, cpu_tp_config_around, HookType.AROUND)
     HookRegistry.register(NEMOTRON_H_MOE_FORWARD, mm_out_dtype_around, HookType.AROUND)
-    HookRegistry.register(MOE_FORWARD_NATIVE, moe_native_around, HookType.AROUND)
+    from sglang_mamba_ext.plugin import cpu_bridges_moe
+
+    HookRegistry.register(cpu_bridges_moe.MOE_FORWARD_NATIVE, cpu_bridges_moe.moe_native_around, HookType.AROUND)
     HookRegistry.register(DEEPSEEK_ROPE_NATIVE, deepseek_rope_flat_around, HookType.AROUND)
     HookRegistry.register(GET_ROPE_CPU, rope_cpu_around, HookType.AROUND)
     HookRegistry.register(DSV3_MLA_INIT, dsv3_mla_init_around, HookType.AROUND)

@@ -27,7 +27,7 @@ gates every hook here: inert unless the CPU defaults turned the bridges on and C
   (:func:`clamped_silu_mul`): the kernel's clamp in bfloat16 (``gate <= limit``,
   ``-limit <= up <= limit``; ``jit/csrc/deepseek_v4/silu_and_mul_masked_post_quant.cuh:40-62``),
   ``silu(gate) * up`` in float32, written into the caller's output in its dtype.
-- **clamped SwiGLU, routed experts** (through :func:`.cpu_bridges.moe_native_around`): SGLang's
+- **clamped SwiGLU, routed experts** (through :func:`.cpu_bridges_moe.moe_native_around`): SGLang's
   CPU MoE path (``layers/moe/fused_moe_native.py::moe_forward_native``, from
   ``quantization/unquant.py:1385``) ignores ``moe_runner_config.swiglu_limit`` (its GPU runners
   clamp: ``moe_runner/triton.py:173``, ``moe_runner/deep_gemm.py:1694``, gate ``<= limit``, up
@@ -146,24 +146,16 @@ def silu_and_mul_clamp_around(original, input, output, swiglu_limit, *args, **kw
 
 
 def clamped_swiglu_experts(x, w13, w2, topk_weights, topk_ids, limit: float):
-    """Gated SiLU experts with the clamp (module docstring): for each routed (token, slot),
-    ``w2[e] @ clamped_silu_mul(w13[e] @ x)`` (the product cast back to ``x``'s dtype, as SGLang's
-    activation returns it) weighted by the slot's router weight, summed over the slots in float32
-    and returned in ``x``'s dtype. ``w13``: ``[E, 2I, H]`` (gate rows first), ``w2``: ``[E, H, I]``."""
-    import torch
-    import torch.nn.functional as F
+    """Gated SiLU experts with the clamp (module docstring): :func:`.cpu_bridges_moe.routed_experts`
+    with :func:`clamped_silu_mul` (its product cast back to ``x``'s dtype, as SGLang's activation
+    returns it). ``w13``: ``[E, 2I, H]`` (gate rows first), ``w2``: ``[E, H, I]``."""
+    from sglang_mamba_ext.plugin.cpu_bridges_moe import routed_experts
 
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
-    for e in torch.unique(topk_ids).tolist():
-        rows, slots = (topk_ids == e).nonzero(as_tuple=True)
-        h = clamped_silu_mul(F.linear(x[rows], w13[e]), limit).to(x.dtype)
-        y = F.linear(h, w2[e]).float()
-        out.index_add_(0, rows, y * topk_weights[rows, slots].float().unsqueeze(-1))
-    return out.to(x.dtype)
+    return routed_experts(x, w13, w2, topk_weights, topk_ids, lambda gu: clamped_silu_mul(gu, limit).to(x.dtype))
 
 
 def clamped_experts_apply(layer, x, topk_output, moe_runner_config):
-    """For :func:`.cpu_bridges.moe_native_around` (active, CPU tensor): the clamped experts'
+    """For :func:`.cpu_bridges_moe.moe_native_around` (active, CPU tensor): the clamped experts'
     output when ``moe_runner_config`` asks a ``swiglu_limit`` of gated ``silu`` experts without
     biases or an ``alpha`` (GPT-OSS's variant, which SGLang's CPU path handles itself); else None."""
     limit = getattr(moe_runner_config, "swiglu_limit", None)
