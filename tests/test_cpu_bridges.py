@@ -485,12 +485,12 @@ class TestRegistration(unittest.TestCase):
     def test_hooks_registered(self):
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from sglang_mamba_ext.plugin import cpu_bridges
+        from sglang_mamba_ext.plugin import cpu_bridges, cpu_bridges_moe
 
         cpu_bridges.register_cpu_bridges()
         for target in (cpu_bridges.MODEL_RUNNER_INIT, cpu_bridges.MAMBA_MIXER_FORWARD,
                        cpu_bridges.QWEN3_NEXT_GDN_INIT, cpu_bridges.ROPE_INIT, cpu_bridges.CPU_TP_CONFIG,
-                       cpu_bridges.NEMOTRON_H_MOE_FORWARD, cpu_bridges.MOE_FORWARD_NATIVE,
+                       cpu_bridges.NEMOTRON_H_MOE_FORWARD, cpu_bridges_moe.MOE_FORWARD_NATIVE,
                        cpu_bridges.DEEPSEEK_ROPE_NATIVE, cpu_bridges.DSV3_MLA_INIT, cpu_bridges.GET_ROPE_CPU):
             self.assertTrue(HookRegistry._hooks.get(target), target)
 
